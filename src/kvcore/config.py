@@ -1,0 +1,188 @@
+"""Frozen, validated configuration records: the model's (from config.json) and the engine's."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+KV_CACHE_DTYPES = ("auto", "fp32", "fp16", "bf16", "fp8")
+
+
+class ConfigError(ValueError):
+    """A config.json that kvcore cannot serve: unsupported, missing or invalid field."""
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    rope_type: str  # "linear" or "llama3"
+    factor: float
+    # llama3 only: the wavelength band that is interpolated smoothly
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    architecture: str  # "llama", "mistral" or "qwen2"
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
+    sliding_window: int | None = None
+    rope_scaling: RopeScaling | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str = "float32"  # the checkpoint's dtype, as config.json names it
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                     "intermediate_size", "vocab_size", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                              f"num_key_value_heads ({self.num_kv_heads})")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ConfigError(f"sliding_window must be positive, got {self.sliding_window}")
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        model_type = cfg.get("model_type")
+        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None and model_type in ("llama", "mistral", "qwen2"):
+            arch = model_type
+        if arch is None:
+            raise ConfigError(
+                f"unsupported architecture {archs or model_type!r}; kvcore serves "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+
+        def need(key: str) -> Any:
+            if key not in cfg or cfg[key] is None:
+                raise ConfigError(f"config.json is missing the field {key!r}")
+            return cfg[key]
+
+        hidden = need("hidden_size")
+        heads = need("num_attention_heads")
+        head_dim = cfg.get("head_dim") or (hidden // heads if heads else 0)
+        window = cfg.get("sliding_window")
+        if arch == "qwen2" and not cfg.get("use_sliding_window", False):
+            window = None  # Qwen2 configs carry a window they do not use
+        gen = generation or {}
+        eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            architecture=arch,
+            num_layers=need("num_hidden_layers"),
+            hidden_size=hidden,
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            intermediate_size=need("intermediate_size"),
+            vocab_size=need("vocab_size"),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            max_position_embeddings=need("max_position_embeddings"),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+            sliding_window=window,
+            rope_scaling=_rope_scaling(cfg.get("rope_scaling")),
+            bos_token_id=gen.get("bos_token_id", cfg.get("bos_token_id")),
+            eos_token_ids=eos_ids,
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir)
+        try:
+            cfg = json.loads((path / "config.json").read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"cannot read {path / 'config.json'}: {e}") from e
+        gen_path = path / "generation_config.json"
+        generation = json.loads(gen_path.read_text()) if gen_path.exists() else None
+        return cls.from_dict(cfg, generation)
+
+
+def _rope_scaling(raw: dict[str, Any] | None) -> RopeScaling | None:
+    if not raw:
+        return None
+    kind = raw.get("rope_type") or raw.get("type")
+    if kind in (None, "default"):
+        return None
+    if kind not in ("linear", "llama3"):
+        raise ConfigError(f"unsupported rope_scaling type {kind!r} (kvcore: linear, llama3)")
+    return RopeScaling(
+        rope_type=kind,
+        factor=float(raw["factor"]),
+        low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(raw.get("original_max_position_embeddings", 8192)),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # None: size the pool from kv_cache_memory
+    kv_cache_memory: int | None = None  # bytes for K/V of all layers; None: a device default
+    cache_dtype: str = "auto"  # "auto" = the model's compute dtype; or fp32/fp16/bf16/fp8
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0, got {self.kv_cache_memory}")
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.cache_dtype!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    max_num_seqs: int = 256  # running sequences at most
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_waiting: int | None = None  # None: unbounded waiting queue
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_waiting is not None and self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str  # an HF-style directory
+    device: str = "auto"  # "auto", "cpu" or "cuda"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
