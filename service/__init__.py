@@ -1,0 +1,1 @@
+"""The OpenAI-compatible aiohttp application, installed as kvcore.service."""
