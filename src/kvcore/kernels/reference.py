@@ -1,0 +1,252 @@
+"""NumPy reference kernels: the CPU path of the forward pass and the oracle for the CUDA kernels."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from kvcore.config import RopeScaling
+from kvcore.device import array_module
+
+FP8_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)
+FP8_MAX = 448.0  # largest finite e4m3fn value; casts saturate here (as CUDA's __NV_SATFINITE)
+# query rows per attention tile of a prefill chunk: bounds the (H, rows, context) score matrix
+_QUERY_TILE = 512
+
+
+def _store(x: np.ndarray, dtype: np.dtype, scale: float) -> np.ndarray:
+    """Convert activations to the cache's storage dtype: stored value = x / scale."""
+    if dtype == FP8_DTYPE:
+        return np.clip(x.astype(np.float32) / np.float32(scale), -FP8_MAX, FP8_MAX).astype(dtype)
+    if scale != 1.0:
+        x = x / np.float32(scale)
+    return x.astype(dtype, copy=False)
+
+
+def _load(x: np.ndarray, scale: float) -> np.ndarray:
+    """Read cache entries back as float32: read value = stored * scale."""
+    out = x.astype(np.float32, copy=False)
+    return out * np.float32(scale) if scale != 1.0 else out
+
+
+def reshape_and_cache(key: np.ndarray, value: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                      slot_mapping: np.ndarray, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Write this step's K/V rows into their cache slots (slot = block_id * block_size + offset).
+
+    key/value (T, Hkv, D); caches (num_blocks, block_size, Hkv, D); slot_mapping (T,), -1 = skip.
+    """
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if value.shape != key.shape:
+        raise ValueError(f"value shape {value.shape} differs from key shape {key.shape}")
+    if k_cache.shape != v_cache.shape or k_cache.shape[2:] != (num_kv_heads, head_dim):
+        raise ValueError(f"cache shapes {k_cache.shape}, {v_cache.shape} do not hold "
+                         f"({num_kv_heads}, {head_dim}) heads")
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping shape {slot_mapping.shape} != ({num_tokens},)")
+    block_size = k_cache.shape[1]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    if slots.size and int(slots.max()) >= k_cache.shape[0] * block_size:
+        raise ValueError(f"slot {int(slots.max())} is outside a cache of "
+                         f"{k_cache.shape[0]} blocks x {block_size}")
+    block_ids, offsets = slots // block_size, slots % block_size
+    k_cache[block_ids, offsets] = _store(key[valid], k_cache.dtype, k_scale)
+    v_cache[block_ids, offsets] = _store(value[valid], v_cache.dtype, v_scale)
+
+
+def _first_key(context_len: int, q_len: int, sliding_window: int | None) -> int:
+    """The earliest key position any query of this chunk may attend to."""
+    if sliding_window is None:
+        return 0
+    return max(0, context_len - q_len - sliding_window + 1)
+
+
+def _gather(cache: np.ndarray, block_table: np.ndarray, start: int, end: int,
+            scale: float) -> np.ndarray:
+    """Keys (or values) at positions [start, end) of one sequence: (end - start, Hkv, D) float32."""
+    block_size = cache.shape[1]
+    first_block, last_block = start // block_size, -(-end // block_size)
+    rows = cache[block_table[first_block:last_block]]  # (nb, block_size, Hkv, D)
+    rows = rows.reshape(-1, *cache.shape[2:])
+    lo = start - first_block * block_size
+    return _load(rows[lo:lo + end - start], scale)
+
+
+def _check_attention_args(query: np.ndarray, k_cache: np.ndarray, block_tables: np.ndarray,
+                          context_lens: np.ndarray, query_start_loc: np.ndarray) -> None:
+    num_seqs = context_lens.shape[0]
+    if query.ndim != 3 or k_cache.ndim != 4 or query.shape[2] != k_cache.shape[3]:
+        raise ValueError(f"query {query.shape} and cache {k_cache.shape} shapes do not match")
+    if query.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"query heads ({query.shape[1]}) must be a multiple of KV heads "
+                         f"({k_cache.shape[2]})")
+    if query_start_loc.shape != (num_seqs + 1,) or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"query_start_loc {query_start_loc.shape} / block_tables "
+                         f"{block_tables.shape} do not match {num_seqs} sequences")
+    if int(query_start_loc[-1]) != query.shape[0]:
+        raise ValueError(f"query_start_loc ends at {int(query_start_loc[-1])}, "
+                         f"query has {query.shape[0]} rows")
+    q_lens = np.diff(query_start_loc)
+    if np.any(q_lens > context_lens):
+        raise ValueError("a sequence has more query tokens than its context_lens")
+    if np.any(-(-context_lens.astype(np.int64) // k_cache.shape[1]) > block_tables.shape[1]):
+        raise ValueError("context_lens exceed the blocks that block_tables can hold")
+
+
+def paged_attention(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                    block_tables: np.ndarray, context_lens: np.ndarray,
+                    query_start_loc: np.ndarray, scale: float, sliding_window: int | None = None,
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> np.ndarray:
+    """Causal attention of a mixed batch (prefill chunks and decode tokens) over the paged cache.
+
+    Query i of sequence s (q_len = qsl[s+1] - qsl[s]) sits at position context_lens[s] - q_len + i
+    and attends the keys at positions p' <= p (and p' > p - sliding_window). Returns (T, H, D).
+    """
+    _check_attention_args(query, k_cache, block_tables, context_lens, query_start_loc)
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = np.empty((num_tokens, num_heads, head_dim), dtype=np.float32)  # (T, H, D)
+    q_lens = np.diff(query_start_loc).astype(np.int64)
+    decode = np.flatnonzero(q_lens == 1)
+    if decode.size:
+        rows = query_start_loc[decode].astype(np.int64)
+        out[rows] = _decode_attention(query[rows], k_cache, v_cache, block_tables[decode],
+                                      context_lens[decode].astype(np.int64), scale,
+                                      sliding_window, k_scale, v_scale)
+    for s in np.flatnonzero(q_lens > 1):
+        q_start, q_len, ctx = int(query_start_loc[s]), int(q_lens[s]), int(context_lens[s])
+        k_start = _first_key(ctx, q_len, sliding_window)
+        keys = _gather(k_cache, block_tables[s], k_start, ctx, k_scale)  # (N, Hkv, D)
+        values = _gather(v_cache, block_tables[s], k_start, ctx, v_scale)
+        keys_t = keys.transpose(1, 2, 0)[:, None]  # (Hkv, 1, D, N)
+        values_t = values.transpose(1, 0, 2)[:, None]  # (Hkv, 1, N, D)
+        key_pos = np.arange(k_start, ctx)
+        for t0 in range(0, q_len, _QUERY_TILE):
+            t1 = min(q_len, t0 + _QUERY_TILE)
+            q = query[q_start + t0:q_start + t1].astype(np.float32, copy=False)
+            q = q.reshape(t1 - t0, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)
+            scores = (q @ keys_t) * np.float32(scale)  # (Hkv, G, rows, N)
+            q_pos = np.arange(ctx - q_len + t0, ctx - q_len + t1)[:, None]
+            allowed = key_pos[None, :] <= q_pos
+            if sliding_window is not None:
+                allowed &= key_pos[None, :] > q_pos - sliding_window
+            o = _softmax_weighted(scores, allowed, values_t)  # (Hkv, G, rows, D)
+            out[q_start + t0:q_start + t1] = o.transpose(2, 0, 1, 3).reshape(t1 - t0, num_heads,
+                                                                             head_dim)
+    return out.astype(query.dtype, copy=False)
+
+
+def _softmax_weighted(scores: np.ndarray, allowed: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """softmax(scores masked by `allowed`) @ values; every query row allows at least one key."""
+    scores = np.where(allowed, scores, -np.inf)
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    return scores @ values
+
+
+def _decode_attention(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                      block_tables: np.ndarray, context_lens: np.ndarray, scale: float,
+                      sliding_window: int | None, k_scale: float, v_scale: float) -> np.ndarray:
+    """One query token per sequence, all sequences at once: (S, H, D) -> (S, H, D).
+
+    Vectorized over sequences, since a per-sequence loop dominates a large decode batch: the
+    context blocks of every sequence are gathered into one padded (S, N, Hkv, D) tensor.
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    first_block = np.zeros(num_seqs, dtype=np.int64)
+    if sliding_window is not None:
+        first_block = np.maximum(context_lens - sliding_window, 0) // block_size
+    num_blocks = -(-context_lens // block_size) - first_block
+    width = int(num_blocks.max())
+    block_idx = first_block[:, None] + np.arange(width)[None, :]  # (S, nb)
+    in_table = block_idx < (first_block + num_blocks)[:, None]
+    # padding entries (-1, or beyond the table) read block 0 and are masked out below
+    table = np.take_along_axis(block_tables, np.minimum(block_idx, block_tables.shape[1] - 1),
+                               axis=1)
+    table = np.where(in_table, table, 0)
+    table = np.maximum(table, 0)
+    keys = _load(k_cache[table], k_scale)  # (S, nb, block_size, Hkv, D)
+    values = _load(v_cache[table], v_scale)
+    num_keys = width * block_size
+    keys = keys.reshape(num_seqs, num_keys, num_kv_heads, head_dim).transpose(0, 2, 3, 1)
+    values = values.reshape(num_seqs, num_keys, num_kv_heads, head_dim).transpose(0, 2, 1, 3)
+    q = query.astype(np.float32, copy=False).reshape(num_seqs, num_kv_heads, group, head_dim)
+    scores = (q @ keys) * np.float32(scale)  # (S, Hkv, G, N)
+    key_pos = (first_block * block_size)[:, None] + np.arange(num_keys)[None, :]
+    q_pos = (context_lens - 1)[:, None]
+    allowed = key_pos <= q_pos  # (S, N)
+    if sliding_window is not None:
+        allowed &= key_pos > q_pos - sliding_window
+    o = _softmax_weighted(scores, allowed[:, None, None, :], values)  # (S, Hkv, G, D)
+    return o.reshape(num_seqs, num_heads, head_dim)
+
+
+def copy_blocks(k_caches: list[np.ndarray], v_caches: list[np.ndarray],
+                block_mapping: np.ndarray) -> None:
+    """Copy whole blocks src -> dst in every layer; block_mapping (M, 2) int64."""
+    if block_mapping.size == 0:
+        return
+    if block_mapping.ndim != 2 or block_mapping.shape[1] != 2:
+        raise ValueError(f"block_mapping must be (M, 2), got {block_mapping.shape}")
+    src, dst = block_mapping[:, 0], block_mapping[:, 1]
+    for cache in (*k_caches, *v_caches):
+        if int(block_mapping.max()) >= cache.shape[0] or int(block_mapping.min()) < 0:
+            raise ValueError(f"block_mapping holds a block id outside [0, {cache.shape[0]})")
+        cache[dst] = cache[src]
+
+
+def rms_norm(x: Any, weight: Any, eps: float) -> Any:
+    """x / rms(x) * weight over the last axis, in float32 (NumPy or CuPy)."""
+    xp = array_module(x)
+    variance = xp.mean(xp.square(x), axis=-1, keepdims=True)
+    return (x * (1.0 / xp.sqrt(variance + np.float32(eps)))).astype(np.float32) * weight
+
+
+def silu_and_mul(x: Any) -> Any:
+    """x (T, 2I) = [gate | up] -> silu(gate) * up (T, I)."""
+    xp = array_module(x)
+    half = x.shape[-1] // 2
+    gate, up = x[..., :half], x[..., half:]
+    return gate / (1.0 + xp.exp(-gate)) * up
+
+
+def rope_inv_freq(head_dim: int, rope_theta: float,
+                  rope_scaling: RopeScaling | None = None) -> np.ndarray:
+    """Inverse frequencies (D/2,) float64, with linear or llama3 scaling as transformers does."""
+    inv_freq = 1.0 / rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if rope_scaling is None:
+        return inv_freq
+    factor = rope_scaling.factor
+    if rope_scaling.rope_type == "linear":
+        return inv_freq / factor
+    old_len = rope_scaling.original_max_position_embeddings
+    low, high = rope_scaling.low_freq_factor, rope_scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return np.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(inv_freq: np.ndarray, num_positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin tables (num_positions, D/2) float32 for positions 0 .. num_positions - 1."""
+    angles = np.arange(num_positions, dtype=np.float64)[:, None] * inv_freq[None, :]
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def rope(x: Any, positions: Any, cos: Any, sin: Any) -> Any:
+    """Rotate-half (HF layout) rotary embedding: x (T, H, D), positions (T,) -> (T, H, D)."""
+    xp = array_module(x)
+    half = x.shape[-1] // 2
+    c = cos[positions][:, None, :]  # (T, 1, D/2)
+    s = sin[positions][:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return xp.concatenate((x1 * c - x2 * s, x2 * c + x1 * s), axis=-1)
