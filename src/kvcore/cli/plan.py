@@ -1,0 +1,177 @@
+"""Plan a KV cache budget: bytes per token and sequence, blocks and concurrent sequences in a memory budget."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kvcore.cli import CLIError
+from kvcore.config import ModelConfig
+from kvcore.planner import DTYPE_BYTES, KVPlan, canonical_dtype, format_size, parse_size, plan
+
+DEFAULT_CONTEXT = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """The fields of a model config the planner needs."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    sliding_window: int | None
+    max_position_embeddings: int | None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", metavar="DIR",
+                        help="model directory with config.json (or the config.json file itself)")
+    parser.add_argument("--layers", type=int, metavar="N", help="number of layers (without --model)")
+    parser.add_argument("--kv-heads", type=int, metavar="N", help="KV heads (without --model)")
+    parser.add_argument("--head-dim", type=int, metavar="N", help="head dimension (without --model)")
+    # validated by the planner, not argparse choices, so a bad dtype is one line like other errors
+    parser.add_argument("--dtype", default="fp16", metavar="{" + ",".join(DTYPE_BYTES) + "}",
+                        help="KV cache element type (default fp16)")
+    parser.add_argument("--context", type=int, metavar="TOKENS",
+                        help=f"tokens per sequence (default: the model's max_position_embeddings "
+                             f"with --model, else {DEFAULT_CONTEXT})")
+    parser.add_argument("--memory", metavar="SIZE",
+                        help="KV cache budget, e.g. 64GiB, 24GB, 512MiB or plain bytes")
+    parser.add_argument("--block-size", type=int, default=16, metavar="TOKENS",
+                        help="tokens per KV block (default 16)")
+    parser.add_argument("--sliding-window", type=int, metavar="W",
+                        help="attention window in tokens (overrides the model's)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    shape = _shape_from_args(args)
+    context = args.context
+    if context is None:
+        context = shape.max_position_embeddings or DEFAULT_CONTEXT
+    window = args.sliding_window if args.sliding_window is not None else shape.sliding_window
+    try:
+        dtype = canonical_dtype(args.dtype)
+        memory = parse_size(args.memory) if args.memory is not None else None
+        result = plan(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype, context,
+                      memory=memory, block_size=args.block_size, sliding_window=window)
+    except ValueError as e:
+        raise CLIError(_flag_names(str(e))) from e
+    inputs: dict[str, Any] = {
+        "model": args.model,
+        "num_layers": shape.num_layers,
+        "num_kv_heads": shape.num_kv_heads,
+        "head_dim": shape.head_dim,
+        "dtype": dtype,
+        "context": context,
+        "memory": memory,
+        "block_size": args.block_size,
+        "sliding_window": window,
+    }
+    if args.json:
+        print(json.dumps({**inputs, **asdict(result)}))
+    else:
+        print(_human(inputs, result))
+    return 0
+
+
+def _shape_from_args(args: argparse.Namespace) -> ModelShape:
+    explicit = {"--layers": args.layers, "--kv-heads": args.kv_heads, "--head-dim": args.head_dim}
+    given = [flag for flag, value in explicit.items() if value is not None]
+    if args.model is not None:
+        if given:
+            raise CLIError(f"give --model or --layers/--kv-heads/--head-dim, not both "
+                           f"(got --model and {', '.join(given)})")
+        return read_model_shape(Path(args.model))
+    missing = [flag for flag, value in explicit.items() if value is None]
+    if missing:
+        raise CLIError(f"give --model DIR, or all of --layers, --kv-heads and --head-dim "
+                       f"(missing {', '.join(missing)})")
+    return ModelShape(args.layers, args.kv_heads, args.head_dim, None, None)
+
+
+def read_model_shape(path: Path) -> ModelShape:
+    """The planner's fields from a model directory or a config.json file.
+
+    ModelConfig reads it when kvcore can serve the model; any other config.json that carries the
+    KV fields (another architecture, a trimmed sample) still plans.
+    """
+    config_path = path / "config.json" if path.is_dir() else path
+    try:
+        raw = json.loads(config_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CLIError(f"cannot read model config {config_path}: {e}") from e
+    if not isinstance(raw, dict):
+        raise CLIError(f"model config {config_path} is not a JSON object")
+    try:
+        mc = ModelConfig.from_dir(path) if path.is_dir() else ModelConfig.from_dict(raw)
+    except ValueError:  # ConfigError (unsupported architecture, missing MLP fields) or bad JSON
+        return _shape_from_fields(raw, config_path)
+    return ModelShape(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.sliding_window,
+                      mc.max_position_embeddings)
+
+
+def _shape_from_fields(raw: dict[str, Any], config_path: Path) -> ModelShape:
+    def need(key: str) -> Any:
+        if raw.get(key) is None:
+            raise CLIError(f"model config {config_path} is missing the field {key!r}")
+        return raw[key]
+
+    layers = need("num_hidden_layers")
+    kv_heads = raw.get("num_key_value_heads") or need("num_attention_heads")
+    head_dim = raw.get("head_dim")
+    if head_dim is None:
+        heads, hidden = need("num_attention_heads"), need("hidden_size")
+        if not isinstance(heads, int) or not isinstance(hidden, int) or heads <= 0:
+            raise CLIError(f"model config {config_path}: cannot derive head_dim from hidden_size "
+                           f"{hidden!r} and num_attention_heads {heads!r}")
+        head_dim = hidden // heads
+    window = raw.get("sliding_window")
+    if raw.get("use_sliding_window") is False:
+        window = None  # e.g. Qwen2 configs carry a window they do not use
+    return ModelShape(layers, kv_heads, head_dim, window, raw.get("max_position_embeddings"))
+
+
+def _flag_names(message: str) -> str:
+    """Planner errors name parameters; the user typed flags."""
+    for param, flag in (("num_layers", "--layers"), ("num_kv_heads", "--kv-heads"),
+                        ("head_dim", "--head-dim"), ("block_size", "--block-size"),
+                        ("sliding_window", "--sliding-window"), ("context", "--context"),
+                        ("memory", "--memory"), ("dtype", "--dtype")):
+        if message.startswith(param + " "):
+            return flag + message[len(param):]
+    if message.startswith("invalid size"):
+        return "--memory: " + message
+    return message
+
+
+def _human(inputs: dict[str, Any], result: KVPlan) -> str:
+    dtype = inputs["dtype"]
+    window = inputs["sliding_window"]
+    lines = []
+    if inputs["model"] is not None:
+        lines.append(f"model:            {inputs['model']}")
+    lines += [
+        f"shape:            {inputs['num_layers']} layers x {inputs['num_kv_heads']} KV heads x "
+        f"head_dim {inputs['head_dim']}, {dtype} ({DTYPE_BYTES[dtype]} bytes per element)",
+        f"per token:        {format_size(result.bytes_per_token)} ({result.bytes_per_token:,} bytes)",
+        f"per block:        {format_size(result.bytes_per_block)} ({inputs['block_size']} tokens)",
+    ]
+    held = f"{result.tokens_per_sequence:,} tokens held"
+    if window is not None:
+        held += f", sliding window {window:,}"
+    lines.append(f"per sequence:     {format_size(result.bytes_per_sequence)} at "
+                 f"{inputs['context']:,} tokens of context ({held}, "
+                 f"{result.blocks_per_sequence:,} blocks)")
+    if result.num_blocks is not None:
+        memory = inputs["memory"]
+        lines += [
+            f"memory:           {format_size(memory)} ({memory:,} bytes)",
+            f"blocks:           {result.num_blocks:,}",
+            f"max concurrent:   {result.max_concurrent_sequences:,} sequences of "
+            f"{inputs['context']:,} tokens",
+        ]
+    return "\n".join(lines)

@@ -1,0 +1,148 @@
+"""KV cache sizing: bytes per token = 2 x layers x kv_heads x head_dim x bytes per element, and what follows."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from kvcore.config import ModelConfig
+
+DTYPE_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
+# names other layers meet (config.json's torch_dtype, NumPy/ml_dtypes) -> the planner's dtype names
+DTYPE_ALIASES: dict[str, str] = {
+    "float32": "fp32",
+    "float16": "fp16",
+    "half": "fp16",
+    "bfloat16": "bf16",
+    "float8_e4m3fn": "fp8",
+    "e4m3": "fp8",
+}
+
+_DECIMAL_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_BINARY_UNITS = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE_UNITS = {**_DECIMAL_UNITS, **_BINARY_UNITS}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+
+
+@dataclass(frozen=True, slots=True)
+class KVPlan:
+    bytes_per_token: int  # K and V of every layer for one token
+    bytes_per_block: int  # one block of block_size tokens, all layers
+    tokens_per_sequence: int  # KV slots one sequence holds at most (the window caps it)
+    blocks_per_sequence: int
+    bytes_per_sequence: int  # blocks_per_sequence whole blocks: what the pool really gives it
+    num_blocks: int | None  # blocks that fit the memory budget; None without a budget
+    max_concurrent_sequences: int | None  # sequences of tokens_per_sequence the budget holds
+
+
+def canonical_dtype(dtype: str) -> str:
+    """The planner's name for a KV dtype (fp32/fp16/bf16/fp8); aliases like "float16" accepted."""
+    name = DTYPE_ALIASES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
+    return name
+
+
+def _positive(name: str, value: object) -> int:
+    # bool is an int subclass; True layers is a bug, not a size
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: str) -> int:
+    """K and V (the 2) for every layer and KV head of one token."""
+    _positive("num_layers", num_layers)
+    _positive("num_kv_heads", num_kv_heads)
+    _positive("head_dim", head_dim)
+    return 2 * num_layers * num_kv_heads * head_dim * DTYPE_BYTES[canonical_dtype(dtype)]
+
+
+def num_blocks_for_memory(memory_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                          dtype: str, block_size: int) -> int:
+    """Whole blocks of block_size tokens that fit memory_bytes (0 when not even one fits)."""
+    _positive("memory", memory_bytes)
+    _positive("block_size", block_size)
+    per_block = bytes_per_token(num_layers, num_kv_heads, head_dim, dtype) * block_size
+    return memory_bytes // per_block
+
+
+def tokens_held(context: int, block_size: int, sliding_window: int | None) -> int:
+    """KV slots a sequence of `context` tokens holds at its peak.
+
+    With a sliding window only blocks wholly outside it are released, so the window, rounded up to
+    whole blocks, plus one block for a window that straddles a block boundary stays allocated.
+    """
+    _positive("context", context)
+    _positive("block_size", block_size)
+    if sliding_window is None:
+        return context
+    _positive("sliding_window", sliding_window)
+    window_blocks = -(-sliding_window // block_size) + 1
+    return min(context, window_blocks * block_size)
+
+
+def plan(num_layers: int, num_kv_heads: int, head_dim: int, dtype: str, context: int,
+         memory: int | None = None, block_size: int = 16,
+         sliding_window: int | None = None) -> KVPlan:
+    """The KV budget of a model shape: per token, per sequence of `context`, and what `memory` holds."""
+    per_token = bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
+    tokens = tokens_held(context, block_size, sliding_window)
+    blocks_per_seq = -(-tokens // block_size)
+    per_block = per_token * block_size
+    num_blocks = max_seqs = None
+    if memory is not None:
+        num_blocks = num_blocks_for_memory(memory, num_layers, num_kv_heads, head_dim, dtype,
+                                           block_size)
+        max_seqs = num_blocks // blocks_per_seq
+    return KVPlan(
+        bytes_per_token=per_token,
+        bytes_per_block=per_block,
+        tokens_per_sequence=tokens,
+        blocks_per_sequence=blocks_per_seq,
+        bytes_per_sequence=blocks_per_seq * per_block,
+        num_blocks=num_blocks,
+        max_concurrent_sequences=max_seqs,
+    )
+
+
+def plan_for_model(model_config: ModelConfig, dtype: str, context: int | None = None,
+                   memory: int | None = None, block_size: int = 16) -> KVPlan:
+    """plan() for a ModelConfig; context defaults to the model's max_position_embeddings."""
+    return plan(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, dtype,
+                context if context is not None else model_config.max_position_embeddings,
+                memory=memory, block_size=block_size, sliding_window=model_config.sliding_window)
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes in "64GiB", "1.5 GB", "512KiB", "1000": KB/MB/GB/TB decimal, KiB..TiB binary."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise ValueError(f"size must be >= 0 bytes, got {text!r}")
+        return text
+    match = _SIZE_RE.match(text) if isinstance(text, str) else None
+    unit = match.group(2).lower() if match else ""
+    if match is None or (unit and unit not in _SIZE_UNITS):
+        raise ValueError(f"invalid size {text!r}: expected a number with an optional unit "
+                         f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 64GiB")
+    number = match.group(1)
+    scale = _SIZE_UNITS.get(unit, 1)
+    if "." not in number:
+        return int(number) * scale
+    whole, _, frac = number.partition(".")
+    # exact rational arithmetic: "1.1GB" must be 1_100_000_000, not a float's neighbour
+    numerator = int((whole or "0") + frac) * scale
+    return numerator // 10 ** len(frac)
+
+
+def format_size(num_bytes: int) -> str:
+    """Human binary units: 512 KiB, 2 GiB, 2.5 MiB, 9.77 GiB (two decimals at most)."""
+    if num_bytes < 0:
+        raise ValueError(f"num_bytes must be >= 0, got {num_bytes}")
+    value, unit = float(num_bytes), "B"
+    for name in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, name
+    text = f"{value:.2f}".rstrip("0").rstrip(".")
+    return f"{text} {unit}"
