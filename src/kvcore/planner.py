@@ -1,4 +1,4 @@
-"""KV cache sizing: bytes per token = 2 x layers x kv_heads x head_dim x bytes per element, and what follows."""
+"""KV cache sizing: bytes/token = 2 x layers x kv_heads x head_dim x bytes per element, and more."""
 
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def tokens_held(context: int, block_size: int, sliding_window: int | None) -> in
 def plan(num_layers: int, num_kv_heads: int, head_dim: int, dtype: str, context: int,
          memory: int | None = None, block_size: int = 16,
          sliding_window: int | None = None) -> KVPlan:
-    """The KV budget of a model shape: per token, per sequence of `context`, and what `memory` holds."""
+    """The KV budget of a model shape: per token, per sequence of `context`, what `memory` holds."""
     per_token = bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
     tokens = tokens_held(context, block_size, sliding_window)
     blocks_per_seq = -(-tokens // block_size)

@@ -1,4 +1,4 @@
-"""Plan a KV cache budget: bytes per token and sequence, blocks and concurrent sequences in a memory budget."""
+"""`kvcore plan`: KV bytes per token and sequence, blocks and concurrent sequences in a budget."""
 
 from __future__ import annotations
 
@@ -29,9 +29,9 @@ class ModelShape:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", metavar="DIR",
                         help="model directory with config.json (or the config.json file itself)")
-    parser.add_argument("--layers", type=int, metavar="N", help="number of layers (without --model)")
+    parser.add_argument("--layers", type=int, metavar="N", help="layers (without --model)")
     parser.add_argument("--kv-heads", type=int, metavar="N", help="KV heads (without --model)")
-    parser.add_argument("--head-dim", type=int, metavar="N", help="head dimension (without --model)")
+    parser.add_argument("--head-dim", type=int, metavar="N", help="head_dim (without --model)")
     # validated by the planner, not argparse choices, so a bad dtype is one line like other errors
     parser.add_argument("--dtype", default="fp16", metavar="{" + ",".join(DTYPE_BYTES) + "}",
                         help="KV cache element type (default fp16)")
@@ -157,7 +157,8 @@ def _human(inputs: dict[str, Any], result: KVPlan) -> str:
     lines += [
         f"shape:            {inputs['num_layers']} layers x {inputs['num_kv_heads']} KV heads x "
         f"head_dim {inputs['head_dim']}, {dtype} ({DTYPE_BYTES[dtype]} bytes per element)",
-        f"per token:        {format_size(result.bytes_per_token)} ({result.bytes_per_token:,} bytes)",
+        f"per token:        {format_size(result.bytes_per_token)} "
+        f"({result.bytes_per_token:,} bytes)",
         f"per block:        {format_size(result.bytes_per_block)} ({inputs['block_size']} tokens)",
     ]
     held = f"{result.tokens_per_sequence:,} tokens held"
