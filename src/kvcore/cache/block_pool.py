@@ -1,0 +1,159 @@
+"""The block pool: fixed KV blocks, refcounts, an LRU free queue and the prefix-hash map."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+BlockHash = bytes  # a sha256 digest of (parent hash, token ids, extra keys)
+
+
+class Block:
+    """One KV block's bookkeeping record; the K/V data lives in KVCache under the same block_id."""
+
+    __slots__ = ("block_id", "ref_count", "block_hash", "token_bytes", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id  # index into every layer's cache tensor
+        self.ref_count = 0  # block tables that hold this block; 0 = in the free queue
+        # chain hash of a full block registered in the prefix cache; None while partial or uncached
+        self.block_hash: BlockHash | None = None
+        # token ids of a full cached block, packed as little-endian int64; every prefix hit compares
+        # them, so a hash collision can never serve another prompt's K/V
+        self.token_bytes: bytes | None = None
+        # neighbours in the free queue (intrusive doubly-linked list: O(1) removal from the middle)
+        self.prev_free: Block | None = None
+        self.next_free: Block | None = None
+
+    def __repr__(self) -> str:
+        cached = self.block_hash is not None
+        return f"Block(id={self.block_id}, ref_count={self.ref_count}, cached={cached})"
+
+
+def hash_block(parent: BlockHash | None, token_bytes: bytes, extra: bytes = b"") -> BlockHash:
+    """Chain hash H(parent hash, token ids, extra keys).
+
+    Every field but the last has a fixed length for a given block size (32-byte parent, absent for
+    the first block; 8 bytes per token), so the concatenation is unambiguous.
+    """
+    return hashlib.sha256((parent or b"") + token_bytes + extra).digest()
+
+
+class BlockPool:
+    """A fixed number of blocks with refcounts, a free queue in LRU order and a prefix-hash map.
+
+    Blocks whose refcount drops to 0 go to the tail of the free queue; allocation takes the head,
+    so the least recently freed block is reused (and its prefix-cache entry evicted) first. A freed
+    block that has a hash stays findable until that happens; a prefix hit takes it out of the middle
+    of the queue in O(1).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # sentinels bracket the free queue so link and unlink never branch; never handed out
+        self._head = Block(-1)
+        self._tail = Block(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        for block in self.blocks:
+            self._append_free(block)
+        self.num_free_blocks = num_blocks
+        self.cached: dict[BlockHash, Block] = {}  # prefix cache: chain hash -> the block holding it
+        self._pack = struct.Struct(f"<{block_size}q").pack  # token ids of one block -> bytes
+
+    def pack_tokens(self, token_ids: Sequence[int]) -> bytes:
+        """The compact encoding of one full block's token ids (hashed, and kept for comparison)."""
+        return self._pack(*token_ids)
+
+    def allocate(self, num_blocks: int) -> list[Block] | None:
+        """Take num_blocks blocks from the head of the free queue (ref_count 1), evicting their
+        prefix-cache entries; all or nothing: None, with no side effect, when fewer are free."""
+        if num_blocks > self.num_free_blocks:
+            return None
+        head = self._head
+        cached = self.cached
+        out = []
+        for _ in range(num_blocks):
+            block = head.next_free
+            assert block is not None and block.ref_count == 0
+            after = block.next_free
+            assert after is not None
+            head.next_free = after
+            after.prev_free = head
+            block.prev_free = block.next_free = None
+            if block.block_hash is not None:
+                del cached[block.block_hash]
+                block.block_hash = None
+                block.token_bytes = None
+            block.ref_count = 1
+            out.append(block)
+        self.num_free_blocks -= num_blocks
+        return out
+
+    def touch(self, block: Block) -> None:
+        """Add a reference to a block found in the prefix cache (out of the free queue if there)."""
+        if block.ref_count == 0:
+            before, after = block.prev_free, block.next_free
+            assert before is not None and after is not None
+            before.next_free = after
+            after.prev_free = before
+            block.prev_free = block.next_free = None
+            self.num_free_blocks -= 1
+        block.ref_count += 1
+
+    def free(self, block: Block) -> None:
+        """Drop one reference; at 0 the block joins the tail of the free queue (its hash stays)."""
+        assert block.ref_count > 0, f"double free of {block}"
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._append_free(block)
+            self.num_free_blocks += 1
+
+    def lookup(self, block_hash: BlockHash, token_bytes: bytes) -> Block | None:
+        """The cached block with this chain hash, confirmed by comparing its token ids."""
+        block = self.cached.get(block_hash)
+        if block is None or block.token_bytes != token_bytes:
+            return None
+        return block
+
+    def cache_block(self, block: Block, block_hash: BlockHash, token_bytes: bytes) -> None:
+        """Register a block that just became full. If another block already holds the same content
+        the first one stays canonical and this one is simply not findable."""
+        assert block.ref_count > 0 and block.block_hash is None
+        if block_hash in self.cached:
+            return
+        block.block_hash = block_hash
+        block.token_bytes = token_bytes
+        self.cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash; blocks in use keep their data and their references."""
+        for block in self.cached.values():
+            block.block_hash = None
+            block.token_bytes = None
+        self.cached.clear()
+
+    def free_queue(self) -> list[int]:
+        """Block ids in the free queue, head (next to be allocated) first. O(n); for tests/debug."""
+        out = []
+        block = self._head.next_free
+        while block is not self._tail:
+            assert block is not None
+            out.append(block.block_id)
+            block = block.next_free
+        return out
+
+    def _append_free(self, block: Block) -> None:
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block

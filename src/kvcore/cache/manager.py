@@ -1,0 +1,250 @@
+"""KVCacheManager: per-sequence block tables over a BlockPool (prefix hits, fork, copy-on-write)."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+from kvcore.cache.block_pool import Block, BlockHash, BlockPool, hash_block
+
+CopyOp = tuple[int, int]  # (src_block_id, dst_block_id), executed by the runner before forward
+
+
+class Admission(enum.Enum):
+    OK = "ok"  # the blocks are free now
+    NOT_NOW = "not_now"  # fits the pool, but not enough blocks are free yet
+    NEVER = "never"  # needs more blocks than the whole pool holds
+
+
+class _Sequence:
+    __slots__ = ("blocks", "num_tokens", "block_hashes", "salt", "num_released")
+
+    def __init__(self, salt: bytes) -> None:
+        self.blocks: list[Block | None] = []  # the block table; None = released (sliding window)
+        self.num_tokens = 0  # tokens with an allocated slot
+        self.block_hashes: list[BlockHash] = []  # chain hashes of the full blocks, in order
+        self.salt = salt  # extra key of the first block's hash (tenant isolation)
+        self.num_released = 0  # leading blocks already released by the sliding window
+
+
+class KVCacheManager:
+    """Block tables of the running sequences over one BlockPool.
+
+    A sequence starts with `allocate_prefix` (cached full blocks of its prompt) and grows with
+    `allocate_slots`. Only full blocks enter the prefix cache, under the chain hash
+    H(parent hash, token ids, extra keys) whose only extra key is the salt of the first block. A
+    block whose refcount is above 1 is never written: appending to a shared, partially filled last
+    block first copies it, and the copy is returned as a `(src, dst)` op for the runner.
+
+    With a sliding window, prefix caching is disabled: blocks outside the window are released as the
+    sequence grows, so a cached prefix would not hold the K/V a later prompt needs.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
+        if sliding_window is not None and (not isinstance(sliding_window, int)
+                                           or sliding_window <= 0):
+            raise ValueError(
+                f"sliding_window must be a positive integer or None, got {sliding_window!r}")
+        self.pool = BlockPool(num_blocks, block_size)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.sliding_window = sliding_window
+        self.enable_prefix_caching = enable_prefix_caching and sliding_window is None
+        self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.num_prefix_hits = 0  # of those, tokens served from cached blocks
+        self._seqs: dict[str, _Sequence] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def allocate_prefix(self, seq_id: str, token_ids: Sequence[int],
+                        salt: str | None = None) -> int:
+        """Start a sequence: attach the longest cached prefix of full blocks of `token_ids` and
+        return num_cached_tokens, a multiple of block_size and at most len(token_ids) - 1, so the
+        last prompt token is always recomputed (its logits are needed) and no shared block is
+        written. No new block is allocated here; `allocate_slots` does that."""
+        if seq_id in self._seqs:
+            raise ValueError(f"seq_id {seq_id!r} is already allocated")
+        num_prompt = len(token_ids)
+        if num_prompt == 0:
+            raise ValueError(f"token_ids of seq_id {seq_id!r} must not be empty")
+        seq = _Sequence(b"" if salt is None else b"\x01" + salt.encode())
+        self._seqs[seq_id] = seq
+        if not self.enable_prefix_caching:
+            return 0
+        pool = self.pool
+        bs = self.block_size
+        parent: BlockHash | None = None
+        extra = seq.salt
+        for start in range(0, (num_prompt - 1) // bs * bs, bs):
+            token_bytes = pool.pack_tokens(token_ids[start:start + bs])
+            block_hash = hash_block(parent, token_bytes, extra)
+            block = pool.lookup(block_hash, token_bytes)
+            if block is None:
+                break
+            pool.touch(block)
+            seq.blocks.append(block)
+            seq.block_hashes.append(block_hash)
+            parent = block_hash
+            extra = b""
+        seq.num_tokens = num_cached = len(seq.blocks) * bs
+        self.num_prefix_queries += num_prompt
+        self.num_prefix_hits += num_cached
+        return num_cached
+
+    def allocate_slots(self, seq_id: str, token_ids: Sequence[int],
+                       num_new_tokens: int) -> list[CopyOp] | None:
+        """Make room for num_new_tokens more tokens; `token_ids` is the sequence's whole token list
+        (at least num_tokens + num_new_tokens long) so blocks that become full get their hash.
+        Returns the copy-on-write ops, or None (with no side effect) when the pool is short."""
+        seq = self._seqs[seq_id]
+        start = seq.num_tokens
+        end = start + num_new_tokens
+        blocks = seq.blocks
+        if num_new_tokens > 0 and end <= len(token_ids) and end < len(blocks) * self.block_size:
+            last = blocks[-1]
+            if last is not None and last.ref_count == 1:
+                # the common decode step: room left in an exclusively owned last block that does
+                # not fill up, so nothing to allocate, copy or hash
+                seq.num_tokens = end
+                return []
+        if num_new_tokens <= 0:
+            if num_new_tokens == 0:
+                return []
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        if len(token_ids) < end:
+            raise ValueError(f"token_ids of seq_id {seq_id!r} has {len(token_ids)} tokens; "
+                             f"{start} allocated + {num_new_tokens} new need at least {end}")
+        return self._grow(seq, token_ids, start, end)
+
+    def _grow(self, seq: _Sequence, token_ids: Sequence[int], start: int,
+              end: int) -> list[CopyOp] | None:
+        bs = self.block_size
+        blocks = seq.blocks
+        num_new_blocks = -(-end // bs) - len(blocks)
+        last = blocks[-1] if start % bs else None  # a partially filled last block gets written
+        copy = last is not None and last.ref_count > 1
+        new = self.pool.allocate(num_new_blocks + copy)
+        if new is None:
+            return None
+        ops: list[CopyOp] = []
+        if copy:
+            assert last is not None
+            dst = new[0]  # the copy takes the first block allocated, the new tail blocks follow
+            ops.append((last.block_id, dst.block_id))
+            self.pool.free(last)  # one reference less; the other holders keep the original
+            blocks[-1] = dst
+            blocks.extend(new[1:])
+        else:
+            blocks.extend(new)
+        written = blocks[start // bs]
+        assert written is not None and written.ref_count == 1, "write into a shared block"
+        seq.num_tokens = end
+        if self.enable_prefix_caching and end // bs > len(seq.block_hashes):
+            self._hash_full_blocks(seq, token_ids)
+        return ops
+
+    def _hash_full_blocks(self, seq: _Sequence, token_ids: Sequence[int]) -> None:
+        pool = self.pool
+        bs = self.block_size
+        hashes = seq.block_hashes
+        for i in range(len(hashes), seq.num_tokens // bs):
+            block = seq.blocks[i]
+            assert block is not None
+            token_bytes = pool.pack_tokens(token_ids[i * bs:(i + 1) * bs])
+            block_hash = hash_block(hashes[-1] if hashes else None, token_bytes,
+                                    b"" if i else seq.salt)
+            hashes.append(block_hash)
+            pool.cache_block(block, block_hash, token_bytes)
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """The child shares every block of the parent (refcount + 1); writes copy on demand."""
+        parent = self._seqs[parent_id]
+        if child_id in self._seqs:
+            raise ValueError(f"child_id {child_id!r} is already allocated")
+        child = _Sequence(parent.salt)
+        child.blocks = list(parent.blocks)
+        child.num_tokens = parent.num_tokens
+        child.block_hashes = list(parent.block_hashes)
+        child.num_released = parent.num_released
+        for block in child.blocks:
+            if block is not None:
+                block.ref_count += 1
+        self._seqs[child_id] = child
+
+    def free(self, seq_id: str) -> None:
+        """Drop the sequence's references; an unknown seq_id raises KeyError."""
+        seq = self._seqs.pop(seq_id)
+        free = self.pool.free
+        # free in reverse so the tail block is evicted first: a later prompt sharing a prefix
+        # needs the head blocks, and a hit on block i is useless without blocks 0..i-1
+        for block in reversed(seq.blocks):
+            if block is not None:
+                free(block)
+
+    def release_outside_window(self, seq_id: str, num_computed_tokens: int) -> None:
+        """Free the blocks whose every position is <= num_computed_tokens - sliding_window: the next
+        query sits at position num_computed_tokens or later and attends only positions above that.
+        The block table keeps None in their place. No-op without a sliding window."""
+        seq = self._seqs[seq_id]
+        if not 0 <= num_computed_tokens <= seq.num_tokens:
+            raise ValueError(f"num_computed_tokens must be in [0, {seq.num_tokens}] for seq_id "
+                             f"{seq_id!r}, got {num_computed_tokens}")
+        if self.sliding_window is None:
+            return
+        # block i spans positions [i*bs, (i+1)*bs - 1]; it is out when (i+1)*bs - 1 <= limit.
+        # Such a block is full (num_computed_tokens <= num_tokens), so it is never written again.
+        limit = num_computed_tokens - self.sliding_window
+        num_out = (limit + 1) // self.block_size if limit >= 0 else 0
+        for i in range(seq.num_released, num_out):
+            block = seq.blocks[i]
+            assert block is not None
+            self.pool.free(block)
+            seq.blocks[i] = None
+        seq.num_released = max(seq.num_released, num_out)
+
+    def block_table(self, seq_id: str) -> list[int | None]:
+        """Block ids of the sequence in position order (a copy); None = released by the window."""
+        return [None if b is None else b.block_id for b in self._seqs[seq_id].blocks]
+
+    def num_tokens(self, seq_id: str) -> int:
+        return self._seqs[seq_id].num_tokens
+
+    def slot(self, seq_id: str, position: int) -> int:
+        """The KV slot of a position: block_id * block_size + offset in the block."""
+        seq = self._seqs[seq_id]
+        if not 0 <= position < seq.num_tokens:
+            raise ValueError(f"position must be in [0, {seq.num_tokens}) for seq_id {seq_id!r}, "
+                             f"got {position}")
+        block = seq.blocks[position // self.block_size]
+        if block is None:
+            raise ValueError(f"position {position} of seq_id {seq_id!r} was released (outside "
+                             f"the sliding window)")
+        return block.block_id * self.block_size + position % self.block_size
+
+    def admission(self, num_tokens: int) -> Admission:
+        """Whether a new sequence of num_tokens tokens fits: now, later, or never."""
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        num_needed = -(-num_tokens // self.block_size)
+        if num_needed > self.num_blocks:
+            return Admission.NEVER
+        if num_needed > self.pool.num_free_blocks:
+            return Admission.NOT_NOW
+        return Admission.OK
+
+    def usage(self) -> float:
+        """Fraction of the blocks referenced by some sequence."""
+        return 1.0 - self.pool.num_free_blocks / self.num_blocks
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (e.g. after new weights); running sequences are untouched."""
+        self.pool.reset_prefix_cache()
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._seqs
+
+    def seq_ids(self) -> list[str]:
+        return list(self._seqs)
