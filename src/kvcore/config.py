@@ -43,8 +43,9 @@ class ModelConfig:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
-    sliding_window: int | None = None
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2; Llama's attention_bias)
+    sliding_window: int | None = None  # every layer attends to at most this many keys
+    o_proj_bias: bool = False  # Llama's attention_bias also gives o_proj a bias; Qwen2's does not
     rope_scaling: RopeScaling | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -61,12 +62,20 @@ class ModelConfig:
                               f"num_key_value_heads ({self.num_kv_heads})")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"sliding_window must be positive, got {self.sliding_window}")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.rms_norm_eps <= 0:
+            raise ConfigError(f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
+        if self.rope_theta <= 0:
+            raise ConfigError(f"rope_theta must be positive, got {self.rope_theta}")
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
+    def from_dict(cls, cfg: dict[str, Any],
+                  generation: dict[str, Any] | None = None) -> ModelConfig:
         archs = cfg.get("architectures") or []
         model_type = cfg.get("model_type")
-        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES),
+                    None)
         if arch is None and model_type in ("llama", "mistral", "qwen2"):
             arch = model_type
         if arch is None:
@@ -81,13 +90,33 @@ class ModelConfig:
 
         hidden = need("hidden_size")
         heads = need("num_attention_heads")
-        head_dim = cfg.get("head_dim") or (hidden // heads if heads else 0)
+        head_dim = cfg.get("head_dim") or (
+            hidden // heads if isinstance(heads, int) and heads else 0)
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ConfigError(f"unsupported hidden_act {act!r} (kvcore: silu)")
+        if cfg.get("mlp_bias"):
+            raise ConfigError("unsupported mlp_bias true (kvcore: bias-free MLP)")
         window = cfg.get("sliding_window")
-        if arch == "qwen2" and not cfg.get("use_sliding_window", False):
+        if arch == "qwen2":
+            if cfg.get("use_sliding_window"):
+                # Qwen2 slides only on layers >= max_window_layers; kvcore windows all or none
+                raise ConfigError("unsupported use_sliding_window true for qwen2")
             window = None  # Qwen2 configs carry a window they do not use
+        elif arch == "llama":
+            window = None
+        layer_types = set(cfg.get("layer_types") or ())
+        if window is not None and "full_attention" in layer_types:
+            raise ConfigError(f"unsupported mix of layer_types {sorted(layer_types)}")
+        qkv_bias = arch == "qwen2" or bool(cfg.get("attention_bias", False))
+        # transformers 5 writes rope_theta and the scaling together under rope_parameters
+        rope_params = cfg.get("rope_parameters") or {}
+        theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
         gen = generation or {}
         eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (
+            () if eos is None else (int(eos),))
+        bos = gen.get("bos_token_id", cfg.get("bos_token_id"))
         return cls(
             architecture=arch,
             num_layers=need("num_hidden_layers"),
@@ -98,13 +127,14 @@ class ModelConfig:
             intermediate_size=need("intermediate_size"),
             vocab_size=need("vocab_size"),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rope_theta=float(theta),
             max_position_embeddings=need("max_position_embeddings"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+            attention_bias=qkv_bias,
             sliding_window=window,
-            rope_scaling=_rope_scaling(cfg.get("rope_scaling")),
-            bos_token_id=gen.get("bos_token_id", cfg.get("bos_token_id")),
+            o_proj_bias=arch != "qwen2" and qkv_bias,
+            rope_scaling=_rope_scaling(cfg.get("rope_scaling") or rope_params),
+            bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
         )
@@ -129,6 +159,8 @@ def _rope_scaling(raw: dict[str, Any] | None) -> RopeScaling | None:
         return None
     if kind not in ("linear", "llama3"):
         raise ConfigError(f"unsupported rope_scaling type {kind!r} (kvcore: linear, llama3)")
+    if not isinstance(raw.get("factor"), int | float) or raw["factor"] <= 0:
+        raise ConfigError(f"rope_scaling {kind} needs a positive factor, got {raw.get('factor')!r}")
     return RopeScaling(
         rope_type=kind,
         factor=float(raw["factor"]),
@@ -154,7 +186,8 @@ class CacheConfig:
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0, got {self.kv_cache_memory}")
         if self.cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.cache_dtype!r}")
+            raise ValueError(f"cache_dtype must be one of {KV_CACHE_DTYPES}, "
+                             f"got {self.cache_dtype!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +199,8 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens <= 0:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+            raise ValueError(f"max_num_batched_tokens must be >= 1, "
+                             f"got {self.max_num_batched_tokens}")
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len <= 0:
