@@ -1,0 +1,173 @@
+"""The batch sampler: processes (B, V) logits row by row's parameters, draws tokens, logprobs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvcore.sampling import logits as lp
+from kvcore.sampling.params import SamplingParams, TokenLogprob
+
+
+def make_generator(seed: int | None, seed_sequence: np.random.SeedSequence) -> np.random.Generator:
+    """A request's own generator: PCG64(seed) when it has a seed, so the same seed gives the same
+    output whatever else is in the batch; otherwise a child of the engine's seed sequence."""
+    if seed is None:
+        return np.random.Generator(np.random.PCG64(seed_sequence.spawn(1)[0]))
+    # SeedSequence takes non-negative entropy; map a negative seed onto [2**63, 2**64)
+    return np.random.Generator(np.random.PCG64(seed % 2**64))
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingRow:
+    """One row of the logits batch: a sequence that samples this step."""
+
+    params: SamplingParams
+    generator: np.random.Generator | None  # required unless params.greedy
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]  # tokens generated so far (before this step's)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerOutput:
+    token_ids: np.ndarray  # (B,) int64, the sampled token of each row
+    logprobs: list[TokenLogprob | None]  # per row; None where params.logprobs is None
+
+
+class Sampler:
+    """Samples one token per row. Logprobs are those of the RAW model distribution: the
+    log-softmax of the logits before any processor (vLLM's default logprobs_mode=raw_logprobs)."""
+
+    def __init__(self, eos_token_ids: Sequence[int]) -> None:
+        self.eos_token_ids = tuple(eos_token_ids)
+
+    def __call__(self, logits: np.ndarray, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """`logits` (B, V) float32, one row per entry of `rows`; it is modified in place."""
+        if logits.ndim != 2 or logits.shape[0] != len(rows) or logits.dtype != np.float32:
+            raise ValueError(f"logits must be float32 (B={len(rows)}, V), got "
+                             f"{logits.dtype} {logits.shape}")
+        num_rows, vocab_size = logits.shape
+        want_logprobs = np.array([r.params.logprobs is not None for r in rows], dtype=bool)
+        raw_logprobs = lp.log_softmax(logits[want_logprobs]) if want_logprobs.any() else None
+
+        self._apply_penalties(logits, rows)
+        greedy = np.array([r.params.greedy for r in rows], dtype=bool)  # (B,)
+        token_ids = np.empty(num_rows, dtype=np.int64)  # (B,)
+        if greedy.any():
+            token_ids[greedy] = logits[greedy].argmax(axis=1)
+        random_rows = np.flatnonzero(~greedy)
+        if len(random_rows):
+            token_ids[random_rows] = _sample_random(logits[random_rows],
+                                                    [rows[int(i)] for i in random_rows])
+
+        out: list[TokenLogprob | None] = [None] * num_rows
+        if raw_logprobs is not None:
+            for j, i in enumerate(np.flatnonzero(want_logprobs)):
+                k = rows[int(i)].params.logprobs
+                assert k is not None
+                out[int(i)] = _token_logprob(raw_logprobs[j], int(token_ids[i]), k)
+        return SamplerOutput(token_ids=token_ids, logprobs=out)
+
+    def _apply_penalties(self, logits: np.ndarray, rows: Sequence[SamplingRow]) -> None:
+        """The processors that also apply to greedy rows: bias, min_tokens, penalties."""
+        vocab_size = logits.shape[1]
+        bias_rows: list[int] = []
+        bias_tokens: list[int] = []
+        bias_values: list[float] = []
+        mask_rows: list[int] = []
+        mask_tokens: list[int] = []
+        rep_rows: list[int] = []
+        freq_rows: list[int] = []
+        for i, row in enumerate(rows):
+            p = row.params
+            if p.logit_bias:
+                bias_rows.extend([i] * len(p.logit_bias))
+                bias_tokens.extend(p.logit_bias.keys())
+                bias_values.extend(p.logit_bias.values())
+            if len(row.output_token_ids) < p.min_tokens:
+                stop_ids = set(p.stop_token_ids)
+                if not p.ignore_eos:
+                    stop_ids.update(self.eos_token_ids)
+                mask_rows.extend([i] * len(stop_ids))
+                mask_tokens.extend(stop_ids)
+            if p.repetition_penalty != 1.0:
+                rep_rows.append(i)
+            if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+                freq_rows.append(i)
+
+        if bias_rows:
+            tokens = _checked_ids(bias_tokens, vocab_size, "logit_bias")
+            lp.apply_logit_bias(logits, np.array(bias_rows), tokens, np.array(bias_values))
+        if mask_rows:
+            tokens = _checked_ids(mask_tokens, vocab_size, "stop_token_ids")
+            lp.mask_tokens(logits, np.array(mask_rows), tokens)
+        if rep_rows:
+            seen = [list(rows[i].prompt_token_ids) + list(rows[i].output_token_ids)
+                    for i in rep_rows]
+            pair_rows, pair_tokens, _ = lp.token_pairs(seen, np.array(rep_rows), vocab_size)
+            penalties = np.array([r.params.repetition_penalty for r in rows])  # (B,)
+            lp.apply_repetition_penalty(logits, pair_rows, pair_tokens, penalties)
+        if freq_rows:
+            outputs = [rows[i].output_token_ids for i in freq_rows]
+            pair_rows, pair_tokens, counts = lp.token_pairs(outputs, np.array(freq_rows),
+                                                            vocab_size)
+            frequency = np.array([r.params.frequency_penalty for r in rows])  # (B,)
+            presence = np.array([r.params.presence_penalty for r in rows])  # (B,)
+            lp.apply_frequency_presence(logits, pair_rows, pair_tokens, counts, frequency,
+                                        presence)
+
+
+def _checked_ids(token_ids: list[int], vocab_size: int, name: str) -> np.ndarray:
+    ids = np.array(token_ids, dtype=np.int64)  # (N,)
+    if ids.size and ids.max() >= vocab_size:
+        raise ValueError(f"{name} holds token id {int(ids.max())}, outside the vocabulary "
+                         f"of size {vocab_size}")
+    return ids
+
+
+def _sample_random(logits: np.ndarray, rows: Sequence[SamplingRow]) -> np.ndarray:
+    """Temperature, min_p, top_k, top_p, then one inverse-CDF draw per row from the row's own
+    generator: a row's token depends only on its logits and its generator, never on the batch."""
+    params = [r.params for r in rows]
+    lp.apply_temperature(logits, np.array([p.temperature for p in params]))
+    min_p = np.array([p.min_p for p in params])  # (R,)
+    if (min_p > 0).any():
+        sel = np.flatnonzero(min_p > 0)
+        lp.apply_min_p(logits, sel, min_p[sel])
+    vocab_size = logits.shape[1]
+    top_k = np.array([p.top_k or vocab_size for p in params])  # (R,)
+    if (top_k < vocab_size).any():
+        sel = np.flatnonzero(top_k < vocab_size)
+        lp.apply_top_k(logits, sel, top_k[sel])
+    top_p = np.array([p.top_p for p in params])  # (R,)
+    if (top_p < 1.0).any():
+        sel = np.flatnonzero(top_p < 1.0)
+        lp.apply_top_p(logits, sel, top_p[sel])
+
+    probs = np.exp(logits.astype(np.float64) - logits.max(axis=1, keepdims=True))  # (R, V)
+    cdf = np.cumsum(probs, axis=1)  # (R, V), unnormalized
+    token_ids = np.empty(len(rows), dtype=np.int64)  # (R,)
+    for i, row in enumerate(rows):
+        if row.generator is None:
+            raise ValueError("a random (non-greedy) row needs a generator, got None")
+        target = row.generator.random() * cdf[i, -1]
+        token_id = int(np.searchsorted(cdf[i], target, side="right"))
+        if token_id >= vocab_size:
+            # u * total rounded up to total: take the last token with non-zero probability
+            token_id = int(np.flatnonzero(probs[i])[-1])
+        token_ids[i] = token_id
+    return token_ids
+
+
+def _token_logprob(logprobs: np.ndarray, token_id: int, k: int) -> TokenLogprob:
+    """The chosen token's logprob and the k best (token_id, logprob), best first."""
+    top: tuple[tuple[int, float], ...] = ()
+    if k > 0:
+        k = min(k, logprobs.shape[0])
+        best = np.argpartition(-logprobs, k - 1)[:k]
+        # sort by logprob descending, then token id, so ties come out in a fixed order
+        best = best[np.lexsort((best, -logprobs[best]))]
+        top = tuple((int(t), float(logprobs[t])) for t in best)
+    return TokenLogprob(token_id=token_id, logprob=float(logprobs[token_id]), top=top)
