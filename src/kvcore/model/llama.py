@@ -1,0 +1,162 @@
+"""The Llama-family forward (Llama 2/3, Mistral, Qwen2, SmolLM2) over the paged KV cache."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from kvcore import kernels
+from kvcore.cache.kv_cache import KVCache
+from kvcore.config import ModelConfig
+from kvcore.device import get_xp, resolve_device, to_numpy
+from kvcore.kernels import reference
+from kvcore.model.batch import BatchInput
+from kvcore.model.weights import Checkpoint, iter_weights
+
+_PROGRESS_MIN_BYTES = 64 << 20  # show a progress bar for loads at least this large
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    """One decoder layer, pre-transposed to (in, out) so every projection is x @ W."""
+
+    input_norm: Any  # (hidden,)
+    qkv: Any  # (hidden, (H + 2 Hkv) D): q, k and v projections fused into one matmul
+    qkv_bias: Any | None  # ((H + 2 Hkv) D,)
+    o: Any  # (H D, hidden)
+    o_bias: Any | None  # (hidden,)
+    post_norm: Any  # (hidden,)
+    gate_up: Any  # (hidden, 2 I): gate and up fused into one matmul
+    down: Any  # (I, hidden)
+
+
+class LlamaModel:
+    """Weights on one device and a forward over an explicit BatchInput; no hidden state."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray],
+                 device: str = "cpu") -> None:
+        """`weights` maps HF names to float32 arrays (as from load_weights); they are fused,
+        transposed and moved to the device here."""
+        self.config = config
+        self.device = resolve_device(device)
+        self.xp: ModuleType = get_xp(self.device)
+        c = config
+        self.embed = self._put(weights["model.embed_tokens.weight"])  # (vocab, hidden)
+        self.norm = self._put(weights["model.norm.weight"])  # (hidden,)
+        lm_head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+        self.lm_head = self._put(lm_head.T)  # (hidden, vocab)
+        self.layers = [self._layer(weights, f"model.layers.{i}.") for i in range(c.num_layers)]
+        self.scale = 1.0 / math.sqrt(c.head_dim)
+        self._inv_freq = reference.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+        self._cos: Any = self.xp.empty((0, c.head_dim // 2), np.float32)
+        self._sin: Any = self._cos
+
+    def _put(self, array: np.ndarray) -> Any:
+        """A contiguous float32 copy on the device (detached from any memory-mapped file)."""
+        return self.xp.asarray(np.ascontiguousarray(array, dtype=np.float32))
+
+    def _layer(self, w: dict[str, np.ndarray], p: str) -> LayerWeights:
+        c = self.config
+        qkv_bias = o_bias = None
+        if c.attention_bias:
+            qkv_bias = self._put(np.concatenate([w[p + f"self_attn.{x}_proj.bias"]
+                                                 for x in "qkv"]))
+        if c.o_proj_bias:
+            o_bias = self._put(w[p + "self_attn.o_proj.bias"])
+        return LayerWeights(
+            input_norm=self._put(w[p + "input_layernorm.weight"]),
+            qkv=self._put(np.concatenate([w[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]).T),
+            qkv_bias=qkv_bias,
+            o=self._put(w[p + "self_attn.o_proj.weight"].T),
+            o_bias=o_bias,
+            post_norm=self._put(w[p + "post_attention_layernorm.weight"]),
+            gate_up=self._put(np.concatenate([w[p + "mlp.gate_proj.weight"],
+                                              w[p + "mlp.up_proj.weight"]]).T),
+            down=self._put(w[p + "mlp.down_proj.weight"].T),
+        )
+
+    def _rope_tables(self, max_position: int) -> tuple[Any, Any]:
+        """cos/sin up to max_position, grown by doubling so steps never recompute them."""
+        if max_position >= self._cos.shape[0]:
+            size = max(2 * self._cos.shape[0], max_position + 1, 256)
+            cos, sin = reference.rope_cos_sin(self._inv_freq, size)  # (size, D/2) each
+            self._cos, self._sin = self.xp.asarray(cos), self.xp.asarray(sin)
+        return self._cos, self._sin
+
+    def _check(self, batch: BatchInput, kv_cache: KVCache) -> None:
+        c = self.config
+        if (kv_cache.num_layers, kv_cache.num_kv_heads, kv_cache.head_dim) != (
+                c.num_layers, c.num_kv_heads, c.head_dim):
+            raise ValueError(f"kv_cache holds {kv_cache.num_layers} layers x "
+                             f"{kv_cache.num_kv_heads} KV heads x {kv_cache.head_dim}, the model "
+                             f"needs {c.num_layers} x {c.num_kv_heads} x {c.head_dim}")
+        if kv_cache.device != self.device:
+            raise ValueError(f"kv_cache is on {kv_cache.device}, the model on {self.device}")
+        num_tokens = batch.input_ids.shape[0]
+        for name in ("positions", "slot_mapping"):
+            if getattr(batch, name).shape != (num_tokens,):
+                raise ValueError(f"batch.{name} must have shape ({num_tokens},), "
+                                 f"got {getattr(batch, name).shape}")
+        if num_tokens and (batch.input_ids.min() < 0 or batch.input_ids.max() >= c.vocab_size):
+            raise ValueError(f"batch.input_ids must lie in [0, {c.vocab_size})")
+
+    def forward(self, batch: BatchInput, kv_cache: KVCache) -> np.ndarray:
+        """(L, vocab) float32 logits at batch.logits_indices; writes the step's K/V to the cache."""
+        self._check(batch, kv_cache)
+        c, xp = self.config, self.xp
+        if batch.input_ids.shape[0] == 0:
+            return np.zeros((0, c.vocab_size), np.float32)  # (L, vocab): an empty step
+        cos, sin = self._rope_tables(int(batch.positions.max()))
+        positions = xp.asarray(batch.positions)
+        slot_mapping = xp.asarray(batch.slot_mapping)
+        block_tables = xp.asarray(batch.block_tables)
+        context_lens = xp.asarray(batch.context_lens)
+        query_start_loc = xp.asarray(batch.query_start_loc)
+        num_tokens = batch.input_ids.shape[0]
+        q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        h = self.embed[xp.asarray(batch.input_ids)]  # (T, hidden) residual stream
+        for layer_id, layer in enumerate(self.layers):
+            k_cache, v_cache, k_scale, v_scale = kv_cache.layer(layer_id)
+            x = kernels.rms_norm(h, layer.input_norm, c.rms_norm_eps)
+            qkv = x @ layer.qkv  # (T, (H + 2 Hkv) D)
+            if layer.qkv_bias is not None:
+                qkv += layer.qkv_bias
+            q = qkv[:, :q_dim].reshape(num_tokens, c.num_heads, c.head_dim)
+            k = qkv[:, q_dim:q_dim + kv_dim].reshape(num_tokens, c.num_kv_heads, c.head_dim)
+            v = qkv[:, q_dim + kv_dim:].reshape(num_tokens, c.num_kv_heads, c.head_dim)
+            q = kernels.rope(q, positions, cos, sin)
+            k = kernels.rope(k, positions, cos, sin)
+            kernels.reshape_and_cache(k, xp.ascontiguousarray(v), k_cache, v_cache, slot_mapping,
+                                      k_scale, v_scale)
+            attn = kernels.paged_attention(q, k_cache, v_cache, block_tables, context_lens,
+                                           query_start_loc, self.scale, c.sliding_window,
+                                           k_scale, v_scale)  # (T, H, D)
+            out = attn.reshape(num_tokens, q_dim) @ layer.o  # (T, hidden)
+            if layer.o_bias is not None:
+                out += layer.o_bias
+            h += out
+            x = kernels.rms_norm(h, layer.post_norm, c.rms_norm_eps)
+            h += kernels.silu_and_mul(x @ layer.gate_up) @ layer.down
+        h = kernels.rms_norm(h[xp.asarray(batch.logits_indices)], self.norm, c.rms_norm_eps)
+        return to_numpy(h @ self.lm_head).astype(np.float32, copy=False)  # (L, vocab)
+
+
+def load_model(model_dir: str | Path, device: str = "cpu") -> LlamaModel:
+    """Read config.json and the safetensors weights of an HF-style directory."""
+    config = ModelConfig.from_dir(model_dir)
+    checkpoint = Checkpoint(model_dir)
+    weights: dict[str, np.ndarray] = {}
+    with tqdm(total=checkpoint.num_bytes, unit="B", unit_scale=True, desc="loading weights",
+              disable=True if checkpoint.num_bytes < _PROGRESS_MIN_BYTES else None) as bar:
+        for name, array in iter_weights(checkpoint, config):
+            weights[name] = array  # float32 views of the memory map; copied once by LlamaModel
+            bar.update(checkpoint.entries[name].end - checkpoint.entries[name].begin)
+        model = LlamaModel(config, weights, device)
+    checkpoint.close()
+    return model
