@@ -1,0 +1,197 @@
+"""NumPy reference kernels vs an independent float64 dense computation on fresh random inputs."""
+
+from __future__ import annotations
+
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcore.config import RopeScaling
+from kvcore.kernels import reference
+
+EXAMPLES = int(os.environ.get("KVCORE_HYPOTHESIS_EXAMPLES", "30"))
+
+
+def _scatter_sequences(rng: np.random.Generator, context_lens: list[int], block_size: int,
+                       num_kv_heads: int, head_dim: int, cache_dtype: np.dtype,
+                       scale: float = 1.0):
+    """Random K/V per sequence written into shuffled blocks; returns dense copies and tables."""
+    blocks_needed = [-(-c // block_size) for c in context_lens]
+    num_blocks = sum(blocks_needed) + 3  # spare blocks stay zero and must never be read
+    perm = rng.permutation(num_blocks)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = np.zeros(shape, cache_dtype), np.zeros(shape, cache_dtype)
+    tables = np.full((len(context_lens), max(blocks_needed) + 1), -1, np.int32)
+    keys, values, used = [], [], 0
+    for s, ctx in enumerate(context_lens):
+        tables[s, :blocks_needed[s]] = perm[used:used + blocks_needed[s]]
+        used += blocks_needed[s]
+        k = rng.standard_normal((ctx, num_kv_heads, head_dim)).astype(np.float32) * 2
+        v = rng.standard_normal((ctx, num_kv_heads, head_dim)).astype(np.float32)
+        slots = np.array([tables[s, p // block_size] * block_size + p % block_size
+                          for p in range(ctx)], dtype=np.int64)
+        reference.reshape_and_cache(k, v, k_cache, v_cache, slots, scale, scale)
+        keys.append(k.astype(np.float64))
+        values.append(v.astype(np.float64))
+    return k_cache, v_cache, tables, keys, values
+
+
+def _dense_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, ctx: int,
+                     scale: float, window: int | None) -> np.ndarray:
+    """float64 causal attention of q_len queries at the end of a ctx-token sequence."""
+    q_len, num_heads, _ = q.shape
+    group = num_heads // keys.shape[1]
+    out = np.zeros(q.shape)
+    for i in range(q_len):
+        p = ctx - q_len + i
+        lo = 0 if window is None else max(0, p - window + 1)
+        for h in range(num_heads):
+            scores = keys[lo:p + 1, h // group] @ q[i, h].astype(np.float64) * scale
+            w = np.exp(scores - scores.max())
+            out[i, h] = (w / w.sum()) @ values[lo:p + 1, h // group]
+    return out
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1),
+       heads=st.sampled_from([(2, 2), (6, 2), (4, 1), (3, 3)]),
+       block_size=st.sampled_from([1, 3, 4, 16]),
+       window=st.sampled_from([None, 1, 5, 13]),
+       num_seqs=st.integers(1, 5))
+def test_paged_attention_matches_dense(seed: int, heads: tuple[int, int], block_size: int,
+                                       window: int | None, num_seqs: int) -> None:
+    rng = np.random.default_rng(seed)
+    num_heads, num_kv_heads = heads
+    head_dim = 8
+    context_lens = [int(c) for c in rng.integers(1, 40, num_seqs)]
+    # a mix of decode tokens (q_len 1), prefill chunks and whole prompts
+    q_lens = [int(rng.choice([1, rng.integers(1, c + 1), c])) for c in context_lens]
+    k_cache, v_cache, tables, keys, values = _scatter_sequences(
+        rng, context_lens, block_size, num_kv_heads, head_dim, np.dtype(np.float32))
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    query = rng.standard_normal((int(qsl[-1]), num_heads, head_dim)).astype(np.float32)
+    out = reference.paged_attention(query, k_cache, v_cache, tables,
+                                    np.array(context_lens, np.int32), qsl, 0.35, window)
+    assert out.shape == query.shape and out.dtype == np.float32
+    for s, ctx in enumerate(context_lens):
+        expected = _dense_attention(query[qsl[s]:qsl[s + 1]], keys[s], values[s], ctx, 0.35,
+                                    window)
+        np.testing.assert_allclose(out[qsl[s]:qsl[s + 1]], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_attention_never_reads_released_blocks() -> None:
+    """With a sliding window, blocks wholly before the window may be -1 in the table."""
+    rng = np.random.default_rng(7)
+    block_size, window, ctx = 4, 6, 23
+    k_cache, v_cache, tables, keys, values = _scatter_sequences(
+        rng, [ctx, ctx], block_size, 2, 8, np.dtype(np.float32))
+    tables[:, :(ctx - 2 - window + 1) // block_size] = -1  # released by the cache manager
+    query = rng.standard_normal((3, 4, 8)).astype(np.float32)
+    qsl = np.array([0, 1, 3], np.int32)  # a decode token, then a 2-token chunk
+    out = reference.paged_attention(query, k_cache, v_cache, tables,
+                                    np.array([ctx, ctx], np.int32), qsl, 0.3, window)
+    np.testing.assert_allclose(out[:1], _dense_attention(query[:1], keys[0], values[0], ctx,
+                                                         0.3, window), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(out[1:], _dense_attention(query[1:], keys[1], values[1], ctx,
+                                                         0.3, window), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,scale,tol", [
+    (np.float16, 1.0, 2e-3),
+    (ml_dtypes.float8_e4m3fn, 1.0, 0.12),
+    (ml_dtypes.float8_e4m3fn, 0.05, 0.12),
+    (ml_dtypes.bfloat16, 1.0, 2e-2),
+])
+def test_low_precision_caches(dtype, scale: float, tol: float) -> None:
+    rng = np.random.default_rng(3)
+    context_lens, q_lens = [9, 17, 30], [1, 5, 30]
+    k_cache, v_cache, tables, keys, values = _scatter_sequences(
+        rng, context_lens, 4, 2, 16, np.dtype(dtype), scale)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    query = rng.standard_normal((int(qsl[-1]), 6, 16)).astype(np.float32) * 0.3
+    out = reference.paged_attention(query, k_cache, v_cache, tables,
+                                    np.array(context_lens, np.int32), qsl, 0.25,
+                                    k_scale=scale, v_scale=scale)
+    for s, ctx in enumerate(context_lens):
+        expected = _dense_attention(query[qsl[s]:qsl[s + 1]], keys[s], values[s], ctx, 0.25, None)
+        np.testing.assert_allclose(out[qsl[s]:qsl[s + 1]], expected, atol=tol)
+
+
+def test_fp8_stores_x_over_scale_and_saturates() -> None:
+    cache = np.zeros((2, 2, 1, 4), ml_dtypes.float8_e4m3fn)
+    key = np.array([[[0.5, -3.0, 96.0, -1000.0]], [[1.0, 2.0, 4.0, 8.0]]], np.float32)
+    reference.reshape_and_cache(key, key, cache, cache.copy(), np.array([3, -1]), k_scale=0.5)
+    stored = cache.astype(np.float32)
+    np.testing.assert_array_equal(stored[1, 1, 0], [1.0, -6.0, 192.0, -448.0])
+    assert not stored[0].any() and not stored[1, 0].any()  # -1 slot skipped, nothing else written
+
+
+def test_reshape_and_cache_writes_exact_slots() -> None:
+    rng = np.random.default_rng(11)
+    key = rng.standard_normal((5, 2, 4)).astype(np.float32)
+    value = rng.standard_normal((5, 2, 4)).astype(np.float32)
+    k_cache, v_cache = np.zeros((4, 3, 2, 4), np.float32), np.zeros((4, 3, 2, 4), np.float32)
+    slots = np.array([11, 0, -1, 4, 7])
+    reference.reshape_and_cache(key, value, k_cache, v_cache, slots)
+    for t, slot in enumerate(slots):
+        if slot >= 0:
+            np.testing.assert_array_equal(k_cache[slot // 3, slot % 3], key[t])
+            np.testing.assert_array_equal(v_cache[slot // 3, slot % 3], value[t])
+    assert np.count_nonzero(k_cache.reshape(12, -1).any(axis=1)) == 4
+    with pytest.raises(ValueError, match="slot 12"):
+        reference.reshape_and_cache(key[:1], value[:1], k_cache, v_cache, np.array([12]))
+
+
+def test_copy_blocks_all_layers() -> None:
+    rng = np.random.default_rng(5)
+    ks = [rng.standard_normal((6, 4, 2, 3)).astype(np.float32) for _ in range(3)]
+    vs = [rng.standard_normal((6, 4, 2, 3)).astype(np.float32) for _ in range(3)]
+    before_k, before_v = [k.copy() for k in ks], [v.copy() for v in vs]
+    reference.copy_blocks(ks, vs, np.array([[0, 5], [3, 1]], np.int64))
+    for layer in range(3):
+        for cache, before in ((ks[layer], before_k[layer]), (vs[layer], before_v[layer])):
+            np.testing.assert_array_equal(cache[5], before[0])
+            np.testing.assert_array_equal(cache[1], before[3])
+            np.testing.assert_array_equal(cache[[0, 2, 3, 4]], before[[0, 2, 3, 4]])
+    with pytest.raises(ValueError, match="block id outside"):
+        reference.copy_blocks(ks, vs, np.array([[0, 6]], np.int64))
+
+
+def test_rms_norm_and_silu_and_mul() -> None:
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((5, 32)).astype(np.float32) * 3
+    w = rng.standard_normal(32).astype(np.float32)
+    x64 = x.astype(np.float64)
+    expected = x64 / np.sqrt((x64**2).mean(axis=1, keepdims=True) + 1e-5) * w
+    np.testing.assert_allclose(reference.rms_norm(x, w, 1e-5), expected, rtol=1e-5, atol=1e-6)
+    gate, up = x64[:, :16], x64[:, 16:]
+    np.testing.assert_allclose(reference.silu_and_mul(x), gate * (1 / (1 + np.exp(-gate))) * up,
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_rope_is_a_rotation_of_half_pairs() -> None:
+    """Rotate-half rope == multiplying (x_j + i x_{j+D/2}) by exp(i * pos * inv_freq_j)."""
+    rng = np.random.default_rng(4)
+    head_dim, positions = 16, np.array([0, 3, 100, 2047])
+    x = rng.standard_normal((4, 3, head_dim)).astype(np.float32)
+    inv_freq = 1.0 / 10000.0 ** (np.arange(head_dim // 2) * 2 / head_dim)
+    cos, sin = reference.rope_cos_sin(reference.rope_inv_freq(head_dim, 10000.0), 2048)
+    out = reference.rope(x, positions, cos, sin)
+    z = (x[..., :8] + 1j * x[..., 8:]) * np.exp(1j * positions[:, None, None] * inv_freq)
+    np.testing.assert_allclose(out, np.concatenate([z.real, z.imag], axis=-1), atol=2e-5)
+
+
+def test_rope_scaling_frequencies() -> None:
+    base = reference.rope_inv_freq(64, 500000.0)
+    linear = reference.rope_inv_freq(64, 500000.0, RopeScaling("linear", 4.0))
+    np.testing.assert_allclose(linear, base / 4.0)
+    llama3 = reference.rope_inv_freq(64, 500000.0, RopeScaling("llama3", 8.0, 1.0, 4.0, 8192))
+    wavelen = 2 * np.pi / base
+    np.testing.assert_allclose(llama3[wavelen < 8192 / 4], base[wavelen < 8192 / 4])  # high freq
+    np.testing.assert_allclose(llama3[wavelen > 8192], base[wavelen > 8192] / 8.0)  # low freq
+    mid = (wavelen >= 8192 / 4) & (wavelen <= 8192)
+    assert mid.any() and np.all(llama3[mid] < base[mid]) and np.all(llama3[mid] > base[mid] / 8)
