@@ -9,6 +9,8 @@ import sys
 # subcommand -> module under kvcore.cli; each module has add_arguments(parser) and run(args) -> int
 SUBCOMMANDS: dict[str, str] = {
     "plan": "plan",
+    "pull": "pull",
+    "convert": "convert",
 }
 
 
