@@ -1,0 +1,152 @@
+"""make_app(): the aiohttp application (mountable as a sub-app), its middlewares and lifetime."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+
+import structlog
+from aiohttp import web
+
+from kvcore.engine import AsyncEngine
+from kvcore.service import routes
+from kvcore.service.auth import TenantAuth, keys_from_list
+from kvcore.service.errors import APIError
+from kvcore.service.metrics import ServiceMetrics
+from kvcore.service.openai_routes import chat_completions, completions
+from kvcore.service.state import DRAINING, FAILED, LOADING, READY, STATE_KEY, ServiceState
+
+log = structlog.get_logger("kvcore.service")
+
+DEFAULT_MAX_BODY_SIZE = 4 << 20  # bytes; a request body past it is a 413
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Callable[..., object]) -> web.StreamResponse:
+    """Every error leaves in the OpenAI shape; an unexpected exception is a logged 500."""
+    try:
+        return await handler(request)  # type: ignore[misc]
+    except APIError as e:
+        return e.response()
+    except web.HTTPException as e:  # aiohttp's own: 404 unknown route, 405 wrong method
+        if e.status < 400:
+            raise
+        headers = {k: v for k, v in e.headers.items() if k in ("Allow", "Retry-After")}
+        return APIError(e.status, e.reason, headers=headers).response()
+    except (asyncio.CancelledError, ConnectionError):
+        raise
+    except Exception:
+        log.exception("unhandled error", path=request.path)
+        return APIError(500, "internal server error").response()
+
+
+def _auth_middleware(auth: TenantAuth) -> Callable[..., object]:
+    @web.middleware
+    async def _auth(request: web.Request, handler: Callable[..., object]) -> web.StreamResponse:
+        if request.match_info.handler not in routes.PUBLIC_HANDLERS:
+            request["tenant"] = auth.tenant_for(request)
+        return await handler(request)  # type: ignore[misc]
+    return _auth
+
+
+async def _load(state: ServiceState) -> None:
+    assert state.engine_factory is not None
+    try:
+        # building an engine reads weights: a worker thread keeps /health answering meanwhile
+        engine = await asyncio.to_thread(state.engine_factory)
+        await engine.start()
+    except Exception as e:
+        state.status, state.load_error = FAILED, f"{type(e).__name__}: {e}"
+        log.error("engine load failed", error=state.load_error)
+        return
+    state.engine = engine
+    if state.status == LOADING:
+        state.status = READY
+
+
+async def _engine_lifetime(app: web.Application) -> AsyncIterator[None]:
+    """cleanup_ctx: start (or load) the engine; at cleanup abort what is left and stop it."""
+    state = app[STATE_KEY]
+    loader = None
+    if state.engine is not None:
+        await state.engine.start()
+        state.status = READY
+    else:
+        loader = asyncio.create_task(_load(state))
+    yield
+    state.status = DRAINING
+    if loader is not None:
+        await loader
+    await drain(app, timeout=0.0)
+    if state.engine is not None:
+        await state.engine.stop()
+
+
+async def drain(app: web.Application, timeout: float) -> int:
+    """Stop admitting (503), let in-flight requests finish for up to `timeout` seconds, then
+    cancel the rest (which aborts their engine requests). Returns how many were cancelled."""
+    state = app[STATE_KEY]
+    if state.status in (READY, LOADING):
+        state.status = DRAINING
+    if state.in_flight and timeout > 0:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(state.idle.wait(), timeout)
+    left = list(state.in_flight)
+    for task in left:
+        task.cancel()
+    if left:
+        await asyncio.gather(*left, return_exceptions=True)
+    return len(left)
+
+
+def make_app(engine: AsyncEngine | Callable[[], AsyncEngine], *,
+             api_keys: Mapping[str, str] | Iterable[str] | None = None,
+             served_model_name: str | Sequence[str] | None = None,
+             max_body_size: int = DEFAULT_MAX_BODY_SIZE, max_waiting: int | None = None,
+             cache_salt_secret: bytes | None = None) -> web.Application:
+    """The OpenAI-compatible application around an AsyncEngine.
+
+    `engine` is a ready AsyncEngine, or a callable that builds one (it runs in a worker thread at
+    startup while /health answers 503). `api_keys`: keys (each its own tenant) or a mapping
+    key -> tenant; None or empty: no auth, one tenant. The app's cleanup_ctx starts the engine and
+    stops it at cleanup, so mount it (`root.add_subapp("/llm", app)`) or run it as is.
+    """
+    if max_body_size <= 0:
+        raise ValueError(f"max_body_size must be > 0, got {max_body_size}")
+    if max_waiting is not None and max_waiting < 0:
+        raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
+    keys = (dict(api_keys) if isinstance(api_keys, Mapping)
+            else keys_from_list(api_keys) if api_keys is not None else {})
+    if isinstance(served_model_name, str):
+        names = [served_model_name]
+    elif served_model_name:
+        names = list(served_model_name)
+    elif isinstance(engine, AsyncEngine):
+        names = [Path(engine.engine.config.model).name]
+    else:
+        raise ValueError("served_model_name is required when the engine is built lazily")
+    auth = TenantAuth(keys, cache_salt_secret)
+    state = ServiceState(
+        engine_factory=None if isinstance(engine, AsyncEngine) else engine,
+        auth=auth, served_model_names=names, max_body_size=max_body_size,
+        max_waiting=max_waiting, metrics=None,  # type: ignore[arg-type]
+        created=int(time.time()), engine=engine if isinstance(engine, AsyncEngine) else None)
+    state.metrics = ServiceMetrics(
+        names[0], lambda: state.engine.engine.stats() if state.engine is not None else None)
+    state.idle.set()
+    app = web.Application(middlewares=[_errors, _auth_middleware(auth)])
+    app[STATE_KEY] = state
+    app.cleanup_ctx.append(_engine_lifetime)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", routes.models)
+    app.router.add_post("/tokenize", routes.tokenize)
+    app.router.add_post("/detokenize", routes.detokenize)
+    app.router.add_get("/health", routes.health)
+    app.router.add_get("/metrics", routes.metrics)
+    app.router.add_get("/version", routes.version)
+    app.router.add_get("/openapi.json", routes.openapi)
+    return app

@@ -1,0 +1,108 @@
+"""Prometheus metrics under vLLM's names (`kvcore:` prefix), one CollectorRegistry per app."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+# vLLM's bucket edges, so dashboards built for it read the same
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class _EngineCollector(Collector):
+    """Reads the engine's counters and gauges at scrape time (nothing while the model loads)."""
+
+    def __init__(self, model_name: str, stats: Callable[[], Any | None]) -> None:
+        self._model_name = model_name
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        if stats is None:
+            return
+        name = [self._model_name]
+
+        def gauge(metric: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(f"kvcore:{metric}", doc, labels=["model_name"])
+            family.add_metric(name, value)
+            return family
+
+        def counter(metric: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(f"kvcore:{metric}", doc, labels=["model_name"])
+            family.add_metric(name, value)
+            return family
+
+        yield gauge("num_requests_running", "Requests in the running batch.", stats.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks referenced (0-1).",
+                    stats.kv_cache_usage)
+        yield gauge("num_free_blocks", "KV blocks not referenced by any sequence.",
+                    stats.num_free_blocks)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      stats.prefix_cache_queries)
+        yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+                      stats.prefix_cache_hits)
+        yield counter("num_preemptions", "Preemptions (recompute) of running requests.",
+                      stats.num_preemptions)
+        info = GaugeMetricFamily("kvcore:cache_config_info", "KV cache configuration.",
+                                 labels=["block_size", "cache_dtype", "num_blocks"])
+        info.add_metric([str(stats.block_size), str(stats.cache_dtype), str(stats.num_blocks)], 1)
+        yield info
+
+
+class ServiceMetrics:
+    """Per-request counters and latency histograms, plus the engine's state at scrape time."""
+
+    def __init__(self, model_name: str, stats: Callable[[], Any | None]) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        reg = self.registry
+        self.prompt_tokens = Counter("kvcore:prompt_tokens", "Prefill tokens processed.",
+                                     labels, registry=reg)
+        self.generation_tokens = Counter("kvcore:generation_tokens", "Tokens generated.",
+                                         labels, registry=reg)
+        self.request_success = Counter("kvcore:request_success", "Finished requests.",
+                                       ["model_name", "finished_reason"], registry=reg)
+        self.ttft = Histogram("kvcore:time_to_first_token_seconds", "Time to first token.",
+                              labels, buckets=TTFT_BUCKETS, registry=reg)
+        self.itl = Histogram("kvcore:inter_token_latency_seconds", "Time between tokens.",
+                             labels, buckets=ITL_BUCKETS, registry=reg)
+        self.e2e = Histogram("kvcore:e2e_request_latency_seconds", "Arrival to finish.",
+                             labels, buckets=REQUEST_BUCKETS, registry=reg)
+        self.queue_time = Histogram("kvcore:request_queue_time_seconds",
+                                    "Arrival to first scheduling.", labels,
+                                    buckets=REQUEST_BUCKETS, registry=reg)
+        reg.register(_EngineCollector(model_name, stats))
+
+    def observe_token_gap(self, seconds: float) -> None:
+        self.itl.labels(self.model_name).observe(seconds)
+
+    def observe_request(self, num_prompt_tokens: int, num_generated_tokens: int,
+                        finish_reasons: list[str], timings: Any) -> None:
+        """A finished (or aborted) request; timings: a RequestMetrics (time.monotonic() stamps)."""
+        model = self.model_name
+        self.prompt_tokens.labels(model).inc(num_prompt_tokens)
+        self.generation_tokens.labels(model).inc(num_generated_tokens)
+        for reason in finish_reasons:  # one per choice, as vLLM counts parallel samples
+            self.request_success.labels(model, reason).inc()
+        arrival = getattr(timings, "arrival_time", None)
+        if arrival is None:
+            return
+        for histogram, stamp in ((self.queue_time, "first_scheduled_time"),
+                                 (self.ttft, "first_token_time"), (self.e2e, "finished_time")):
+            value = getattr(timings, stamp, None)
+            if value is not None:
+                histogram.labels(model).observe(max(0.0, value - arrival))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,92 @@
+"""The OpenAPI 3.1 document of the service's routes (GET /openapi.json)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kvcore
+
+_NUM = {"type": "number"}
+_INT = {"type": "integer"}
+_BOOL = {"type": "boolean"}
+_STR = {"type": "string"}
+_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+
+# fields both generation endpoints accept (OpenAI names, then vLLM's extensions)
+_SAMPLING: dict[str, Any] = {
+    "model": _STR, "n": {"type": "integer", "minimum": 1}, "stream": _BOOL,
+    "stream_options": {"type": "object", "properties": {"include_usage": _BOOL}},
+    "temperature": {"type": "number", "minimum": 0}, "top_p": {"type": "number", "maximum": 1},
+    "top_k": _INT, "min_p": {"type": "number", "minimum": 0, "maximum": 1}, "seed": _INT,
+    "stop": {"oneOf": [_STR, {"type": "array", "items": _STR}]}, "stop_token_ids": _IDS,
+    "max_tokens": {"type": "integer", "minimum": 1}, "min_tokens": {"type": "integer",
+                                                                    "minimum": 0},
+    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "repetition_penalty": {"type": "number", "exclusiveMinimum": 0},
+    "logit_bias": {"type": "object", "additionalProperties": {"type": "number", "minimum": -100,
+                                                              "maximum": 100}},
+    "ignore_eos": _BOOL, "echo": _BOOL, "user": _STR, "priority": _INT,
+    "cache_salt": {"type": "string", "minLength": 1}, "use_beam_search": _BOOL,
+    "length_penalty": _NUM, "early_stopping": _BOOL, "skip_special_tokens": _BOOL,
+    "include_stop_str_in_output": _BOOL,
+}
+_MESSAGES = {"type": "array", "minItems": 1, "items": {
+    "type": "object", "required": ["role"],
+    "properties": {"role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+                   "content": {"oneOf": [_STR, {"type": "array"}, {"type": "null"}]}}}}
+_COMPLETION_BODY = {"type": "object", "required": ["prompt"], "properties": _SAMPLING | {
+    "prompt": {"oneOf": [_STR, {"type": "array", "items": _STR}, _IDS,
+                         {"type": "array", "items": _IDS}]},
+    "logprobs": {"type": "integer", "minimum": 0, "maximum": 20}}}
+_CHAT_BODY = {"type": "object", "required": ["messages"], "properties": _SAMPLING | {
+    "messages": _MESSAGES, "max_completion_tokens": {"type": "integer", "minimum": 1},
+    "logprobs": _BOOL, "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+    "add_generation_prompt": _BOOL}}
+_ERROR = {"description": "OpenAI-shaped error", "content": {"application/json": {"schema": {
+    "type": "object", "properties": {"error": {"type": "object", "properties": {
+        "message": _STR, "type": _STR, "param": {"type": ["string", "null"]},
+        "code": {"type": ["string", "integer", "null"]}}}}}}}}
+_ERRORS = {str(s): _ERROR for s in (400, 401, 404, 413, 429, 503)}
+_STREAMS = {"application/json": {}, "text/event-stream": {}, "application/x-msgpack": {}}
+
+
+def _post(summary: str, schema: dict[str, Any], produces: dict[str, Any]) -> dict[str, Any]:
+    return {"post": {"summary": summary,
+                     "requestBody": {"required": True,
+                                     "content": {"application/json": {"schema": schema}}},
+                     "responses": {"200": {"description": "OK", "content": produces}} | _ERRORS}}
+
+
+def _get(summary: str, content_type: str = "application/json") -> dict[str, Any]:
+    return {"get": {"summary": summary, "responses": {
+        "200": {"description": "OK", "content": {content_type: {}}}} | _ERRORS}}
+
+
+def openapi_document() -> dict[str, Any]:
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "kvcore OpenAI-compatible server", "version": kvcore.__version__},
+        "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "paths": {
+            "/v1/completions": _post("Text completion (stream: SSE; Accept msgpack: frames)",
+                                     _COMPLETION_BODY, _STREAMS),
+            "/v1/chat/completions": _post("Chat completion (stream: SSE; Accept msgpack: frames)",
+                                          _CHAT_BODY, _STREAMS),
+            "/v1/models": _get("The served model"),
+            "/tokenize": _post("Token ids of a prompt or a chat", {
+                "type": "object", "properties": {"prompt": _STR, "messages": _MESSAGES,
+                                                 "add_special_tokens": _BOOL,
+                                                 "add_generation_prompt": _BOOL,
+                                                 "return_token_strs": _BOOL}},
+                               {"application/json": {}}),
+            "/detokenize": _post("Text of token ids", {
+                "type": "object", "required": ["tokens"], "properties": {"tokens": _IDS}},
+                                 {"application/json": {}}),
+            "/health": _get("200 when ready; 503 while loading or draining"),
+            "/metrics": _get("Prometheus metrics", "text/plain"),
+            "/version": _get("kvcore version"),
+            "/openapi.json": _get("This document"),
+        },
+        "security": [{"bearer": []}],
+    }

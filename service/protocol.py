@@ -1,0 +1,196 @@
+"""Parsing and validating /v1/completions and /v1/chat/completions bodies (OpenAI/vLLM names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from kvcore.sampling.params import MAX_LOGPROBS, MAX_N, MAX_TEMPERATURE
+from kvcore.service.errors import bad_request
+from kvcore.service.fields import (
+    as_int,
+    get_bool,
+    get_float,
+    get_int,
+    get_logit_bias,
+    get_object,
+    get_stop,
+    get_str,
+    get_token_ids,
+)
+
+MAX_PROMPTS = 256  # prompts of one batched completions request
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+Prompt = str | list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    kind: Literal["completion", "chat"]
+    model: str | None
+    prompts: list[Prompt]  # completions: one or more; chat: empty (see messages)
+    messages: list[dict[str, Any]]  # chat only
+    add_generation_prompt: bool
+    n: int
+    max_tokens: int | None  # None: up to max_model_len
+    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields but max_tokens
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool = False
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: int | None = None  # the top-k to report with each token; None: no logprobs
+    echo: bool = False
+    priority: int = 0
+    cache_salt: str | None = None
+    user: str | None = None
+
+
+def _prompts(body: dict[str, Any], vocab_size: int) -> list[Prompt]:
+    raw = body.get("prompt")
+    if raw is None:
+        raise bad_request("prompt is required", "prompt")
+    # str | list[int] | list[str] | list[list[int]], as the OpenAI API accepts
+    if isinstance(raw, str):
+        items: list[Any] = [raw]
+    elif isinstance(raw, list) and raw and all(
+            isinstance(t, int | float) and not isinstance(t, bool) for t in raw):
+        items = [raw]
+    elif isinstance(raw, list):
+        items = raw
+    else:
+        raise bad_request("prompt must be a string, an array of strings or an array of token ids",
+                          "prompt")
+    if not items:
+        raise bad_request("prompt must not be empty", "prompt")
+    if len(items) > MAX_PROMPTS:
+        raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(items)}", "prompt")
+    prompts: list[Prompt] = []
+    for item in items:
+        if isinstance(item, str):
+            if not item:
+                raise bad_request("prompt must not be empty", "prompt")
+            prompts.append(item)
+        elif isinstance(item, list) and item:
+            prompts.append([as_int(t, "prompt", 0, vocab_size - 1) for t in item])
+        else:
+            raise bad_request("each prompt must be a non-empty string or array of token ids",
+                              "prompt")
+    return prompts
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise bad_request("messages must be a non-empty array", "messages")
+    messages = []
+    for message in raw:
+        if not isinstance(message, dict):
+            raise bad_request("each message must be an object", "messages")
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise bad_request(f"message role must be one of {sorted(CHAT_ROLES)}, got {role!r}",
+                              "messages")
+        content = message.get("content")
+        if isinstance(content, list):
+            # the content-parts form: only text parts can be served by a text model
+            texts = []
+            for part in content:
+                if not (isinstance(part, dict) and part.get("type") == "text"
+                        and isinstance(part.get("text"), str)):
+                    raise bad_request("only text content parts are supported", "messages")
+                texts.append(part["text"])
+            content = "".join(texts)
+        elif content is not None and not isinstance(content, str):
+            raise bad_request("message content must be a string or an array of parts",
+                              "messages")
+        messages.append({"role": role, "content": content or ""})
+    return messages
+
+
+def _sampling(body: dict[str, Any], vocab_size: int) -> dict[str, Any]:
+    top_k = get_int(body, "top_k", None, -1)
+    return {
+        "temperature": get_float(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE),
+        "top_p": get_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        # -1 and 0 mean "off" (vLLM); a k past the vocabulary keeps every token either way
+        "top_k": None if top_k in (None, -1, 0) else min(top_k, vocab_size),
+        "min_p": get_float(body, "min_p", 0.0, 0.0, 1.0),
+        "seed": get_int(body, "seed", None),
+        "presence_penalty": get_float(body, "presence_penalty", 0.0, -2.0, 2.0),
+        "frequency_penalty": get_float(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        "repetition_penalty": get_float(body, "repetition_penalty", 1.0, 0.0, 2.0**31,
+                                        lo_open=True),
+        "logit_bias": get_logit_bias(body, vocab_size),
+        "stop": get_stop(body),
+        "stop_token_ids": get_token_ids(body, "stop_token_ids", vocab_size),
+        "ignore_eos": get_bool(body, "ignore_eos", False),
+        "min_tokens": get_int(body, "min_tokens", 0, 0),
+        "include_stop_str_in_output": get_bool(body, "include_stop_str_in_output", False),
+        "skip_special_tokens": get_bool(body, "skip_special_tokens", True),
+    }
+
+
+def _common(body: dict[str, Any], kind: Literal["completion", "chat"], vocab_size: int,
+            max_tokens: int | None, logprobs: int | None, prompts: list[Prompt],
+            messages: list[dict[str, Any]], echo: bool) -> GenerationRequest:
+    stream = get_bool(body, "stream", False)
+    options = get_object(body, "stream_options")
+    if options is not None and not stream:
+        raise bad_request("stream_options can only be set when stream is true", "stream_options")
+    include_usage = get_bool(options or {}, "include_usage", False)
+    sampling = _sampling(body, vocab_size)
+    if max_tokens is not None and sampling["min_tokens"] > max_tokens:
+        raise bad_request(f"min_tokens ({sampling['min_tokens']}) must be <= max_tokens "
+                          f"({max_tokens})", "min_tokens")
+    response_format = get_object(body, "response_format")
+    if response_format is not None and response_format.get("type") not in (None, "text"):
+        raise bad_request("only the text response_format is supported", "response_format")
+    n = get_int(body, "n", 1, 1, MAX_N)
+    assert n is not None
+    return GenerationRequest(
+        kind=kind,
+        model=get_str(body, "model"),
+        prompts=prompts,
+        messages=messages,
+        add_generation_prompt=get_bool(body, "add_generation_prompt", True),
+        n=n,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        use_beam_search=get_bool(body, "use_beam_search", False),
+        length_penalty=get_float(body, "length_penalty", 1.0),
+        early_stopping=get_bool(body, "early_stopping", False),
+        stream=stream,
+        include_usage=include_usage,
+        logprobs=logprobs,
+        echo=echo,
+        priority=get_int(body, "priority", 0) or 0,
+        cache_salt=get_str(body, "cache_salt", non_empty=True),
+        user=get_str(body, "user"),
+    )
+
+
+def parse_completion(body: dict[str, Any], vocab_size: int) -> GenerationRequest:
+    prompts = _prompts(body, vocab_size)
+    max_tokens = get_int(body, "max_tokens", 16, 1)  # OpenAI's completions default
+    logprobs = get_int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    echo = get_bool(body, "echo", False)
+    if echo and logprobs is not None:
+        raise bad_request("echo with logprobs (prompt logprobs) is not supported", "echo")
+    return _common(body, "completion", vocab_size, max_tokens, logprobs, prompts, [], echo)
+
+
+def parse_chat(body: dict[str, Any], vocab_size: int) -> GenerationRequest:
+    messages = _messages(body)
+    # max_completion_tokens is OpenAI's newer name; it wins over the deprecated max_tokens
+    max_tokens = get_int(body, "max_completion_tokens", None, 1)
+    if max_tokens is None:
+        max_tokens = get_int(body, "max_tokens", None, 1)
+    want_logprobs = get_bool(body, "logprobs", False)
+    top_logprobs = get_int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    if top_logprobs is not None and top_logprobs > 0 and not want_logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    logprobs = (top_logprobs or 0) if want_logprobs else None
+    echo = get_bool(body, "echo", False)
+    return _common(body, "chat", vocab_size, max_tokens, logprobs, [], messages, echo)

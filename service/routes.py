@@ -1,0 +1,84 @@
+"""The non-generating endpoints: models, tokenize, detokenize, health, metrics, version, openapi."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+import kvcore
+from kvcore.service.errors import bad_request
+from kvcore.service.fields import as_int, get_bool
+from kvcore.service.openapi import openapi_document
+from kvcore.service.protocol import parse_chat
+from kvcore.service.state import READY, STATE_KEY, read_json
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    if state.status != READY:
+        return web.json_response({"status": state.status}, status=503)
+    return web.Response(status=200)
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    engine = state.ready_engine().engine
+    data = [{"id": name, "object": "model", "created": state.created, "owned_by": "kvcore",
+             "root": state.served_model_names[0], "parent": None,
+             "max_model_len": engine.max_model_len} for name in state.served_model_names]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    body = await read_json(request, state.max_body_size)
+    engine = state.ready_engine().engine
+    tokenizer = engine.tokenizer
+    if body.get("model") is not None:
+        state.model_name(body["model"] if isinstance(body["model"], str) else str(body["model"]))
+    if "messages" in body:
+        req = parse_chat({"messages": body["messages"],
+                          "add_generation_prompt": body.get("add_generation_prompt")},
+                         engine.model_config.vocab_size)
+        try:
+            text = tokenizer.apply_chat_template(req.messages,
+                                                 add_generation_prompt=req.add_generation_prompt)
+        except ValueError as e:
+            raise bad_request(f"chat template: {e}", "messages") from None
+        add_special = get_bool(body, "add_special_tokens", False)
+    else:
+        text = body.get("prompt")
+        if not isinstance(text, str):
+            raise bad_request("prompt must be a string (or send messages)", "prompt")
+        add_special = get_bool(body, "add_special_tokens", True)
+    tokens = tokenizer.encode(text, add_special_tokens=add_special)
+    strs = ([tokenizer.id_to_token(t) for t in tokens]
+            if get_bool(body, "return_token_strs", False) else None)
+    return web.json_response({"count": len(tokens), "max_model_len": engine.max_model_len,
+                              "tokens": tokens, "token_strs": strs})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    body = await read_json(request, state.max_body_size)
+    engine = state.ready_engine().engine
+    raw = body.get("tokens")
+    if not isinstance(raw, list):
+        raise bad_request("tokens must be an array of token ids", "tokens")
+    tokens = [as_int(t, "tokens", 0, engine.model_config.vocab_size - 1) for t in raw]
+    return web.json_response({"prompt": engine.tokenizer.decode(tokens)})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[STATE_KEY].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": kvcore.__version__})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(openapi_document())
+
+
+PUBLIC_HANDLERS = frozenset({health, metrics, version, openapi})
