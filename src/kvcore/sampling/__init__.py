@@ -10,7 +10,14 @@ from kvcore.sampling.beam import (
     top_candidates,
 )
 from kvcore.sampling.params import BeamSearchParams, SamplingParams, TokenLogprob
-from kvcore.sampling.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
+from kvcore.sampling.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingRow,
+    draw,
+    make_generator,
+    process_logits,
+)
 from kvcore.sampling.stop import StopChecker, StopResult, find_stop_string, num_holdback_chars
 
 __all__ = [
@@ -27,9 +34,11 @@ __all__ = [
     "StopChecker",
     "StopResult",
     "TokenLogprob",
+    "draw",
     "find_stop_string",
     "length_penalized",
     "make_generator",
     "num_holdback_chars",
+    "process_logits",
     "top_candidates",
 ]

@@ -63,9 +63,9 @@ def mask_tokens(logits: np.ndarray, rows: np.ndarray, token_ids: np.ndarray) -> 
     logits[rows, token_ids] = NEG_INF
 
 
-def apply_temperature(logits: np.ndarray, temperatures: np.ndarray) -> None:
-    """Divide each row by its temperature; `temperatures` is (B,) and strictly positive."""
-    logits /= temperatures.astype(np.float32)[:, None]
+def apply_temperature(logits: np.ndarray, rows: np.ndarray, temperatures: np.ndarray) -> None:
+    """Divide row rows[i] by temperatures[i] (> 0)."""
+    logits[rows] /= temperatures.astype(np.float32)[:, None]
 
 
 def apply_min_p(logits: np.ndarray, rows: np.ndarray, min_p: np.ndarray) -> None:

@@ -48,19 +48,18 @@ class Sampler:
         if logits.ndim != 2 or logits.shape[0] != len(rows) or logits.dtype != np.float32:
             raise ValueError(f"logits must be float32 (B={len(rows)}, V), got "
                              f"{logits.dtype} {logits.shape}")
-        num_rows, vocab_size = logits.shape
+        num_rows = logits.shape[0]
         want_logprobs = np.array([r.params.logprobs is not None for r in rows], dtype=bool)
         raw_logprobs = lp.log_softmax(logits[want_logprobs]) if want_logprobs.any() else None
 
-        self._apply_penalties(logits, rows)
-        greedy = np.array([r.params.greedy for r in rows], dtype=bool)  # (B,)
+        greedy = process_logits(logits, rows, self.eos_token_ids)  # (B,) bool
         token_ids = np.empty(num_rows, dtype=np.int64)  # (B,)
         if greedy.any():
             token_ids[greedy] = logits[greedy].argmax(axis=1)
         random_rows = np.flatnonzero(~greedy)
         if len(random_rows):
-            token_ids[random_rows] = _sample_random(logits[random_rows],
-                                                    [rows[int(i)] for i in random_rows])
+            token_ids[random_rows] = draw(logits[random_rows],
+                                          [rows[int(i)].generator for i in random_rows])
 
         out: list[TokenLogprob | None] = [None] * num_rows
         if raw_logprobs is not None:
@@ -70,53 +69,74 @@ class Sampler:
                 out[int(i)] = _token_logprob(raw_logprobs[j], int(token_ids[i]), k)
         return SamplerOutput(token_ids=token_ids, logprobs=out)
 
-    def _apply_penalties(self, logits: np.ndarray, rows: Sequence[SamplingRow]) -> None:
-        """The processors that also apply to greedy rows: bias, min_tokens, penalties."""
-        vocab_size = logits.shape[1]
-        bias_rows: list[int] = []
-        bias_tokens: list[int] = []
-        bias_values: list[float] = []
-        mask_rows: list[int] = []
-        mask_tokens: list[int] = []
-        rep_rows: list[int] = []
-        freq_rows: list[int] = []
-        for i, row in enumerate(rows):
-            p = row.params
-            if p.logit_bias:
-                bias_rows.extend([i] * len(p.logit_bias))
-                bias_tokens.extend(p.logit_bias.keys())
-                bias_values.extend(p.logit_bias.values())
-            if len(row.output_token_ids) < p.min_tokens:
-                stop_ids = set(p.stop_token_ids)
-                if not p.ignore_eos:
-                    stop_ids.update(self.eos_token_ids)
-                mask_rows.extend([i] * len(stop_ids))
-                mask_tokens.extend(stop_ids)
-            if p.repetition_penalty != 1.0:
-                rep_rows.append(i)
-            if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
-                freq_rows.append(i)
 
-        if bias_rows:
-            tokens = _checked_ids(bias_tokens, vocab_size, "logit_bias")
-            lp.apply_logit_bias(logits, np.array(bias_rows), tokens, np.array(bias_values))
-        if mask_rows:
-            tokens = _checked_ids(mask_tokens, vocab_size, "stop_token_ids")
-            lp.mask_tokens(logits, np.array(mask_rows), tokens)
-        if rep_rows:
-            seen = [list(rows[i].prompt_token_ids) + list(rows[i].output_token_ids)
-                    for i in rep_rows]
-            pair_rows, pair_tokens, _ = lp.token_pairs(seen, np.array(rep_rows), vocab_size)
-            penalties = np.array([r.params.repetition_penalty for r in rows])  # (B,)
-            lp.apply_repetition_penalty(logits, pair_rows, pair_tokens, penalties)
-        if freq_rows:
-            outputs = [rows[i].output_token_ids for i in freq_rows]
-            pair_rows, pair_tokens, counts = lp.token_pairs(outputs, np.array(freq_rows),
-                                                            vocab_size)
-            frequency = np.array([r.params.frequency_penalty for r in rows])  # (B,)
-            presence = np.array([r.params.presence_penalty for r in rows])  # (B,)
-            lp.apply_frequency_presence(logits, pair_rows, pair_tokens, counts, frequency,
-                                        presence)
+def process_logits(logits: np.ndarray, rows: Sequence[SamplingRow],
+                   eos_token_ids: Sequence[int]) -> np.ndarray:
+    """Apply every row's processors to `logits` (B, V) float32 in place; returns the (B,) greedy
+    mask. All rows: logit_bias, min_tokens, repetition, frequency/presence penalties. Random rows
+    only (greedy rows need just the argmax): temperature, min_p, top_k, top_p."""
+    vocab_size = logits.shape[1]
+    bias_rows: list[int] = []
+    bias_tokens: list[int] = []
+    bias_values: list[float] = []
+    mask_rows: list[int] = []
+    mask_tokens: list[int] = []
+    rep_rows: list[int] = []
+    freq_rows: list[int] = []
+    for i, row in enumerate(rows):
+        p = row.params
+        if p.logit_bias:
+            bias_rows.extend([i] * len(p.logit_bias))
+            bias_tokens.extend(p.logit_bias.keys())
+            bias_values.extend(p.logit_bias.values())
+        if len(row.output_token_ids) < p.min_tokens:
+            stop_ids = set(p.stop_token_ids)
+            if not p.ignore_eos:
+                stop_ids.update(eos_token_ids)
+            mask_rows.extend([i] * len(stop_ids))
+            mask_tokens.extend(stop_ids)
+        if p.repetition_penalty != 1.0:
+            rep_rows.append(i)
+        if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+            freq_rows.append(i)
+
+    if bias_rows:
+        tokens = _checked_ids(bias_tokens, vocab_size, "logit_bias")
+        lp.apply_logit_bias(logits, np.array(bias_rows), tokens, np.array(bias_values))
+    if mask_rows:
+        tokens = _checked_ids(mask_tokens, vocab_size, "stop_token_ids")
+        lp.mask_tokens(logits, np.array(mask_rows), tokens)
+    if rep_rows:
+        seen = [list(rows[i].prompt_token_ids) + list(rows[i].output_token_ids) for i in rep_rows]
+        pair_rows, pair_tokens, _ = lp.token_pairs(seen, np.array(rep_rows), vocab_size)
+        penalties = np.array([r.params.repetition_penalty for r in rows])  # (B,)
+        lp.apply_repetition_penalty(logits, pair_rows, pair_tokens, penalties)
+    if freq_rows:
+        outputs = [rows[i].output_token_ids for i in freq_rows]
+        pair_rows, pair_tokens, counts = lp.token_pairs(outputs, np.array(freq_rows), vocab_size)
+        frequency = np.array([r.params.frequency_penalty for r in rows])  # (B,)
+        presence = np.array([r.params.presence_penalty for r in rows])  # (B,)
+        lp.apply_frequency_presence(logits, pair_rows, pair_tokens, counts, frequency, presence)
+
+    greedy = np.array([r.params.greedy for r in rows], dtype=bool)  # (B,)
+    params = [r.params for r in rows]
+    random = ~greedy
+    if random.any():
+        temperature = np.array([p.temperature for p in params])  # (B,)
+        lp.apply_temperature(logits, np.flatnonzero(random), temperature[random])
+    min_p = np.array([p.min_p for p in params])  # (B,)
+    sel = np.flatnonzero(random & (min_p > 0))
+    if len(sel):
+        lp.apply_min_p(logits, sel, min_p[sel])
+    top_k = np.array([p.top_k or vocab_size for p in params])  # (B,)
+    sel = np.flatnonzero(random & (top_k < vocab_size))
+    if len(sel):
+        lp.apply_top_k(logits, sel, top_k[sel])
+    top_p = np.array([p.top_p for p in params])  # (B,)
+    sel = np.flatnonzero(random & (top_p < 1.0))
+    if len(sel):
+        lp.apply_top_p(logits, sel, top_p[sel])
+    return greedy
 
 
 def _checked_ids(token_ids: list[int], vocab_size: int, name: str) -> np.ndarray:
@@ -127,34 +147,19 @@ def _checked_ids(token_ids: list[int], vocab_size: int, name: str) -> np.ndarray
     return ids
 
 
-def _sample_random(logits: np.ndarray, rows: Sequence[SamplingRow]) -> np.ndarray:
-    """Temperature, min_p, top_k, top_p, then one inverse-CDF draw per row from the row's own
-    generator: a row's token depends only on its logits and its generator, never on the batch."""
-    params = [r.params for r in rows]
-    lp.apply_temperature(logits, np.array([p.temperature for p in params]))
-    min_p = np.array([p.min_p for p in params])  # (R,)
-    if (min_p > 0).any():
-        sel = np.flatnonzero(min_p > 0)
-        lp.apply_min_p(logits, sel, min_p[sel])
-    vocab_size = logits.shape[1]
-    top_k = np.array([p.top_k or vocab_size for p in params])  # (R,)
-    if (top_k < vocab_size).any():
-        sel = np.flatnonzero(top_k < vocab_size)
-        lp.apply_top_k(logits, sel, top_k[sel])
-    top_p = np.array([p.top_p for p in params])  # (R,)
-    if (top_p < 1.0).any():
-        sel = np.flatnonzero(top_p < 1.0)
-        lp.apply_top_p(logits, sel, top_p[sel])
-
+def draw(logits: np.ndarray, generators: Sequence[np.random.Generator | None]) -> np.ndarray:
+    """One inverse-CDF draw per row of processed `logits` (R, V) from the row's own generator
+    (one uniform per row): a row's token depends only on its logits and its generator, never on
+    the rest of the batch. Returns (R,) int64."""
     probs = np.exp(logits.astype(np.float64) - logits.max(axis=1, keepdims=True))  # (R, V)
     cdf = np.cumsum(probs, axis=1)  # (R, V), unnormalized
-    token_ids = np.empty(len(rows), dtype=np.int64)  # (R,)
-    for i, row in enumerate(rows):
-        if row.generator is None:
+    token_ids = np.empty(len(generators), dtype=np.int64)  # (R,)
+    for i, generator in enumerate(generators):
+        if generator is None:
             raise ValueError("a random (non-greedy) row needs a generator, got None")
-        target = row.generator.random() * cdf[i, -1]
+        target = generator.random() * cdf[i, -1]
         token_id = int(np.searchsorted(cdf[i], target, side="right"))
-        if token_id >= vocab_size:
+        if token_id >= logits.shape[1]:
             # u * total rounded up to total: take the last token with non-zero probability
             token_id = int(np.flatnonzero(probs[i])[-1])
         token_ids[i] = token_id
