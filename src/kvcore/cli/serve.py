@@ -1,0 +1,158 @@
+"""`kvcore serve [MODEL]`: the OpenAI-compatible HTTP server (the default model without MODEL)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+import structlog
+from aiohttp import web
+
+from kvcore.cli import CLIError
+from kvcore.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvcore.engine import AsyncEngine
+from kvcore.planner import format_size, parse_size, plan_for_model
+from kvcore.service import STATE_KEY, drain, make_app
+from kvcore.service.auth import keys_from_list, load_keys_file
+from kvcore.service.state import FAILED, LOADING
+
+log = structlog.get_logger("kvcore.serve")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                        help="HF-style model directory (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free)")
+    parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                        help="accept `Authorization: Bearer KEY` (repeatable; each key a tenant)")
+    parser.add_argument("--api-keys-file", metavar="PATH",
+                        help="keys and their tenants: JSON {key: tenant} or `KEY TENANT` lines")
+    parser.add_argument("--served-model-name", action="append", metavar="NAME",
+                        help="name(s) clients use in `model` (default: the model directory's)")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
+    parser.add_argument("--max-model-len", type=int, metavar="TOKENS",
+                        help="prompt + completion tokens at most (default: the model's)")
+    parser.add_argument("--max-num-seqs", type=int, default=256, metavar="N",
+                        help="running sequences at most (default 256)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, metavar="N",
+                        help="token budget of one step (default 2048)")
+    parser.add_argument("--block-size", type=int, default=16, metavar="TOKENS",
+                        help="tokens per KV block (default 16)")
+    pool = parser.add_mutually_exclusive_group()
+    pool.add_argument("--num-blocks", type=int, metavar="N", help="KV blocks in the pool")
+    pool.add_argument("--kv-cache-memory", metavar="SIZE",
+                      help="KV cache budget, e.g. 2GiB (default: the device's default)")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="auto (the model's), fp32, fp16, bf16 or fp8")
+    parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                        action="store_false", help="turn the prefix cache off")
+    parser.add_argument("--max-waiting", type=int, metavar="N",
+                        help="answer 429 once N requests wait (default: unbounded)")
+    parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="on SIGTERM/SIGINT, let requests finish this long (default 30)")
+    parser.add_argument("--max-body-size", default="4MiB", metavar="SIZE",
+                        help="413 for request bodies over this (default 4MiB)")
+    parser.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
+
+
+def configure_logging() -> None:
+    """JSON lines on stderr: one per request, one per preemption, and the server's own events."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    structlog.configure(
+        processors=[structlog.processors.add_log_level,
+                    structlog.processors.TimeStamper(fmt="iso", utc=True),
+                    structlog.processors.format_exc_info, structlog.processors.JSONRenderer()],
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=True)
+
+
+def _config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
+    memory = parse_size(args.kv_cache_memory) if args.kv_cache_memory is not None else None
+    return EngineConfig(
+        model=model_dir, device=args.device, seed=args.seed,
+        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
+                          kv_cache_memory=memory, cache_dtype=args.kv_cache_dtype,
+                          enable_prefix_caching=args.enable_prefix_caching),
+        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_num_seqs=args.max_num_seqs,
+                                  max_model_len=args.max_model_len,
+                                  max_waiting=args.max_waiting))
+
+
+def _build_engine(config: EngineConfig) -> AsyncEngine:
+    engine = AsyncEngine.from_config(config)
+    stats = engine.engine.stats()
+    kv_plan = plan_for_model(engine.engine.model_config, stats.cache_dtype,
+                             context=engine.engine.max_model_len, block_size=stats.block_size)
+    pool_bytes = stats.num_blocks * kv_plan.bytes_per_block
+    log.info("kv cache pool", num_blocks=stats.num_blocks, block_size=stats.block_size,
+             cache_dtype=stats.cache_dtype, pool_size=format_size(pool_bytes),
+             bytes_per_token=kv_plan.bytes_per_token, max_model_len=engine.engine.max_model_len,
+             # sequences of max_model_len tokens the pool holds at once
+             max_concurrency=stats.num_blocks // kv_plan.blocks_per_sequence)
+    return engine
+
+
+async def _exit_on_load_failure(app: web.Application, stop: asyncio.Event) -> None:
+    state = app[STATE_KEY]
+    while state.status == LOADING:
+        await asyncio.sleep(0.1)
+    if state.status == FAILED:
+        stop.set()
+
+
+async def serve(app: web.Application, host: str, port: int, drain_timeout: float) -> int:
+    """Run until SIGTERM/SIGINT, then drain: 503 to new requests, finish or abort the rest.
+
+    Returns the exit status: 0 after a drain, 1 when the model failed to load.
+    """
+    runner = web.AppRunner(app, handle_signals=False, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    server = site._server  # the bound port, when 0 asked for any free one
+    bound = server.sockets[0].getsockname()[1] if server is not None and server.sockets else port
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("serving", url=f"http://{host}:{bound}", port=bound)
+    watcher = asyncio.create_task(_exit_on_load_failure(app, stop))
+    try:
+        await stop.wait()
+        if app[STATE_KEY].status == FAILED:
+            return 1
+        log.info("draining", timeout_s=drain_timeout)
+        aborted = await drain(app, drain_timeout)
+        log.info("drained", aborted=aborted)
+        return 0
+    finally:
+        watcher.cancel()
+        await runner.cleanup()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvcore.model.hub import resolve_model
+
+    configure_logging()
+    try:
+        keys = keys_from_list(args.api_key)
+        if args.api_keys_file:
+            keys |= load_keys_file(args.api_keys_file)
+        model_dir = resolve_model(args.model)
+        config = _config(args, str(model_dir))
+        max_body = parse_size(args.max_body_size)
+        if args.drain_timeout < 0:
+            raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    except (OSError, ValueError) as e:
+        raise CLIError(str(e)) from e
+    names = args.served_model_name or [args.model if args.model else model_dir.name]
+    app = make_app(lambda: _build_engine(config), api_keys=keys, served_model_name=names,
+                   max_body_size=max_body, max_waiting=args.max_waiting)
+    return asyncio.run(serve(app, args.host, args.port, args.drain_timeout))
