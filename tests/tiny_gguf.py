@@ -1,0 +1,127 @@
+"""A tiny llama GGUF written with the gguf package, in the layout of llama.cpp's converter."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import dequantize, quantize
+
+from tiny_model import CHATML_TEMPLATE, SPECIAL_TOKENS, byte_to_unicode
+
+Q = GGMLQuantizationType
+MERGES = ["Ġ t", "h e", "Ġt he", "1 2"]
+USER_TOKEN = "<think>"  # a user-defined (not special) added token
+TINY_GGUF = {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 128, "context": 256,
+             "rope_theta": 50000.0, "eps": 1e-5}
+# a mix of the quant types real files use, per HF tensor suffix
+_QTYPES = {"self_attn.q_proj.weight": Q.Q4_1, "self_attn.k_proj.weight": Q.F16,
+           "self_attn.v_proj.weight": Q.Q8_0, "self_attn.o_proj.weight": Q.Q4_0,
+           "mlp.gate_proj.weight": Q.Q5_0, "mlp.up_proj.weight": Q.Q5_1,
+           "mlp.down_proj.weight": Q.Q4_1, "model.embed_tokens.weight": Q.Q8_0,
+           "lm_head.weight": Q.Q8_0}
+_GGUF_NAMES = {"input_layernorm.weight": "attn_norm.weight",
+               "post_attention_layernorm.weight": "ffn_norm.weight",
+               "self_attn.q_proj.weight": "attn_q.weight",
+               "self_attn.k_proj.weight": "attn_k.weight",
+               "self_attn.v_proj.weight": "attn_v.weight",
+               "self_attn.o_proj.weight": "attn_output.weight",
+               "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+               "mlp.down_proj.weight": "ffn_down.weight"}
+
+
+def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py's LlamaModel.permute (HF rows -> GGUF rope layout)."""
+    return (w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def tiny_tokens() -> tuple[list[str], list[int]]:
+    """The vocabulary (specials, 256 byte characters, merged tokens, a user token) and types."""
+    tokens = list(SPECIAL_TOKENS) + list(byte_to_unicode().values())
+    tokens += [m.replace(" ", "") for m in MERGES] + [USER_TOKEN]
+    types = [3] * len(SPECIAL_TOKENS) + [1] * (len(tokens) - len(SPECIAL_TOKENS) - 1) + [4]
+    return tokens, types
+
+
+def _hf_weights(rng: np.random.Generator, vocab: int, tied: bool) -> dict[str, np.ndarray]:
+    g = TINY_GGUF
+    head_dim = g["hidden"] // g["heads"]
+
+    def normal(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.1).astype(np.float32)
+
+    w = {"model.embed_tokens.weight": normal(vocab, g["hidden"]),
+         "model.norm.weight": 1 + normal(g["hidden"])}
+    for i in range(g["layers"]):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = 1 + normal(g["hidden"])
+        w[p + "post_attention_layernorm.weight"] = 1 + normal(g["hidden"])
+        w[p + "self_attn.q_proj.weight"] = normal(g["heads"] * head_dim, g["hidden"])
+        w[p + "self_attn.k_proj.weight"] = normal(g["kv_heads"] * head_dim, g["hidden"])
+        w[p + "self_attn.v_proj.weight"] = normal(g["kv_heads"] * head_dim, g["hidden"])
+        w[p + "self_attn.o_proj.weight"] = normal(g["hidden"], g["heads"] * head_dim)
+        w[p + "mlp.gate_proj.weight"] = normal(g["ffn"], g["hidden"])
+        w[p + "mlp.up_proj.weight"] = normal(g["ffn"], g["hidden"])
+        w[p + "mlp.down_proj.weight"] = normal(g["hidden"], g["ffn"])
+    if not tied:
+        w["lm_head.weight"] = normal(vocab, g["hidden"])
+    return w
+
+
+def _gguf_name(hf_name: str) -> str:
+    if hf_name.startswith("model.layers."):
+        _, _, layer, rest = hf_name.split(".", 3)
+        return f"blk.{layer}.{_GGUF_NAMES[rest]}"
+    return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
+            "output_norm.weight", "lm_head.weight": "output.weight"}[hf_name]
+
+
+def make_tiny_gguf(path: str | Path, *, seed: int = 0, tied: bool = True, arch: str = "llama",
+                   tokenizer_model: str = "gpt2", pre: str = "smollm",
+                   chat_template: str | None = CHATML_TEMPLATE) -> dict[str, np.ndarray]:
+    """Write the GGUF at `path`; returns the HF tensors the conversion must give back exactly
+    (each weight after its quantization round trip, q/k rows in HF order)."""
+    g = TINY_GGUF
+    tokens, types = tiny_tokens()
+    hf = _hf_weights(np.random.default_rng(seed), len(tokens), tied)
+    writer = GGUFWriter(str(path), arch)
+    meta: dict[str, Any] = {
+        "block_count": g["layers"], "context_length": g["context"],
+        "embedding_length": g["hidden"], "feed_forward_length": g["ffn"],
+        "head_count": g["heads"], "head_count_kv": g["kv_heads"],
+        "rope_freq_base": g["rope_theta"], "layer_norm_rms_eps": g["eps"],
+        "rope_dimension_count": g["hidden"] // g["heads"], "vocab_size": len(tokens),
+        "tokenizer_model": tokenizer_model, "tokenizer_pre": pre, "token_list": tokens,
+        "token_types": types, "token_merges": MERGES, "bos_token_id": 1, "eos_token_id": 2,
+        "unk_token_id": 0, "pad_token_id": 2, "add_bos_token": False,
+    }
+    for key, value in meta.items():
+        getattr(writer, f"add_{key}")(value)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+    expected = {}
+    for name, w in hf.items():
+        qtype = _QTYPES.get(name.split(".", 3)[-1] if "layers" in name else name, Q.F32)
+        stored = w
+        if name.endswith("q_proj.weight"):
+            stored = llama_cpp_permute(w, g["heads"])
+        elif name.endswith("k_proj.weight"):
+            stored = llama_cpp_permute(w, g["kv_heads"])
+        if qtype == Q.F32:
+            writer.add_tensor(_gguf_name(name), stored)
+            expected[name] = w
+        elif qtype == Q.F16:
+            writer.add_tensor(_gguf_name(name), stored.astype(np.float16))
+            expected[name] = w.astype(np.float16).astype(np.float32)
+        else:
+            writer.add_tensor(_gguf_name(name), quantize(stored, qtype), raw_dtype=qtype)
+            # quantization works row by row, so it commutes with the row permutation
+            expected[name] = dequantize(quantize(w, qtype), qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return expected
