@@ -164,7 +164,9 @@ class Request:
             self.num_text_visible = len(self.text) - held
             return None
         self.text = result.text
-        self.num_text_visible = len(result.text)
+        if self.detokenizer is not None and not isinstance(result.stop_reason, str):
+            self.text += self.detokenizer.flush()  # an incomplete character left at the end
+        self.num_text_visible = len(self.text)
         self.stop_reason = result.stop_reason
         if result.finish_reason == "stop":
             return RequestStatus.FINISHED_STOPPED

@@ -1,0 +1,87 @@
+"""LLM: the offline API, a batch of prompts in, their finished outputs out (in order)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from kvcore.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvcore.engine.engine import Engine
+from kvcore.model.hub import resolve_model
+from kvcore.request import RequestOutput
+from kvcore.sampling import BeamSearchParams, SamplingParams
+
+Prompt = str | Sequence[int]
+
+_CACHE_FIELDS = {f.name for f in dataclasses.fields(CacheConfig)}
+_SCHEDULER_FIELDS = {f.name for f in dataclasses.fields(SchedulerConfig)}
+_ENGINE_FIELDS = {"device", "seed"}
+
+
+def engine_config(model: str, **engine_args: Any) -> EngineConfig:
+    """EngineConfig from flat keyword arguments (block_size=..., max_num_seqs=..., seed=...)."""
+    unknown = set(engine_args) - _CACHE_FIELDS - _SCHEDULER_FIELDS - _ENGINE_FIELDS
+    if unknown:
+        raise ValueError(f"unknown engine argument(s) {sorted(unknown)}; known: "
+                         f"{sorted(_CACHE_FIELDS | _SCHEDULER_FIELDS | _ENGINE_FIELDS)}")
+
+    def pick(names: set[str]) -> dict[str, Any]:
+        return {k: v for k, v in engine_args.items() if k in names}
+
+    return EngineConfig(model=model, cache=CacheConfig(**pick(_CACHE_FIELDS)),
+                        scheduler=SchedulerConfig(**pick(_SCHEDULER_FIELDS)),
+                        **pick(_ENGINE_FIELDS))
+
+
+class LLM:
+    """`LLM(model).generate(prompts, SamplingParams(...))`; model None: the default model."""
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.engine = Engine(engine_config(str(resolve_model(model)), **engine_args))
+        self._counter = 0
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        batch = _as_batch(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            per_prompt = [params or SamplingParams()] * len(batch)
+        else:
+            per_prompt = list(params)
+            if len(per_prompt) != len(batch):
+                raise ValueError(f"params has {len(per_prompt)} entries for {len(batch)} prompts")
+        return self._run(batch, per_prompt)
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt],
+                    params: BeamSearchParams) -> list[RequestOutput]:
+        batch = _as_batch(prompts)
+        return self._run(batch, [params] * len(batch))
+
+    def _run(self, batch: list[Prompt],
+             params: Sequence[SamplingParams | BeamSearchParams]) -> list[RequestOutput]:
+        ids = []
+        try:
+            for prompt, p in zip(batch, params, strict=True):
+                self._counter += 1
+                request_id = f"llm-{self._counter}"
+                self.engine.add_request(request_id, prompt, p)
+                ids.append(request_id)
+            results: dict[str, RequestOutput] = {}
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        results[output.request_id] = output
+            return [results[i] for i in ids]
+        finally:
+            for request_id in ids:  # an error half-way must not leave requests behind
+                self.engine.abort_request(request_id)
+
+
+def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [items]  # one prompt of token ids
+    return items  # type: ignore[return-value]

@@ -1,0 +1,83 @@
+"""Engine set-up helpers: the model protocol, KV pool sizing and request validation."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+from kvcore.cache import KVCacheManager
+from kvcore.cache.kv_cache import KVCache
+from kvcore.config import EngineConfig, ModelConfig
+from kvcore.model import BatchInput
+from kvcore.planner import bytes_per_token, num_blocks_for_memory
+from kvcore.sampling import BeamSearchParams, SamplingParams
+
+CPU_KV_CACHE_MEMORY = 2 * 2**30  # the CPU default budget: 2 GiB, or less when that is plenty
+GPU_KV_CACHE_FRACTION = 0.5  # of the device memory still free after the weights
+
+
+class EngineModel(Protocol):
+    """What the engine needs of a model (LlamaModel, or a stub in tests)."""
+
+    config: ModelConfig
+
+    def forward(self, batch: BatchInput, kv_cache: KVCache) -> np.ndarray: ...
+
+
+def pool_size(config: EngineConfig, model_config: ModelConfig, cache_dtype: str,
+              max_model_len: int, device: str) -> int:
+    """Blocks in the pool: CacheConfig.num_blocks, else kv_cache_memory through the planner,
+    else a device default (CPU: 2 GiB, capped at max_num_seqs sequences of max_model_len)."""
+    cache = config.cache
+    if cache.num_blocks is not None:
+        return cache.num_blocks
+    mc = model_config
+    per_token = bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, cache_dtype)
+    memory = cache.kv_cache_memory
+    if memory is None:
+        if device == "cuda":
+            import cupy  # type: ignore[import-not-found]
+
+            free, _ = cupy.cuda.runtime.memGetInfo()
+            memory = int(free * GPU_KV_CACHE_FRACTION)
+        else:
+            wanted = per_token * config.scheduler.max_num_seqs * max_model_len
+            memory = min(CPU_KV_CACHE_MEMORY, wanted)
+    num_blocks = num_blocks_for_memory(memory, mc.num_layers, mc.num_kv_heads, mc.head_dim,
+                                       cache_dtype, cache.block_size)
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_memory={memory} bytes holds no block of {cache.block_size} "
+                         f"tokens ({per_token * cache.block_size} bytes)")
+    return num_blocks
+
+
+def check_prompt(prompt_ids: Sequence[int], params: SamplingParams | BeamSearchParams,
+                 max_model_len: int, vocab_size: int, kv: KVCacheManager) -> int:
+    """Validate a request before it is queued; returns its resolved max_tokens."""
+    if not isinstance(params, SamplingParams | BeamSearchParams):
+        raise ValueError(f"params must be SamplingParams or BeamSearchParams, got {params!r}")
+    num_prompt = len(prompt_ids)
+    if num_prompt == 0:
+        raise ValueError("prompt must not be empty")
+    bad = [t for t in prompt_ids if not isinstance(t, int | np.integer) or not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})")
+    if num_prompt >= max_model_len:
+        raise ValueError(f"prompt has {num_prompt} tokens; max_model_len={max_model_len} leaves "
+                         "no room for output")
+    max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - num_prompt
+    if num_prompt + max_tokens > max_model_len:
+        raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds "
+                         f"max_model_len={max_model_len}")
+    num_seqs = params.n if isinstance(params, SamplingParams) else params.beam_width
+    if num_seqs > 1:
+        # the sequences of one request run together: all of them at full length must fit
+        bs = kv.block_size
+        num_blocks = -(-num_prompt // bs) + num_seqs * (-(-max_tokens // bs) + 1)
+        if num_blocks > kv.num_blocks:
+            raise ValueError(f"{num_seqs} sequences of {num_prompt} + {max_tokens} tokens need "
+                             f"{num_blocks} KV blocks, more than the whole pool "
+                             f"({kv.num_blocks})")
+    return max_tokens
