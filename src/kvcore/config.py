@@ -147,7 +147,10 @@ class ModelConfig:
         except (OSError, json.JSONDecodeError) as e:
             raise ConfigError(f"cannot read {path / 'config.json'}: {e}") from e
         gen_path = path / "generation_config.json"
-        generation = json.loads(gen_path.read_text()) if gen_path.exists() else None
+        try:
+            generation = json.loads(gen_path.read_text()) if gen_path.exists() else None
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"cannot read {gen_path}: {e}") from e
         return cls.from_dict(cfg, generation)
 
 
