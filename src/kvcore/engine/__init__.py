@@ -1,5 +1,7 @@
 """The engine layer: Engine (one step at a time), LLM (offline batches), AsyncEngine (asyncio)."""
 
+from kvcore.engine.async_engine import AsyncEngine
 from kvcore.engine.engine import Engine, EngineStats
+from kvcore.engine.llm import LLM
 
-__all__ = ["Engine", "EngineStats"]
+__all__ = ["LLM", "AsyncEngine", "Engine", "EngineStats"]

@@ -86,10 +86,13 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: str | Sequence[int],
                     params: SamplingParams | BeamSearchParams, *, priority: int = 0,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, prompt_text: str | None = None) -> None:
+        """Queue a request. ValueError (nothing left allocated) for an empty prompt, one longer
+        than max_model_len, prompt + max_tokens > max_model_len, more blocks than the pool holds,
+        or a duplicate request_id. `prompt_text`: the text of a pre-tokenized `prompt`."""
         if request_id in self._groups or request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        text = prompt if isinstance(prompt, str) else None
+        text = prompt if isinstance(prompt, str) else prompt_text
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         max_tokens = check_prompt(prompt_ids, params, self.max_model_len,
                                   self.model_config.vocab_size, self.kv)

@@ -83,5 +83,5 @@ def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         return [prompts]
     items = list(prompts)
     if items and all(isinstance(t, int) for t in items):
-        return [items]  # one prompt of token ids
+        return [[int(t) for t in items]]  # type: ignore[arg-type]  # one prompt of token ids
     return items  # type: ignore[return-value]
