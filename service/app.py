@@ -17,7 +17,15 @@ from kvcore.service.auth import TenantAuth, keys_from_list
 from kvcore.service.errors import APIError
 from kvcore.service.metrics import ServiceMetrics
 from kvcore.service.openai_routes import chat_completions, completions
-from kvcore.service.state import DRAINING, FAILED, LOADING, READY, STATE_KEY, ServiceState
+from kvcore.service.state import (
+    DRAINING,
+    FAILED,
+    LOADING,
+    READY,
+    STATE_KEY,
+    TENANT_KEY,
+    ServiceState,
+)
 
 log = structlog.get_logger("kvcore.service")
 
@@ -47,7 +55,7 @@ def _auth_middleware(auth: TenantAuth) -> Callable[..., object]:
     @web.middleware
     async def _auth(request: web.Request, handler: Callable[..., object]) -> web.StreamResponse:
         if request.match_info.handler not in routes.PUBLIC_HANDLERS:
-            request["tenant"] = auth.tenant_for(request)
+            request[TENANT_KEY] = auth.tenant_for(request)
         return await handler(request)  # type: ignore[misc]
     return _auth
 

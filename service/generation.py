@@ -126,7 +126,8 @@ class Generation:
             job, output, error = await self._queue.get()
             if output is None:
                 remaining -= 1
-                if isinstance(error, ValueError):
+                # refusals come before any output; a step that fails later is the server's fault
+                if isinstance(error, ValueError) and job.last_output is None:
                     raise bad_request(str(error), "messages" if self.req.kind == "chat"
                                       else "prompt")
                 if error is not None:

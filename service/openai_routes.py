@@ -22,7 +22,7 @@ from kvcore.service.generation import (
     raise_if_busy,
 )
 from kvcore.service.protocol import GenerationRequest, parse_chat, parse_completion
-from kvcore.service.state import STATE_KEY, ServiceState, read_json
+from kvcore.service.state import STATE_KEY, TENANT_KEY, ServiceState, read_json
 from kvcore.service.streaming import (
     MSGPACK_TYPE,
     SSE_DONE,
@@ -164,7 +164,7 @@ async def _respond(request: web.Request, state: ServiceState, req: GenerationReq
                    jobs: list[Job], call_id: str, model: str) -> web.StreamResponse:
     async_engine = state.ready_engine()
     raise_if_busy(async_engine, state.max_waiting)
-    tenant = request.get("tenant", ANONYMOUS_TENANT)
+    tenant = request.get(TENANT_KEY, ANONYMOUS_TENANT)
     gen = Generation(async_engine, req, jobs, state.auth.cache_salt(tenant, req.cache_salt),
                      state.metrics.observe_token_gap)
     fmt = _Formatter(req, gen, call_id, model, LogprobFormatter(async_engine.engine.tokenizer))
@@ -221,8 +221,12 @@ async def _stream(request: web.Request, req: GenerationRequest, gen: Generation,
         if not binary:
             tail = sse_event(fmt.usage_chunk()) if req.include_usage else b""
             await response.write(tail + SSE_DONE)
-    except APIError as e:  # after the headers an error can only travel in the stream
-        await response.write(msgpack_frame(e.body()) if binary else sse_event(e.body()) + SSE_DONE)
+    except (APIError, RuntimeError, ValueError) as e:
+        # after the headers an error can only travel in the stream
+        error = e if isinstance(e, APIError) else APIError(500, f"generation failed: {e}")
+        log.error("stream failed", request_id=fmt.call_id, error=error.message)
+        await response.write(msgpack_frame(error.body()) if binary
+                             else sse_event(error.body()) + SSE_DONE)
     except ConnectionError:  # the client went away mid-write: close() aborts the requests
         return response
     finally:

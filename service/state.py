@@ -61,6 +61,7 @@ class ServiceState:
 
 
 STATE_KEY = web.AppKey("kvcore_state", ServiceState)
+TENANT_KEY = web.RequestKey("kvcore_tenant", str)  # set by the auth middleware
 
 
 async def read_json(request: web.Request, limit: int) -> dict[str, Any]:
