@@ -10,6 +10,7 @@ from pathlib import Path
 
 import structlog
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 
 from kvcore.engine import AsyncEngine
 from kvcore.service import routes
@@ -33,10 +34,10 @@ DEFAULT_MAX_BODY_SIZE = 4 << 20  # bytes; a request body past it is a 413
 
 
 @web.middleware
-async def _errors(request: web.Request, handler: Callable[..., object]) -> web.StreamResponse:
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every error leaves in the OpenAI shape; an unexpected exception is a logged 500."""
     try:
-        return await handler(request)  # type: ignore[misc]
+        return await handler(request)
     except APIError as e:
         return e.response()
     except web.HTTPException as e:  # aiohttp's own: 404 unknown route, 405 wrong method
@@ -51,12 +52,12 @@ async def _errors(request: web.Request, handler: Callable[..., object]) -> web.S
         return APIError(500, "internal server error").response()
 
 
-def _auth_middleware(auth: TenantAuth) -> Callable[..., object]:
+def _auth_middleware(auth: TenantAuth) -> Middleware:
     @web.middleware
-    async def _auth(request: web.Request, handler: Callable[..., object]) -> web.StreamResponse:
+    async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.match_info.handler not in routes.PUBLIC_HANDLERS:
             request[TENANT_KEY] = auth.tenant_for(request)
-        return await handler(request)  # type: ignore[misc]
+        return await handler(request)
     return _auth
 
 

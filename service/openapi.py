@@ -48,7 +48,8 @@ _ERROR = {"description": "OpenAI-shaped error", "content": {"application/json": 
         "message": _STR, "type": _STR, "param": {"type": ["string", "null"]},
         "code": {"type": ["string", "integer", "null"]}}}}}}}}
 _ERRORS = {str(s): _ERROR for s in (400, 401, 404, 413, 429, 503)}
-_STREAMS = {"application/json": {}, "text/event-stream": {}, "application/x-msgpack": {}}
+_STREAMS: dict[str, Any] = {"application/json": {}, "text/event-stream": {},
+                            "application/x-msgpack": {}}
 
 
 def _post(summary: str, schema: dict[str, Any], produces: dict[str, Any]) -> dict[str, Any]:

@@ -11,6 +11,7 @@ SUBCOMMANDS: dict[str, str] = {
     "plan": "plan",
     "pull": "pull",
     "convert": "convert",
+    "serve": "serve",
 }
 
 

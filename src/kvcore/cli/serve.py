@@ -89,7 +89,7 @@ def _build_engine(config: EngineConfig) -> AsyncEngine:
     kv_plan = plan_for_model(engine.engine.model_config, stats.cache_dtype,
                              context=engine.engine.max_model_len, block_size=stats.block_size)
     pool_bytes = stats.num_blocks * kv_plan.bytes_per_block
-    log.info("kv cache pool", num_blocks=stats.num_blocks, block_size=stats.block_size,
+    log.info("engine ready", num_blocks=stats.num_blocks, block_size=stats.block_size,
              cache_dtype=stats.cache_dtype, pool_size=format_size(pool_bytes),
              bytes_per_token=kv_plan.bytes_per_token, max_model_len=engine.engine.max_model_len,
              # sequences of max_model_len tokens the pool holds at once
@@ -114,8 +114,9 @@ async def serve(app: web.Application, host: str, port: int, drain_timeout: float
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
-    server = site._server  # the bound port, when 0 asked for any free one
-    bound = server.sockets[0].getsockname()[1] if server is not None and server.sockets else port
+    # the bound port, when 0 asked for any free one
+    sockets = getattr(site._server, "sockets", None)
+    bound = sockets[0].getsockname()[1] if sockets else port
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
