@@ -195,3 +195,20 @@ def test_rope_scaling_frequencies() -> None:
     np.testing.assert_allclose(llama3[wavelen > 8192], base[wavelen > 8192] / 8.0)  # low freq
     mid = (wavelen >= 8192 / 4) & (wavelen <= 8192)
     assert mid.any() and np.all(llama3[mid] < base[mid]) and np.all(llama3[mid] > base[mid] / 8)
+
+
+@pytest.mark.parametrize("window", [None, 9, 40])
+def test_tiled_long_chunks(monkeypatch: pytest.MonkeyPatch, window: int | None) -> None:
+    """Chunks longer than one query tile: causal and window bounds trim keys per tile."""
+    monkeypatch.setattr(reference, "_TILE_ELEMENTS", 64)  # 16-row tiles
+    rng = np.random.default_rng(21)
+    context_lens, q_lens = [70, 53, 90], [70, 37, 1]
+    k_cache, v_cache, tables, keys, values = _scatter_sequences(
+        rng, context_lens, 4, 2, 8, np.dtype(np.float32))
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    query = rng.standard_normal((int(qsl[-1]), 6, 8)).astype(np.float32)
+    out = reference.paged_attention(query, k_cache, v_cache, tables,
+                                    np.array(context_lens, np.int32), qsl, 0.4, window)
+    for s, ctx in enumerate(context_lens):
+        expected = _dense_attention(query[qsl[s]:qsl[s + 1]], keys[s], values[s], ctx, 0.4, window)
+        np.testing.assert_allclose(out[qsl[s]:qsl[s + 1]], expected, rtol=1e-4, atol=1e-5)

@@ -13,8 +13,8 @@ from kvcore.device import array_module
 
 FP8_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)
 FP8_MAX = 448.0  # largest finite e4m3fn value; casts saturate here (as CUDA's __NV_SATFINITE)
-# query rows per attention tile of a prefill chunk: bounds the (H, rows, context) score matrix
-_QUERY_TILE = 512
+# score elements per attention tile of a prefill chunk: bounds the (H, rows, keys) score matrix
+_TILE_ELEMENTS = 1 << 20
 
 
 def _store(x: np.ndarray, dtype: np.dtype, scale: float) -> np.ndarray:
@@ -107,8 +107,6 @@ def paged_attention(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     """
     _check_attention_args(query, k_cache, block_tables, context_lens, query_start_loc)
     num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
     out = np.empty((num_tokens, num_heads, head_dim), dtype=np.float32)  # (T, H, D)
     q_lens = np.diff(query_start_loc).astype(np.int64)
     decode = np.flatnonzero(q_lens == 1)
@@ -119,34 +117,56 @@ def paged_attention(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                                       sliding_window, k_scale, v_scale)
     for s in np.flatnonzero(q_lens > 1):
         q_start, q_len, ctx = int(query_start_loc[s]), int(q_lens[s]), int(context_lens[s])
-        k_start = _first_key(ctx, q_len, sliding_window)
-        keys = _gather(k_cache, block_tables[s], k_start, ctx, k_scale)  # (N, Hkv, D)
-        values = _gather(v_cache, block_tables[s], k_start, ctx, v_scale)
-        keys_t = keys.transpose(1, 2, 0)[:, None]  # (Hkv, 1, D, N)
-        values_t = values.transpose(1, 0, 2)[:, None]  # (Hkv, 1, N, D)
-        key_pos = np.arange(k_start, ctx)
-        for t0 in range(0, q_len, _QUERY_TILE):
-            t1 = min(q_len, t0 + _QUERY_TILE)
-            q = query[q_start + t0:q_start + t1].astype(np.float32, copy=False)
-            q = q.reshape(t1 - t0, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)
-            scores = (q @ keys_t) * np.float32(scale)  # (Hkv, G, rows, N)
-            q_pos = np.arange(ctx - q_len + t0, ctx - q_len + t1)[:, None]
-            allowed = key_pos[None, :] <= q_pos
-            if sliding_window is not None:
-                allowed &= key_pos[None, :] > q_pos - sliding_window
-            o = _softmax_weighted(scores, allowed, values_t)  # (Hkv, G, rows, D)
-            out[q_start + t0:q_start + t1] = o.transpose(2, 0, 1, 3).reshape(t1 - t0, num_heads,
-                                                                             head_dim)
+        out[q_start:q_start + q_len] = _chunk_attention(
+            query[q_start:q_start + q_len], k_cache, v_cache, block_tables[s], ctx, scale,
+            sliding_window, k_scale, v_scale)
     return out.astype(query.dtype, copy=False)
 
 
-def _softmax_weighted(scores: np.ndarray, allowed: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """softmax(scores masked by `allowed`) @ values; every query row allows at least one key."""
-    scores = np.where(allowed, scores, -np.inf)
+def _chunk_attention(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                     block_table: np.ndarray, ctx: int, scale: float,
+                     sliding_window: int | None, k_scale: float, v_scale: float) -> np.ndarray:
+    """The q_len queries of one sequence's chunk, the last of its ctx tokens: (q_len, H, D)."""
+    q_len, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    first_pos = ctx - q_len  # position of the chunk's first query
+    k_start = _first_key(ctx, q_len, sliding_window)
+    keys = _gather(k_cache, block_table, k_start, ctx, k_scale)  # (N, Hkv, D)
+    values = _gather(v_cache, block_table, k_start, ctx, v_scale)
+    keys_t = keys.transpose(1, 2, 0)[:, None]  # (Hkv, 1, D, N)
+    values_t = values.transpose(1, 0, 2)[:, None]  # (Hkv, 1, N, D)
+    out = np.empty((q_len, num_heads, head_dim), dtype=np.float32)  # (q_len, H, D)
+    # query rows per tile: the (H, rows, keys) score tile stays around 4 MB
+    rows_per_tile = max(16, _TILE_ELEMENTS // (num_heads * (ctx - k_start)))
+    for t0 in range(0, q_len, rows_per_tile):
+        t1 = min(q_len, t0 + rows_per_tile)
+        # the keys this tile can see at all: causal end, and the window's start
+        hi = first_pos + t1 - k_start
+        lo = 0 if sliding_window is None else max(0, first_pos + t0 - sliding_window + 1 - k_start)
+        q = query[t0:t1].astype(np.float32) * np.float32(scale)
+        q = q.reshape(t1 - t0, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)
+        scores = q @ keys_t[..., lo:hi]  # (Hkv, G, rows, keys)
+        q_pos = np.arange(first_pos + t0, first_pos + t1)[:, None]
+        key_pos = np.arange(k_start + lo, k_start + hi)[None, :]
+        masked = key_pos > q_pos
+        if sliding_window is not None:
+            masked |= key_pos <= q_pos - sliding_window
+        np.copyto(scores, -np.inf, where=masked)
+        o = _softmax_weighted(scores, values_t[:, :, lo:hi])  # (Hkv, G, rows, D)
+        out[t0:t1] = o.transpose(2, 0, 1, 3).reshape(t1 - t0, num_heads, head_dim)
+    return out
+
+
+def _softmax_weighted(scores: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """softmax(scores) @ values, in place on scores; masked scores are -inf and every row keeps
+    at least one key. Normalizes the (small) output rather than the (large) probabilities."""
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)
-    return scores @ values
+    denominator = scores.sum(axis=-1, keepdims=True)
+    out = scores @ values
+    out /= denominator
+    return out
 
 
 def _decode_attention(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
@@ -177,14 +197,16 @@ def _decode_attention(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarra
     num_keys = width * block_size
     keys = keys.reshape(num_seqs, num_keys, num_kv_heads, head_dim).transpose(0, 2, 3, 1)
     values = values.reshape(num_seqs, num_keys, num_kv_heads, head_dim).transpose(0, 2, 1, 3)
-    q = query.astype(np.float32, copy=False).reshape(num_seqs, num_kv_heads, group, head_dim)
-    scores = (q @ keys) * np.float32(scale)  # (S, Hkv, G, N)
+    q = query.astype(np.float32) * np.float32(scale)
+    q = q.reshape(num_seqs, num_kv_heads, group, head_dim)
+    scores = q @ keys  # (S, Hkv, G, N)
     key_pos = (first_block * block_size)[:, None] + np.arange(num_keys)[None, :]
     q_pos = (context_lens - 1)[:, None]
-    allowed = key_pos <= q_pos  # (S, N)
+    masked = key_pos > q_pos  # (S, N)
     if sliding_window is not None:
-        allowed &= key_pos > q_pos - sliding_window
-    o = _softmax_weighted(scores, allowed[:, None, None, :], values)  # (S, Hkv, G, D)
+        masked |= key_pos <= q_pos - sliding_window
+    np.copyto(scores, -np.inf, where=masked[:, None, None, :])
+    o = _softmax_weighted(scores, values)  # (S, Hkv, G, D)
     return o.reshape(num_seqs, num_heads, head_dim)
 
 
