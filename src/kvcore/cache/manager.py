@@ -237,7 +237,7 @@ class KVCacheManager:
 
     def usage(self) -> float:
         """Fraction of the blocks referenced by some sequence."""
-        return 1.0 - self.pool.num_free_blocks / self.num_blocks
+        return (self.num_blocks - self.pool.num_free_blocks) / self.num_blocks
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (e.g. after new weights); running sequences are untouched."""
