@@ -1,0 +1,49 @@
+"""Helpers for engine tests on the tiny random-weight model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvcore.engine import Engine
+from kvcore.engine.llm import engine_config
+from kvcore.request import RequestOutput
+from kvcore.sampling import BeamSearchParams, SamplingParams
+
+
+def make_engine(model_dir: Path, **engine_args: Any) -> Engine:
+    engine_args.setdefault("block_size", 4)
+    engine_args.setdefault("num_blocks", 512)
+    return Engine(engine_config(str(model_dir), **engine_args))
+
+
+def random_prompts(seed: int, num: int, low: int = 1, high: int = 40) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 259, size=int(n)).tolist() for n in rng.integers(low, high, size=num)]
+
+
+def run_all(engine: Engine, prompts: list[list[int]] | list[str],
+            params: SamplingParams | BeamSearchParams | list[SamplingParams]
+            ) -> list[RequestOutput]:
+    """Add every prompt, step until done; the final outputs in prompt order."""
+    per = params if isinstance(params, list) else [params] * len(prompts)
+    base = len(engine.scheduler.requests) + id(prompts) % 100_000
+    ids = [f"r{base}-{i}" for i in range(len(prompts))]
+    for request_id, prompt, p in zip(ids, prompts, per, strict=True):
+        engine.add_request(request_id, prompt, p)
+    done: dict[str, RequestOutput] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[i] for i in ids]
+
+
+def assert_pool_empty(engine: Engine) -> None:
+    assert engine.kv.usage() == 0.0
+    assert all(block.ref_count == 0 for block in engine.kv.pool.blocks)
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert not engine.kv.seq_ids()
