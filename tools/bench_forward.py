@@ -1,0 +1,239 @@
+"""Forward-pass speed on the CPU: kvcore vs transformers (fp32, same threads), one run.
+
+Prefill tokens/s for single prompts, decode step time for batches at a realistic context, and
+the fraction of NumPy's own matmul rate (MLP shapes, batch 64) that the batch-64 decode step
+reaches. `--record` writes the results into docs/benchmarks.md, section `## Forward pass (CPU)`.
+
+    .venv/bin/python tools/bench_forward.py [--model DIR] [--threads N] [--record]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+SECTION = "## Forward pass (CPU)"
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="HF-style model directory (default: the default model)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                   help="BLAS threads for NumPy and torch alike (default: all cores)")
+    p.add_argument("--prompts", default="32,512,2048", help="prefill prompt lengths")
+    p.add_argument("--batches", default="1,8,32,64", help="decode batch sizes")
+    p.add_argument("--context", type=int, default=128, help="decode context length per sequence")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (median)")
+    p.add_argument("--no-transformers", action="store_true", help="skip the baseline")
+    p.add_argument("--record", action="store_true", help="write docs/benchmarks.md's section")
+    return p.parse_args()
+
+
+ARGS = parse_args()
+# BLAS reads its thread count when first loaded: set it before NumPy or torch is imported
+for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[var] = str(ARGS.threads)
+
+import numpy as np  # noqa: E402
+
+from kvcore.cache.kv_cache import KVCache  # noqa: E402
+from kvcore.model import BatchInput, LlamaModel, load_model  # noqa: E402
+
+BLOCK_SIZE = 16
+
+
+def median_time(fn: Callable[[], object], repeats: int, setup: Callable[[], object] | None = None
+                ) -> float:
+    """Median wall time of fn() over `repeats` runs after one warm-up (setup untimed)."""
+    times = []
+    for i in range(repeats + 1):
+        if setup is not None:
+            setup()
+        t = time.perf_counter()
+        fn()
+        if i:
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def fresh_cache(model: LlamaModel, num_blocks: int, rng: np.random.Generator) -> KVCache:
+    c = model.config
+    cache = KVCache(c.num_layers, num_blocks, BLOCK_SIZE, c.num_kv_heads, c.head_dim)
+    for array in cache.key_caches + cache.value_caches:  # context content: random, not zeros
+        array[...] = rng.standard_normal(array.shape, dtype=np.float32)
+    return cache
+
+
+def ours_prefill(model: LlamaModel, length: int, rng: np.random.Generator) -> Callable[[], object]:
+    num_blocks = -(-length // BLOCK_SIZE)
+    cache = KVCache(model.config.num_layers, num_blocks, BLOCK_SIZE, model.config.num_kv_heads,
+                    model.config.head_dim)
+    ids = [int(t) for t in rng.integers(0, model.config.vocab_size, length)]
+    table = [int(b) for b in rng.permutation(num_blocks)]
+    return lambda: model.forward(BatchInput.build([ids], [0], [table], BLOCK_SIZE), cache)
+
+
+def ours_decode(model: LlamaModel, batch: int, context: int,
+                rng: np.random.Generator) -> Callable[[], object]:
+    per_seq = -(-context // BLOCK_SIZE)
+    cache = fresh_cache(model, batch * per_seq, rng)
+    perm = [int(b) for b in rng.permutation(batch * per_seq)]
+    tables = [perm[s * per_seq:(s + 1) * per_seq] for s in range(batch)]
+    tokens = [[int(t)] for t in rng.integers(0, model.config.vocab_size, batch)]
+    # one decode step: the batch is rebuilt every step, as the engine does
+    return lambda: model.forward(
+        BatchInput.build(tokens, [context - 1] * batch, tables, BLOCK_SIZE), cache)
+
+
+def matmul_rate(model: LlamaModel, batch: int, repeats: int) -> float:
+    """FLOP/s of NumPy's matmul on the MLP shapes (the model's own weight arrays)."""
+    layer = model.layers[0]
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((batch, model.config.hidden_size), dtype=np.float32)
+    y = rng.standard_normal((batch, model.config.intermediate_size), dtype=np.float32)
+
+    def mlp() -> None:
+        for _ in range(10):
+            x @ layer.gate_up
+            y @ layer.down
+
+    flops = 10 * 2 * batch * (layer.gate_up.size + layer.down.size)
+    return flops / median_time(mlp, repeats)
+
+
+def decode_flops(model: LlamaModel, batch: int, context: int) -> float:
+    """Matmul FLOPs of one decode step: weights (all layers + LM head) and attention."""
+    c = model.config
+    weights = sum(w.size for layer in model.layers
+                  for w in (layer.qkv, layer.o, layer.gate_up, layer.down)) + model.lm_head.size
+    attention = 4 * c.num_layers * context * c.num_heads * c.head_dim
+    return float(batch * (2 * weights + attention))
+
+
+class Transformers:
+    """The baseline: transformers' own forward on the same checkpoint, fp32, sdpa attention."""
+
+    def __init__(self, model_dir: Path, threads: int) -> None:
+        import torch
+        import transformers
+
+        torch.set_num_threads(threads)
+        self.torch = torch
+        self.version = f"transformers {transformers.__version__}, torch {torch.__version__}"
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32).eval()
+        self.config = self.model.config
+
+    def prefill(self, length: int, rng: np.random.Generator) -> Callable[[], object]:
+        ids = self.torch.from_numpy(rng.integers(0, self.config.vocab_size, (1, length)))
+
+        def run() -> None:
+            with self.torch.inference_mode():
+                self.model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        return run
+
+    def decode(self, batch: int, context: int,
+               rng: np.random.Generator) -> tuple[Callable[[], object], Callable[[], object]]:
+        from transformers import DynamicCache
+
+        torch, cfg = self.torch, self.config
+        cache = DynamicCache(config=cfg)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        shape = (batch, cfg.num_key_value_heads, context - 1, head_dim)
+        for layer in range(cfg.num_hidden_layers):
+            cache.update(torch.randn(shape), torch.randn(shape), layer)
+        ids = torch.from_numpy(rng.integers(0, cfg.vocab_size, (batch, 1)))
+        mask = torch.ones((batch, context), dtype=torch.long)
+        positions = torch.full((batch, 1), context - 1)
+
+        def run() -> None:
+            with torch.inference_mode():
+                self.model(input_ids=ids, past_key_values=cache, attention_mask=mask,
+                           position_ids=positions, use_cache=True, logits_to_keep=1)
+
+        def trim() -> None:  # back to context - 1 cached tokens: every step sees `context`
+            if cache.get_seq_length() >= context:
+                cache.crop(context - 1 - cache.get_seq_length())
+        return run, trim
+
+
+def main() -> int:
+    from kvcore.model.hub import default_model_dir
+
+    model_dir = Path(ARGS.model) if ARGS.model else default_model_dir()
+    if not (model_dir / "config.json").exists():
+        print(f"no model at {model_dir}: run `kvcore pull` or pass --model DIR", file=sys.stderr)
+        return 2
+    rng = np.random.default_rng(0)
+    model = load_model(model_dir)
+    hf = None if ARGS.no_transformers else Transformers(model_dir, ARGS.threads)
+    rows = []
+    print(f"model {model_dir.name}, {ARGS.threads} threads, repeats {ARGS.repeats}")
+    for length in (int(x) for x in ARGS.prompts.split(",")):
+        repeats = max(1, ARGS.repeats if length < 1024 else ARGS.repeats // 2)
+        ours = length / median_time(ours_prefill(model, length, rng), repeats)
+        base = length / median_time(hf.prefill(length, rng), repeats) if hf else None
+        rows.append(("prefill", f"{length} tokens", f"{ours:,.0f} tok/s",
+                     f"{base:,.0f} tok/s" if base else "-", base and ours / base))
+        print(rows[-1])
+    decode_ms = {}
+    for batch in (int(x) for x in ARGS.batches.split(",")):
+        ours_t = median_time(ours_decode(model, batch, ARGS.context, rng), ARGS.repeats)
+        base_t = None
+        if hf:
+            run, trim = hf.decode(batch, ARGS.context, rng)
+            base_t = median_time(run, ARGS.repeats, setup=trim)
+        decode_ms[batch] = ours_t
+        rows.append(("decode step", f"batch {batch}, context {ARGS.context}",
+                     f"{ours_t * 1e3:.1f} ms", f"{base_t * 1e3:.1f} ms" if base_t else "-",
+                     base_t and base_t / ours_t))
+        print(rows[-1])
+    lines = [f"Model `{model_dir.name}` ({model.config.num_layers} layers, hidden "
+             f"{model.config.hidden_size}), fp32 weights and KV cache, block size {BLOCK_SIZE}, "
+             f"{ARGS.threads} BLAS threads for both, {platform.processor() or platform.machine()}, "
+             f"NumPy {np.__version__}" + (f", {hf.version}" if hf else "") + ". Median of "
+             f"{ARGS.repeats} timed runs after a warm-up.", "",
+             "| measurement | shape | kvcore | transformers | kvcore speed-up |",
+             "|---|---|---|---|---|"]
+    for kind, shape, ours_s, base_s, ratio in rows:
+        lines.append(f"| {kind} | {shape} | {ours_s} | {base_s} | "
+                     f"{f'{ratio:.2f}x' if ratio else '-'} |")
+    if 64 in decode_ms:
+        rate = matmul_rate(model, 64, ARGS.repeats)
+        achieved = decode_flops(model, 64, ARGS.context) / decode_ms[64]
+        lines += ["", f"Batch-64 decode step: {achieved / 1e9:.1f} GFLOP/s of matmul work "
+                  f"(weights + attention) vs NumPy's own matmul at the MLP shapes "
+                  f"(64 x {model.config.hidden_size} @ W_gate_up, 64 x "
+                  f"{model.config.intermediate_size} @ W_down): {rate / 1e9:.1f} GFLOP/s = "
+                  f"**{achieved / rate:.0%}** of the matmul rate."]
+    lines += ["", "Command: `.venv/bin/python tools/bench_forward.py"
+              + (f" --model {ARGS.model}" if ARGS.model else "") + f" --threads {ARGS.threads}`"]
+    text = "\n".join(lines)
+    print(text)
+    if ARGS.record:
+        record(text)
+    return 0
+
+
+def record(body: str) -> None:
+    """Replace (or append) only this tool's section of docs/benchmarks.md."""
+    path = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+    old = path.read_text() if path.exists() else "# Benchmarks\n"
+    section = f"{SECTION}\n\n{body}\n"
+    if SECTION in old:
+        start = old.index(SECTION)
+        end = old.find("\n## ", start + len(SECTION))
+        new = old[:start] + section + (old[end:] if end >= 0 else "")
+    else:
+        new = old.rstrip("\n") + "\n\n" + section
+    path.write_text(new)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
