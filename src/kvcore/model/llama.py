@@ -58,8 +58,11 @@ class LlamaModel:
         self._sin: Any = self._cos
 
     def _put(self, array: np.ndarray) -> Any:
-        """A contiguous float32 copy on the device (detached from any memory-mapped file)."""
-        return self.xp.asarray(np.ascontiguousarray(array, dtype=np.float32))
+        """A contiguous float32 array on the device, detached from any memory-mapped file."""
+        out = np.ascontiguousarray(array, dtype=np.float32)
+        if not out.flags.writeable:  # still a read-only view of the checkpoint file
+            out = out.copy()
+        return self.xp.asarray(out)
 
     def _layer(self, w: dict[str, np.ndarray], p: str) -> LayerWeights:
         c = self.config
