@@ -1,0 +1,258 @@
+// Fiber scheduler of the CUDA emulation harness: runs a grid block after block, each block's
+// threads as ucontext fibers. Within a block it runs one warp at a time up to the next
+// __syncthreads (the order of warps, and of lanes inside a warp, is a permutation drawn from the
+// launch's seed; seed 0 keeps the natural order), so a missing barrier lets one warp read shared
+// memory that another warp has not written yet. Warp collectives are rendezvous of their mask.
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <ucontext.h>
+
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda_emu.h"
+
+uint3 threadIdx;
+uint3 blockIdx;
+dim3 blockDim;
+dim3 gridDim;
+
+// Defined by the generated per-source unit: the extern __shared__ arrays of the source.
+extern "C" int emu_num_dynamic_smem();
+extern "C" unsigned char* emu_dynamic_smem(int i);
+extern "C" unsigned long emu_dynamic_smem_capacity();
+
+namespace {
+
+enum State { kRunnable, kAtBarrier, kAtWarp, kExited, kFailed };
+
+struct Fiber {
+  ucontext_t ctx;
+  uint3 tid;
+  int lane = 0;
+  int warp = 0;
+  State state = kRunnable;
+  int kind = 0;  // collective waited on
+  unsigned mask = 0;
+  unsigned char value[16];
+  int size = 0;
+  int src_lane = 0;
+  void* out = nullptr;
+};
+
+constexpr size_t kStackSize = 256 * 1024;
+std::vector<Fiber> fibers;
+std::vector<char> stacks;
+ucontext_t scheduler;
+Fiber* current = nullptr;
+void (*kernel_tramp)(void**) = nullptr;
+void** kernel_args = nullptr;
+std::string error;
+
+void switch_to_scheduler() { swapcontext(&current->ctx, &scheduler); }
+
+void fiber_main() {
+  kernel_tramp(kernel_args);
+  current->state = kExited;
+  switch_to_scheduler();
+}
+
+bool resume(Fiber& f) {
+  current = &f;
+  threadIdx = f.tid;
+  swapcontext(&scheduler, &f.ctx);
+  return error.empty();
+}
+
+Fiber* lane_fiber(int warp, int lane) {
+  const size_t i = static_cast<size_t>(warp) * 32 + lane;
+  return i < fibers.size() ? &fibers[i] : nullptr;
+}
+
+// Completes the collective that lane `lane` of `warp` waits on when all lanes of its mask have
+// arrived at the same kind of collective with the same mask. Returns true when it completed one.
+bool try_complete(int warp, int lane) {
+  Fiber& f = *lane_fiber(warp, lane);
+  for (int i = 0; i < 32; ++i) {
+    if (!(f.mask >> i & 1u)) continue;
+    Fiber* g = lane_fiber(warp, i);
+    if (g == nullptr || g->state == kExited) {
+      error = "warp collective mask names lane " + std::to_string(i) + " of warp " +
+              std::to_string(warp) + ", which does not exist or has exited";
+      return false;
+    }
+    if (g->state != kAtWarp) return false;
+    if (g->kind != f.kind || g->mask != f.mask) {
+      error = "lanes of warp " + std::to_string(warp) + " wait on different warp collectives";
+      return false;
+    }
+  }
+  unsigned vote = 0;
+  for (int i = 0; i < 32; ++i) {
+    if (f.mask >> i & 1u) vote |= (*reinterpret_cast<int*>(lane_fiber(warp, i)->value) ? 1u : 0u) << i;
+  }
+  for (int i = 0; i < 32; ++i) {
+    if (!(f.mask >> i & 1u)) continue;
+    Fiber& g = *lane_fiber(warp, i);
+    if (g.kind == emu::kShuffle) {
+      // a source lane outside the mask yields the caller's own value (undefined on hardware)
+      const bool in_mask = g.src_lane >= 0 && g.src_lane < 32 && (f.mask >> g.src_lane & 1u);
+      memcpy(g.out, in_mask ? lane_fiber(warp, g.src_lane)->value : g.value, g.size);
+    } else if (g.kind == emu::kBallot) {
+      memcpy(g.out, &vote, sizeof vote);
+    }
+    g.state = kRunnable;
+  }
+  return true;
+}
+
+// Runs warp `warp` until all its lanes wait at the block barrier or have exited.
+bool run_warp(int warp, std::mt19937& rng, bool shuffle_order) {
+  int lanes[32];
+  int n = 0;
+  for (int i = 0; i < 32 && lane_fiber(warp, i) != nullptr; ++i) lanes[n++] = i;
+  for (;;) {
+    if (shuffle_order) std::shuffle(lanes, lanes + n, rng);
+    for (int k = 0; k < n; ++k) {
+      Fiber& f = *lane_fiber(warp, lanes[k]);
+      if (f.state == kRunnable && !resume(f)) return false;
+    }
+    bool completed = false;
+    for (int k = 0; k < n && !completed; ++k) {
+      if (lane_fiber(warp, lanes[k])->state == kAtWarp) completed = try_complete(warp, lanes[k]);
+      if (!error.empty()) return false;
+    }
+    if (!completed) break;
+  }
+  for (int k = 0; k < n; ++k) {
+    if (lane_fiber(warp, lanes[k])->state == kAtWarp) {
+      error = "warp " + std::to_string(warp) + " deadlocked: lanes wait on a warp collective that "
+              "other lanes of its mask never reach (they wait at __syncthreads or exited)";
+      return false;
+    }
+  }
+  return true;
+}
+
+bool run_block(unsigned long long seed) {
+  const int num_threads = static_cast<int>(fibers.size());
+  const int num_warps = (num_threads + 31) / 32;
+  for (int d = 0; d < emu_num_dynamic_smem(); ++d) {
+    // uninitialized shared memory reads as NaN (0xff bytes) in every float type
+    memset(emu_dynamic_smem(d), 0xff, emu_dynamic_smem_capacity());
+  }
+  for (int i = 0; i < num_threads; ++i) {
+    Fiber& f = fibers[i];
+    f.tid = {static_cast<unsigned>(i % blockDim.x), static_cast<unsigned>(i / blockDim.x % blockDim.y),
+             static_cast<unsigned>(i / (blockDim.x * blockDim.y))};
+    f.lane = i % 32;
+    f.warp = i / 32;
+    f.state = kRunnable;
+    getcontext(&f.ctx);
+    f.ctx.uc_stack.ss_sp = stacks.data() + static_cast<size_t>(i) * kStackSize;
+    f.ctx.uc_stack.ss_size = kStackSize;
+    f.ctx.uc_link = nullptr;
+    makecontext(&f.ctx, fiber_main, 0);
+  }
+  const unsigned long long block_id =
+      blockIdx.x + static_cast<unsigned long long>(gridDim.x) * (blockIdx.y + gridDim.y * blockIdx.z);
+  std::mt19937 rng(static_cast<unsigned>(seed * 1000003ull + block_id));
+  std::vector<int> order(num_warps);
+  for (;;) {
+    for (int w = 0; w < num_warps; ++w) order[w] = w;
+    if (seed != 0) std::shuffle(order.begin(), order.end(), rng);
+    for (int w : order) {
+      if (!run_warp(w, rng, seed != 0)) return false;
+    }
+    int live = 0;
+    for (Fiber& f : fibers) live += f.state != kExited;
+    if (live == 0) return true;
+    for (Fiber& f : fibers) {
+      if (f.state == kAtBarrier) f.state = kRunnable;
+    }
+  }
+}
+
+}  // namespace
+
+namespace emu {
+
+void warp_collective(int kind, unsigned mask, const void* value, int size, int src_lane, void* out) {
+  if (!(mask >> current->lane & 1u)) fail("a warp collective's mask must include the calling lane");
+  current->kind = kind;
+  current->mask = mask;
+  current->size = size;
+  if (size > 0) memcpy(current->value, value, size);
+  current->src_lane = src_lane;
+  current->out = out;
+  current->state = kAtWarp;
+  switch_to_scheduler();
+}
+
+void syncthreads() {
+  current->state = kAtBarrier;
+  switch_to_scheduler();
+}
+
+unsigned active_mask() {
+  unsigned mask = 0;
+  for (int i = 0; i < 32; ++i) {
+    Fiber* f = lane_fiber(current->warp, i);
+    if (f != nullptr && f->state != kExited) mask |= 1u << i;
+  }
+  return mask;
+}
+
+int lane_id() { return current->lane; }
+
+void fail(const char* message) {
+  error = message;
+  current->state = kFailed;
+  switch_to_scheduler();
+  abort();  // never resumed
+}
+
+}  // namespace emu
+
+extern "C" __attribute__((visibility("default"))) int emu_launch(
+    void (*tramp)(void**), void** args, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+    unsigned by, unsigned bz, unsigned long shared_mem, unsigned long long seed, char* message,
+    int message_len) {
+  error.clear();
+  const unsigned long threads = static_cast<unsigned long>(bx) * by * bz;
+  if (threads == 0 || threads > 1024 || bz > 64 || gx == 0 || gy == 0 || gz == 0 || gy > 65535 ||
+      gz > 65535) {
+    error = "invalid launch configuration: grid (" + std::to_string(gx) + ", " +
+            std::to_string(gy) + ", " + std::to_string(gz) + "), block (" + std::to_string(bx) +
+            ", " + std::to_string(by) + ", " + std::to_string(bz) + ")";
+  } else if (shared_mem > 48 * 1024) {
+    error = "dynamic shared memory of " + std::to_string(shared_mem) +
+            " bytes exceeds the 48 KiB a kernel gets without opting in";
+  } else if (shared_mem > 0 && emu_num_dynamic_smem() == 0) {
+    error = "shared_mem requested but the source declares no extern __shared__ array";
+  }
+  if (error.empty()) {
+    kernel_tramp = tramp;
+    kernel_args = args;
+    gridDim = dim3(gx, gy, gz);
+    blockDim = dim3(bx, by, bz);
+    fibers.assign(threads, Fiber());
+    stacks.resize(threads * kStackSize);
+    for (unsigned z = 0; z < gz && error.empty(); ++z) {
+      for (unsigned y = 0; y < gy && error.empty(); ++y) {
+        for (unsigned x = 0; x < gx && error.empty(); ++x) {
+          blockIdx = {x, y, z};
+          if (!run_block(seed)) {
+            error = "block (" + std::to_string(x) + ", " + std::to_string(y) + ", " +
+                    std::to_string(z) + "): " + error;
+          }
+        }
+      }
+    }
+  }
+  snprintf(message, message_len, "%s", error.c_str());
+  return error.empty() ? 0 : 1;
+}

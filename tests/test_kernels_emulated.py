@@ -1,0 +1,229 @@
+"""The unchanged CUDA kernels, run on the CPU by the emulation harness, equal the NumPy references.
+
+The launches go through kvcore.kernels.cuda_ops (the same wrappers the GPU path uses) with the
+emulation backend; inputs are fresh random data. KVCORE_EMU_CASES=N adds N random decode cases.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from kvcore.kernels import reference
+from kvcore.kernels.cuda_ops import CudaOps
+
+pytest.importorskip("cupy", reason="cupy's CCCL headers provide <nv/target> for cuda_fp16.h")
+if shutil.which("g++") is None:
+    pytest.skip("the emulation harness needs g++", allow_module_level=True)
+
+from cuda_emu import EmuBackend  # noqa: E402
+
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = {"f32": (np.float32, np.float32), "f16": (np.float16, np.float16),
+          "bf16": (BF16, BF16), "f16-fp8": (np.float16, FP8), "f32-fp8": (np.float32, FP8)}
+TOL = {np.dtype(np.float32): 2e-5, np.dtype(np.float16): 2e-3, BF16: 1.6e-2}
+
+
+def ops(seed: int = 0, defines: tuple[str, ...] = ()) -> CudaOps:
+    return CudaOps(EmuBackend(defines, order_seed=seed))
+
+
+def paged_problem(rng: np.random.Generator, context_lens: list[int], q_lens: list[int],
+                  num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                  dtypes: str, k_scale: float = 1.0, v_scale: float = 1.0) -> dict:
+    """Random K/V in a shuffled paged cache (spare blocks hold garbage) and a mixed batch."""
+    act, cache_dtype = DTYPES[dtypes]
+    num_seqs = len(context_lens)
+    blocks_per_seq = [-(-c // block_size) for c in context_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    max_blocks = max(blocks_per_seq) + 1
+    block_tables = np.full((num_seqs, max_blocks), -1, dtype=np.int32)  # (S, max_blocks)
+    ids = rng.permutation(num_blocks)
+    start = 0
+    for s, n in enumerate(blocks_per_seq):
+        block_tables[s, :n] = ids[start:start + n]
+        start += n
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = np.empty(shape, dtype=cache_dtype)
+    v_cache = np.empty(shape, dtype=cache_dtype)
+    flat_k = rng.standard_normal((num_blocks * block_size, num_kv_heads, head_dim)) * 2
+    flat_v = rng.standard_normal((num_blocks * block_size, num_kv_heads, head_dim))
+    slots = np.arange(num_blocks * block_size)
+    reference.reshape_and_cache(flat_k.astype(act), flat_v.astype(act), k_cache, v_cache, slots,
+                                k_scale, v_scale)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    query = rng.standard_normal((int(qsl[-1]), num_heads, head_dim)).astype(act)  # (T, H, D)
+    return dict(query=query, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
+                context_lens=np.array(context_lens, dtype=np.int32), query_start_loc=qsl,
+                scale=head_dim ** -0.5, k_scale=k_scale, v_scale=v_scale)
+
+
+def check_attention(problem: dict, sliding_window: int | None = None,
+                    partition_size: int | None = None, seed: int = 0) -> np.ndarray:
+    out = ops(seed).paged_attention(**problem, sliding_window=sliding_window,
+                                    partition_size=partition_size)
+    expected = reference.paged_attention(**problem, sliding_window=sliding_window)
+    assert out.dtype == expected.dtype and out.shape == expected.shape
+    tol = TOL[out.dtype]
+    np.testing.assert_allclose(out.astype(np.float32), expected.astype(np.float32),
+                               rtol=tol, atol=tol)
+    return out
+
+
+DECODE_CASES = [
+    # (H, Hkv, D, block_size, context_lens, dtypes, partition_size, window)
+    (4, 4, 16, 8, [1, 13, 40, 27], "f32", None, None),      # GQA 1:1, one partition
+    (6, 2, 16, 8, [13, 40, 27], "f32", 16, None),           # 3:1, up to 3 partitions
+    (16, 2, 32, 16, [70, 5, 33], "f16", 32, None),          # 8:1
+    (12, 1, 16, 4, [9, 30], "f16-fp8", 8, None),            # MQA, 12 heads: two group chunks
+    (6, 2, 16, 8, [19, 45], "f32-fp8", 16, 20),             # sliding window over partitions
+    (8, 4, 128, 16, [37, 18], "f16", 16, None),             # head_dim 128
+    (4, 2, 64, 8, [23, 9], "bf16", None, 10),
+]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"H{c[0]}kv{c[1]}D{c[2]}-{c[5]}")
+def test_decode_attention(case: tuple) -> None:
+    heads, kv_heads, dim, bs, ctx, dtypes, part, window = case
+    rng = np.random.default_rng()
+    scales = (0.05, 0.02) if dtypes.endswith("fp8") else (1.0, 1.0)
+    problem = paged_problem(rng, ctx, [1] * len(ctx), heads, kv_heads, dim, bs, dtypes, *scales)
+    check_attention(problem, window, part)
+
+
+def test_random_decode_cases() -> None:
+    for _ in range(int(os.environ.get("KVCORE_EMU_CASES", "1"))):
+        rng = np.random.default_rng()
+        kv_heads = int(rng.integers(1, 4))
+        heads = kv_heads * int(rng.choice([1, 2, 3, 4, 8]))
+        ctx = rng.integers(1, 90, size=int(rng.integers(1, 4))).tolist()
+        problem = paged_problem(rng, ctx, [1] * len(ctx), heads, kv_heads, 16,
+                                int(rng.choice([4, 8, 16])), str(rng.choice(list(DTYPES))))
+        window = int(rng.integers(1, 60)) if rng.random() < 0.5 else None
+        check_attention(problem, window, int(rng.choice([8, 16, 32, 512])))
+
+
+PREFILL_CASES = [
+    # (H, Hkv, D, block_size, context_lens, q_lens, dtypes, window)
+    (6, 2, 16, 8, [13, 40, 6], [1, 17, 6], "f32", None),    # decode + chunk after a prefix + prompt
+    (4, 4, 16, 4, [30, 21], [30, 5], "f32", 7),             # 1:1, sliding window
+    (8, 1, 16, 8, [25, 3], [9, 3], "f16-fp8", None),        # MQA 8:1
+    (16, 2, 32, 16, [40, 1], [20, 1], "f16", 12),           # 8:1, window, with a decode row
+]
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: f"H{c[0]}kv{c[1]}-{c[6]}-w{c[7]}")
+def test_prefill_attention(case: tuple) -> None:
+    heads, kv_heads, dim, bs, ctx, q_lens, dtypes, window = case
+    rng = np.random.default_rng()
+    scales = (0.05, 0.02) if dtypes.endswith("fp8") else (1.0, 1.0)
+    problem = paged_problem(rng, ctx, q_lens, heads, kv_heads, dim, bs, dtypes, *scales)
+    check_attention(problem, window)
+
+
+def test_thread_order_does_not_change_results() -> None:
+    rng = np.random.default_rng()
+    problem = paged_problem(rng, [37, 12, 20], [1, 12, 4], 6, 2, 16, 8, "f32")
+    outs = [check_attention(problem, None, 16, seed) for seed in (0, 1, 2)]
+    assert all(np.array_equal(outs[0], o) for o in outs[1:])
+    x = rng.standard_normal((3, 300)).astype(np.float32)
+    w = rng.standard_normal(300).astype(np.float32)
+    norms = [ops(seed).rms_norm(x, w, 1e-6) for seed in (0, 3)]
+    assert np.array_equal(norms[0], norms[1])
+
+
+@pytest.mark.parametrize("defines", [("KVC_BREAK_SYNC",), ("KVC_BREAK_GQA",)])
+def test_broken_decode_kernel_fails(defines: tuple[str, ...]) -> None:
+    rng = np.random.default_rng()
+    # 64-token partitions: two warps score a partition, so a missing barrier lets one read the
+    # other's scores before they are written
+    problem = paged_problem(rng, [70, 41], [1, 1], 6, 2, 16, 8, "f32")
+    expected = reference.paged_attention(**problem)
+    good = ops().paged_attention(**problem, partition_size=64)
+    np.testing.assert_allclose(good, expected, rtol=2e-5, atol=2e-5)
+    for seed in (0, 1):
+        broken = ops(seed, defines).paged_attention(**problem, partition_size=64)
+        assert not np.allclose(broken, expected, rtol=1e-3, atol=1e-3, equal_nan=False)
+
+
+def test_broken_prefill_kernel_fails() -> None:
+    rng = np.random.default_rng()
+    problem = paged_problem(rng, [30, 20], [30, 8], 6, 2, 16, 8, "f32")
+    expected = reference.paged_attention(**problem)
+    broken = ops(0, ("KVC_BREAK_GQA",)).paged_attention(**problem)
+    assert not np.allclose(broken, expected, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtypes", ["f32", "f16", "bf16", "f32-fp8", "f16-fp8"])
+def test_reshape_and_cache(dtypes: str) -> None:
+    act, cache_dtype = DTYPES[dtypes]
+    rng = np.random.default_rng()
+    key = (rng.standard_normal((7, 3, 16)) * 40).astype(act)  # fp8 / 0.1 saturates some
+    value = rng.standard_normal((7, 3, 16)).astype(act)
+    slots = rng.permutation(6 * 4)[:7].astype(np.int64)
+    slots[[1, 4]] = -1  # padding rows are skipped
+    scales = (0.1, 0.5) if cache_dtype == FP8 else (1.0, 1.0)
+    garbage = rng.standard_normal((6, 4, 3, 16)).astype(np.float32).astype(cache_dtype)
+    caches = [garbage.copy() for _ in range(4)]
+    ops().reshape_and_cache(key, value, caches[0], caches[1], slots, *scales)
+    reference.reshape_and_cache(key, value, caches[2], caches[3], slots, *scales)
+    assert caches[0].view(np.uint8).tobytes() == caches[2].view(np.uint8).tobytes()
+    assert caches[1].view(np.uint8).tobytes() == caches[3].view(np.uint8).tobytes()
+
+
+@pytest.mark.parametrize("shape,dtype", [((9, 4, 2, 8), np.float16), ((7, 3, 1, 5), FP8)])
+def test_copy_blocks(shape: tuple[int, ...], dtype: np.dtype) -> None:
+    rng = np.random.default_rng()
+    caches = [rng.standard_normal(shape).astype(np.float32).astype(dtype) for _ in range(4)]
+    expected = [c.copy() for c in caches]
+    mapping = np.array([[0, 5], [2, 3], [2, 6]], dtype=np.int64)
+    ops().copy_blocks(caches[:2], caches[2:], mapping)
+    reference.copy_blocks(expected[:2], expected[2:], mapping)
+    for got, want in zip(caches, expected, strict=True):
+        assert got.view(np.uint8).tobytes() == want.view(np.uint8).tobytes()
+    with pytest.raises(ValueError, match="never a source"):
+        ops().copy_blocks(caches[:2], caches[2:], np.array([[0, 1], [1, 2]], dtype=np.int64))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, BF16])
+def test_fused_layers(dtype: np.dtype) -> None:
+    rng = np.random.default_rng()
+    tol = TOL[np.dtype(dtype)]
+    x = rng.standard_normal((5, 300)).astype(dtype)
+    weight = rng.standard_normal(300).astype(dtype)
+    want = reference.rms_norm(x.astype(np.float32), weight.astype(np.float32), 1e-5)
+    got = ops().rms_norm(x, weight, 1e-5)
+    np.testing.assert_allclose(got.astype(np.float32), want, rtol=tol * 2, atol=tol * 2)
+    gate_up = rng.standard_normal((4, 2 * 40)).astype(dtype)
+    want = reference.silu_and_mul(gate_up.astype(np.float32))
+    got = ops().silu_and_mul(gate_up)
+    np.testing.assert_allclose(got.astype(np.float32), want, rtol=tol, atol=tol)
+    cos, sin = reference.rope_cos_sin(reference.rope_inv_freq(16, 10000.0), 64)
+    q = rng.standard_normal((6, 3, 16)).astype(dtype)
+    positions = rng.integers(0, 64, size=6).astype(np.int64)
+    want = reference.rope(q.astype(np.float32), positions, cos, sin)
+    got = ops().rope(q, positions, cos, sin)
+    np.testing.assert_allclose(got.astype(np.float32), want, rtol=tol, atol=tol)
+
+
+def test_wrappers_check_arguments() -> None:
+    rng = np.random.default_rng()
+    problem = paged_problem(rng, [9], [1], 4, 2, 16, 4, "f32")
+    bad = dict(problem, block_tables=problem["block_tables"].astype(np.int64))
+    with pytest.raises(ValueError, match="block_tables must be int32"):
+        ops().paged_attention(**bad)
+    bad = dict(problem, query=np.ascontiguousarray(
+        np.repeat(problem["query"], 2, axis=2))[:, :, ::2])
+    with pytest.raises(ValueError, match="query must be C-contiguous"):
+        ops().paged_attention(**bad)
+    with pytest.raises(ValueError, match="head_dim must be a power of two"):
+        p = paged_problem(rng, [9], [1], 4, 2, 24, 4, "f32")
+        ops().paged_attention(**p)
+    with pytest.raises(ValueError, match="slot_mapping must be int64"):
+        ops().reshape_and_cache(problem["query"][:, :2], problem["query"][:, :2],
+                                problem["k_cache"], problem["v_cache"], np.zeros(1, np.int32))
