@@ -26,7 +26,8 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 KERNEL_DIR = HERE.parents[1] / "src" / "kvcore" / "kernels"
-CACHE_DIR = Path(os.environ.get("KVCORE_EMU_CACHE", Path(tempfile.gettempdir()) / "kvcore_cuda_emu"))
+CACHE_DIR = Path(os.environ.get("KVCORE_EMU_CACHE")
+                 or Path(tempfile.gettempdir()) / "kvcore_cuda_emu")
 DYNAMIC_SMEM_CAPACITY = 228 * 1024
 
 _KERNEL_RE = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?'
@@ -104,7 +105,8 @@ def build(path: Path, defines: Sequence[str] = ()) -> tuple[Path, list[str]]:
         + 'extern "C" unsigned char* emu_dynamic_smem(int i) {\n'
         + "".join(f"  if (i == {i}) return {n};\n" for i, n in enumerate(smem))
         + "  return nullptr;\n}\n"
-        + f'extern "C" unsigned long emu_dynamic_smem_capacity() {{ return {DYNAMIC_SMEM_CAPACITY}; }}\n')
+        + 'extern "C" unsigned long emu_dynamic_smem_capacity() '
+        + f"{{ return {DYNAMIC_SMEM_CAPACITY}; }}\n")
     tmp = work / "lib.so"
     cmd = ["g++", *flags, "-include", str(HERE / "cuda_emu.h"), str(kernels), str(shared),
            str(HERE / "emu_runtime.cpp"), "-o", str(tmp)]
@@ -123,7 +125,8 @@ class _Worker:
         self._stderr: Any = None
 
     def _start(self) -> subprocess.Popen[bytes]:
-        self._stderr = tempfile.TemporaryFile()
+        # a file, not a pipe: nobody reads it until the worker dies, so it must never fill up
+        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115
         self._proc = subprocess.Popen([sys.executable, str(HERE / "worker.py")],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=self._stderr)
@@ -145,7 +148,8 @@ class _Worker:
             self._stderr.seek(0)
             tail = self._stderr.read().decode(errors="replace")[-3000:]
             self._proc = None
-            raise RuntimeError(f"emulated launch crashed the worker (exit {code}):\n{tail}") from None
+            raise RuntimeError(f"emulated launch crashed the worker (exit {code}):\n{tail}") \
+                from None
         ok, value = pickle.loads(body)
         if not ok:
             raise RuntimeError(value)

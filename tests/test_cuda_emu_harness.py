@@ -1,0 +1,116 @@
+"""The CUDA emulation harness itself: barriers, warp collectives, races, crashes, bad arguments."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("cupy", reason="cupy's CCCL headers provide <nv/target> for cuda_fp16.h")
+if shutil.which("g++") is None:
+    pytest.skip("the emulation harness needs g++", allow_module_level=True)
+
+from cuda_emu import EmuModule  # noqa: E402
+
+SOURCE = r"""
+#include <cuda_fp16.h>
+// warp 1 publishes values in shared memory that warp 0 reads; SYNC decides whether it waits
+extern "C" __global__ void publish(float* out, int sync) {
+  extern __shared__ float buf[];
+  const int t = threadIdx.x;
+  if (t >= 32) buf[t - 32] = 10.0f * t;
+  if (sync) __syncthreads();
+  if (t < 32) out[blockIdx.x * 32 + t] = buf[t];
+}
+extern "C" __global__ void collectives(float* out, unsigned* votes, const __half* x) {
+  const int t = threadIdx.x;
+  const float v = __half2float(x[t]);
+  out[t] = __shfl_xor_sync(0xffffffffu, v, 5);
+  out[64 + t] = __shfl_down_sync(0xffffffffu, v, 3);
+  out[128 + t] = __shfl_sync(0xffffffffu, v, 7, 16);
+  const unsigned vote = __ballot_sync(0xffffffffu, v > 0.0f);
+  if (t % 32 == 0) votes[t / 32] = vote;
+  __shared__ float total;
+  if (t == 0) total = 0.0f;
+  __syncthreads();
+  atomicAdd(&total, 1.0f);
+  __syncthreads();
+  out[192 + t] = total;
+}
+extern "C" __global__ void wild(float* out, long long address) {
+  *reinterpret_cast<float*>(address) = out[0];
+}
+extern "C" __global__ void divergent(float* out) {
+  if (threadIdx.x < 16) out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, 1.0f, 1);
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def module(tmp_path_factory: pytest.TempPathFactory) -> EmuModule:
+    path = Path(tmp_path_factory.mktemp("emu")) / "harness.cu"
+    path.write_text(SOURCE)
+    return EmuModule(path)
+
+
+def test_missing_barrier_is_a_visible_race(module: EmuModule) -> None:
+    expected = np.tile(10.0 * np.arange(32, 64, dtype=np.float32), 2)
+    out = np.zeros(64, dtype=np.float32)
+    module.get_function("publish")((2,), (64,), (out, np.int32(1)), shared_mem=32 * 4)
+    np.testing.assert_array_equal(out, expected)
+    for seed in (0, 5):  # warp 0 runs first in natural order: it reads unwritten memory
+        module.order_seed = seed
+        out = np.zeros(64, dtype=np.float32)
+        module.get_function("publish")((2,), (64,), (out, np.int32(0)), shared_mem=32 * 4)
+        if seed == 0:
+            assert np.isnan(out).all()
+    module.order_seed = 0
+
+
+def test_warp_collectives(module: EmuModule) -> None:
+    rng = np.random.default_rng()
+    x = rng.standard_normal(64).astype(np.float16)
+    v = x.astype(np.float32)
+    out = np.zeros(256, dtype=np.float32)
+    votes = np.zeros(2, dtype=np.uint32)
+    for seed in (0, 3):
+        module.order_seed = seed
+        module.get_function("collectives")((1,), (64,), (out, votes, x))
+        lane = np.arange(64) % 32
+        base = np.arange(64) - lane
+        np.testing.assert_array_equal(out[:64], v[base + (lane ^ 5)])
+        np.testing.assert_array_equal(out[64:128], np.where(lane + 3 < 32, v[np.minimum(
+            np.arange(64) + 3, 63)], v))
+        np.testing.assert_array_equal(out[128:192], v[(np.arange(64) // 16) * 16 + 7])
+        for w in range(2):
+            expected = sum(1 << i for i in range(32) if v[32 * w + i] > 0)
+            assert int(votes[w]) == expected
+        np.testing.assert_array_equal(out[192:], np.full(64, 64.0))
+    module.order_seed = 0
+
+
+def test_wild_pointer_kills_only_the_worker(module: EmuModule) -> None:
+    out = np.ones(4, dtype=np.float32)
+    with pytest.raises(RuntimeError, match="crashed the worker"):
+        module.get_function("wild")((1,), (1,), (out, np.int64(16)))
+    again = np.zeros(32, dtype=np.float32)
+    module.get_function("publish")((1,), (64,), (again, np.int32(1)), shared_mem=128)
+    np.testing.assert_array_equal(again, 10.0 * np.arange(32, 64))
+
+
+def test_argument_types_are_checked(module: EmuModule) -> None:
+    out = np.zeros(64, dtype=np.float32)
+    with pytest.raises(RuntimeError, match="expects 'i', got int64"):
+        module.get_function("publish")((1,), (64,), (out, 1), shared_mem=128)  # Python int: int64
+    with pytest.raises(RuntimeError, match="takes 2 arguments"):
+        module.get_function("publish")((1,), (64,), (out,), shared_mem=128)
+
+
+def test_divergent_collective_and_smem_limit_are_errors(module: EmuModule) -> None:
+    out = np.zeros(32, dtype=np.float32)
+    with pytest.raises(RuntimeError, match="deadlocked|exited"):
+        module.get_function("divergent")((1,), (32,), (out,))
+    with pytest.raises(RuntimeError, match="48 KiB"):
+        module.get_function("publish")((1,), (64,), (out, np.int32(1)), shared_mem=64 * 1024)
