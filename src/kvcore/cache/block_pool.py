@@ -133,6 +133,51 @@ class BlockPool:
         block.token_bytes = token_bytes
         self.cached[block_hash] = block
 
+    def match_prefix(self, token_ids: Sequence[int], max_blocks: int,
+                     extra: bytes) -> tuple[list[Block], list[BlockHash]]:
+        """The cached blocks holding the first full blocks of token_ids (at most max_blocks), and
+        their chain hashes; `extra` is the first block's extra key. Takes no reference."""
+        pack = self._pack
+        get = self.cached.get
+        sha256 = hashlib.sha256
+        bs = self.block_size
+        blocks: list[Block] = []
+        hashes: list[BlockHash] = []
+        parent = b""
+        for start in range(0, max_blocks * bs, bs):
+            token_bytes = pack(*token_ids[start:start + bs])
+            block_hash = sha256(parent + token_bytes + extra).digest()  # hash_block, inlined
+            block = get(block_hash)
+            if block is None or block.token_bytes != token_bytes:
+                break
+            blocks.append(block)
+            hashes.append(block_hash)
+            parent = block_hash
+            extra = b""
+        return blocks, hashes
+
+    def cache_full_blocks(self, blocks: Sequence[Block | None], block_hashes: list[BlockHash],
+                          token_ids: Sequence[int], num_full: int, extra: bytes) -> None:
+        """Hash blocks len(block_hashes) .. num_full - 1 of a sequence (appending to its
+        block_hashes) and register them; `extra` is the first block's extra key."""
+        pack = self._pack
+        sha256 = hashlib.sha256
+        bs = self.block_size
+        cached = self.cached
+        for i in range(len(block_hashes), num_full):
+            block = blocks[i]
+            assert block is not None and block.ref_count > 0 and block.block_hash is None
+            token_bytes = pack(*token_ids[i * bs:(i + 1) * bs])
+            if i:
+                block_hash = sha256(block_hashes[-1] + token_bytes).digest()  # hash_block, inlined
+            else:
+                block_hash = sha256(token_bytes + extra).digest()
+            block_hashes.append(block_hash)
+            if block_hash not in cached:  # else an equal block is already canonical
+                block.block_hash = block_hash
+                block.token_bytes = token_bytes
+                cached[block_hash] = block
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash; blocks in use keep their data and their references."""
         for block in self.cached.values():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 
-from kvcore.cache.block_pool import Block, BlockHash, BlockPool, hash_block
+from kvcore.cache.block_pool import Block, BlockHash, BlockPool
 
 CopyOp = tuple[int, int]  # (src_block_id, dst_block_id), executed by the runner before forward
 
@@ -74,21 +74,13 @@ class KVCacheManager:
         self._seqs[seq_id] = seq
         if not self.enable_prefix_caching:
             return 0
-        pool = self.pool
         bs = self.block_size
-        parent: BlockHash | None = None
-        extra = seq.salt
-        for start in range(0, (num_prompt - 1) // bs * bs, bs):
-            token_bytes = pool.pack_tokens(token_ids[start:start + bs])
-            block_hash = hash_block(parent, token_bytes, extra)
-            block = pool.lookup(block_hash, token_bytes)
-            if block is None:
-                break
-            pool.touch(block)
-            seq.blocks.append(block)
-            seq.block_hashes.append(block_hash)
-            parent = block_hash
-            extra = b""
+        blocks, seq.block_hashes = self.pool.match_prefix(token_ids, (num_prompt - 1) // bs,
+                                                          seq.salt)
+        touch = self.pool.touch
+        for block in blocks:
+            touch(block)
+        seq.blocks = list(blocks)
         seq.num_tokens = num_cached = len(seq.blocks) * bs
         self.num_prefix_queries += num_prompt
         self.num_prefix_hits += num_cached
@@ -126,7 +118,7 @@ class KVCacheManager:
         num_new_blocks = -(-end // bs) - len(blocks)
         last = blocks[-1] if start % bs else None  # a partially filled last block gets written
         copy = last is not None and last.ref_count > 1
-        new = self.pool.allocate(num_new_blocks + copy)
+        new = self.pool.allocate(num_new_blocks + (1 if copy else 0))
         if new is None:
             return None
         ops: list[CopyOp] = []
@@ -143,21 +135,8 @@ class KVCacheManager:
         assert written is not None and written.ref_count == 1, "write into a shared block"
         seq.num_tokens = end
         if self.enable_prefix_caching and end // bs > len(seq.block_hashes):
-            self._hash_full_blocks(seq, token_ids)
+            self.pool.cache_full_blocks(blocks, seq.block_hashes, token_ids, end // bs, seq.salt)
         return ops
-
-    def _hash_full_blocks(self, seq: _Sequence, token_ids: Sequence[int]) -> None:
-        pool = self.pool
-        bs = self.block_size
-        hashes = seq.block_hashes
-        for i in range(len(hashes), seq.num_tokens // bs):
-            block = seq.blocks[i]
-            assert block is not None
-            token_bytes = pool.pack_tokens(token_ids[i * bs:(i + 1) * bs])
-            block_hash = hash_block(hashes[-1] if hashes else None, token_bytes,
-                                    b"" if i else seq.salt)
-            hashes.append(block_hash)
-            pool.cache_block(block, block_hash, token_bytes)
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares every block of the parent (refcount + 1); writes copy on demand."""
