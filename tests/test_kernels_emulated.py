@@ -25,6 +25,7 @@ from cuda_emu import EmuBackend  # noqa: E402
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = {"f32": (np.float32, np.float32), "f16": (np.float16, np.float16),
+          "f32-f16": (np.float32, np.float16), "f32-bf16": (np.float32, BF16),
           "bf16": (BF16, BF16), "f16-fp8": (np.float16, FP8), "f32-fp8": (np.float32, FP8)}
 TOL = {np.dtype(np.float32): 2e-5, np.dtype(np.float16): 2e-3, BF16: 1.6e-2}
 
@@ -84,6 +85,7 @@ DECODE_CASES = [
     (6, 2, 16, 8, [19, 45], "f32-fp8", 16, 20),             # sliding window over partitions
     (8, 4, 128, 16, [37, 18], "f16", 16, None),             # head_dim 128
     (4, 2, 64, 8, [23, 9], "bf16", None, 10),
+    (4, 2, 16, 8, [23, 9], "f32-f16", 8, None),            # fp32 model, fp16 cache
 ]
 
 
@@ -114,6 +116,7 @@ PREFILL_CASES = [
     (4, 4, 16, 4, [30, 21], [30, 5], "f32", 7),             # 1:1, sliding window
     (8, 1, 16, 8, [25, 3], [9, 3], "f16-fp8", None),        # MQA 8:1
     (16, 2, 32, 16, [40, 1], [20, 1], "f16", 12),           # 8:1, window, with a decode row
+    (4, 2, 16, 8, [12, 7], [12, 3], "f32-bf16", None),      # fp32 model, bf16 cache
 ]
 
 
@@ -159,7 +162,7 @@ def test_broken_prefill_kernel_fails() -> None:
     assert not np.allclose(broken, expected, rtol=1e-3, atol=1e-3)
 
 
-@pytest.mark.parametrize("dtypes", ["f32", "f16", "bf16", "f32-fp8", "f16-fp8"])
+@pytest.mark.parametrize("dtypes", ["f32", "f16", "bf16", "f32-fp8", "f16-fp8", "f32-bf16"])
 def test_reshape_and_cache(dtypes: str) -> None:
     act, cache_dtype = DTYPES[dtypes]
     rng = np.random.default_rng()
@@ -204,7 +207,8 @@ def test_fused_layers(dtype: np.dtype) -> None:
     got = ops().silu_and_mul(gate_up)
     np.testing.assert_allclose(got.astype(np.float32), want, rtol=tol, atol=tol)
     cos, sin = reference.rope_cos_sin(reference.rope_inv_freq(16, 10000.0), 64)
-    q = rng.standard_normal((6, 3, 16)).astype(dtype)
+    qkv = rng.standard_normal((6, 5 * 16)).astype(dtype)
+    q = qkv[:, 16:64].reshape(6, 3, 16)  # tokens strided, as a slice of the fused projection
     positions = rng.integers(0, 64, size=6).astype(np.int64)
     want = reference.rope(q.astype(np.float32), positions, cos, sin)
     got = ops().rope(q, positions, cos, sin)

@@ -9,6 +9,7 @@ a worker subprocess, so a wild pointer kills the worker, not the test runner.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import pickle
@@ -159,6 +160,17 @@ class _Worker:
 _WORKER = _Worker()
 
 
+def _span(view: np.ndarray, name: str) -> np.ndarray:
+    """The bytes from a strided view's first to its last element, aliasing its memory: what a
+    kernel given the view's data pointer may address."""
+    if any(st < 0 for st in view.strides):
+        raise ValueError(f"{name} has negative strides")
+    nbytes = sum((n - 1) * st for n, st in zip(view.shape, view.strides, strict=True))
+    nbytes += view.dtype.itemsize
+    buffer = (ctypes.c_uint8 * nbytes).from_address(view.ctypes.data)
+    return np.ctypeslib.as_array(buffer)
+
+
 class EmuKernel:
     def __init__(self, module: EmuModule, name: str) -> None:
         self.module = module
@@ -173,7 +185,7 @@ class EmuKernel:
         for i, arg in enumerate(args):
             if isinstance(arg, np.ndarray):
                 if not arg.flags.c_contiguous:
-                    raise ValueError(f"{self.name}: argument {i} is not C-contiguous")
+                    arg = _span(arg, f"{self.name}: argument {i}")
                 specs.append(("a", arg))
                 targets.append(arg)
             elif isinstance(arg, PointerArray):

@@ -36,6 +36,8 @@ __device__ void reshape_and_cache_row(
 KVC_RESHAPE_AND_CACHE(f32_f32, float, float)
 KVC_RESHAPE_AND_CACHE(f16_f16, __half, __half)
 KVC_RESHAPE_AND_CACHE(bf16_bf16, __nv_bfloat16, __nv_bfloat16)
+KVC_RESHAPE_AND_CACHE(f32_f16, float, __half)
+KVC_RESHAPE_AND_CACHE(f32_bf16, float, __nv_bfloat16)
 KVC_RESHAPE_AND_CACHE(f32_fp8, float, __nv_fp8_e4m3)
 KVC_RESHAPE_AND_CACHE(f16_fp8, __half, __nv_fp8_e4m3)
 KVC_RESHAPE_AND_CACHE(bf16_fp8, __nv_bfloat16, __nv_fp8_e4m3)

@@ -20,7 +20,11 @@ _DECODE_THREADS = 128  # fixed in paged_attention_decode.cu (KVC_DECODE_THREADS)
 _PREFILL_THREADS = 128
 _GCHUNK = 8  # KVC_GCHUNK
 _SUFFIX = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
-_FP8_NAMES = ("float8_e4m3fn", "uint8")  # CuPy has no fp8 dtype: fp8 caches are uint8 there
+# CuPy has no bf16 or fp8 dtype: there caches hold the raw bits (uint16 / uint8, see KVCache)
+_CACHE_SUFFIX = {**_SUFFIX, "uint16": "bf16", "float8_e4m3fn": "fp8", "uint8": "fp8"}
+# (activation, cache) pairs with instantiated kernels
+_CACHE_PAIRS = {("f32", "f32"), ("f32", "f16"), ("f32", "bf16"), ("f32", "fp8"),
+                ("f16", "f16"), ("f16", "fp8"), ("bf16", "bf16"), ("bf16", "fp8")}
 
 
 class Backend(Protocol):
@@ -41,12 +45,12 @@ def _suffix(name: str, array: Any) -> str:
 
 
 def _cache_suffix(name: str, cache: Any, activation_suffix: str) -> str:
-    if cache.dtype.name in _FP8_NAMES:
-        return "fp8"
-    if _SUFFIX.get(cache.dtype.name) != activation_suffix:
-        raise ValueError(f"{name} dtype {cache.dtype} must match the activations "
-                         f"({activation_suffix}) or be fp8 (float8_e4m3fn / uint8)")
-    return activation_suffix
+    suffix = _CACHE_SUFFIX.get(cache.dtype.name)
+    if (activation_suffix, suffix) not in _CACHE_PAIRS:
+        raise ValueError(f"{name} dtype {cache.dtype} cannot hold {activation_suffix} "
+                         "activations: use the same dtype, fp8 (float8_e4m3fn / uint8), or any "
+                         "cache dtype with float32 activations")
+    return str(suffix)
 
 
 def _contiguous(name: str, array: Any) -> None:
@@ -277,10 +281,13 @@ class CudaOps:
                 raise ValueError(f"{name} must be float32 (max_pos, {head_dim // 2}), got "
                                  f"{table.shape} {table.dtype}")
             _contiguous(name, table)
-        _contiguous("x", x)
+        item = x.dtype.itemsize
+        # tokens may be strided (a column slice of the fused qkv output); (H, D) must be dense
+        if tuple(x.strides[1:]) != (head_dim * item, item) or x.strides[0] % item:
+            raise ValueError(f"x must be contiguous within each token, got strides {x.strides}")
         out = self.xp.empty(x.shape, dtype=x.dtype)  # (T, H, D)
         if num_tokens:
             self.backend.function("layers.cu", f"rope_{suffix}")(
                 (num_tokens,), (128,), (out, x, positions, cos, sin, np.int32(num_heads),
-                                        np.int32(head_dim)))
+                                        np.int32(head_dim), np.int64(x.strides[0] // item)))
         return out

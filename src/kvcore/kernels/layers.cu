@@ -33,21 +33,25 @@ __device__ void silu_and_mul_row(T* __restrict__ out, const T* __restrict__ x, i
   }
 }
 
-// x (T, H, D) -> out (T, H, D), rotate-half (HF) with cos/sin (max_pos, D/2) fp32; grid (T,).
+// x (T, H, D) -> out (T, H, D) contiguous, rotate-half (HF) with cos/sin (max_pos, D/2) fp32;
+// grid (T,). x's tokens may lie `x_stride` elements apart (q/k as column slices of the fused
+// qkv projection), each token's (H, D) contiguous.
 template <typename T>
 __device__ void rope_row(T* __restrict__ out, const T* __restrict__ x,
                          const long long* __restrict__ positions, const float* __restrict__ cos,
-                         const float* __restrict__ sin, int num_heads, int head_dim) {
+                         const float* __restrict__ sin, int num_heads, int head_dim,
+                         long long x_stride) {
   const int half = head_dim / 2;
   const long long pos = positions[blockIdx.x];
-  const long long base = (long long)blockIdx.x * num_heads * head_dim;
+  const T* src = x + blockIdx.x * x_stride;
+  T* dst = out + (long long)blockIdx.x * num_heads * head_dim;
   for (int i = threadIdx.x; i < num_heads * half; i += blockDim.x) {
     const int h = i / half, j = i % half;
     const float c = cos[pos * half + j], s = sin[pos * half + j];
-    const long long lo = base + (long long)h * head_dim + j;
-    const float x1 = to_float(x[lo]), x2 = to_float(x[lo + half]);
-    out[lo] = from_float<T>(x1 * c - x2 * s);
-    out[lo + half] = from_float<T>(x2 * c + x1 * s);
+    const int lo = h * head_dim + j;
+    const float x1 = to_float(src[lo]), x2 = to_float(src[lo + half]);
+    dst[lo] = from_float<T>(x1 * c - x2 * s);
+    dst[lo + half] = from_float<T>(x2 * c + x1 * s);
   }
 }
 
@@ -61,8 +65,8 @@ __device__ void rope_row(T* __restrict__ out, const T* __restrict__ x,
   }                                                                                              \
   extern "C" __global__ void rope_##suffix(T* out, const T* x, const long long* positions,      \
                                            const float* cos, const float* sin, int num_heads,   \
-                                           int head_dim) {                                       \
-    rope_row<T>(out, x, positions, cos, sin, num_heads, head_dim);                              \
+                                           int head_dim, long long x_stride) {                   \
+    rope_row<T>(out, x, positions, cos, sin, num_heads, head_dim, x_stride);                    \
   }
 
 KVC_LAYERS(f32, float)

@@ -240,6 +240,8 @@ __device__ void decode_reduce(
 KVC_DECODE(f32_f32, float, float)
 KVC_DECODE(f16_f16, __half, __half)
 KVC_DECODE(bf16_bf16, __nv_bfloat16, __nv_bfloat16)
+KVC_DECODE(f32_f16, float, __half)
+KVC_DECODE(f32_bf16, float, __nv_bfloat16)
 KVC_DECODE(f32_fp8, float, __nv_fp8_e4m3)
 KVC_DECODE(f16_fp8, __half, __nv_fp8_e4m3)
 KVC_DECODE(bf16_fp8, __nv_bfloat16, __nv_fp8_e4m3)

@@ -146,6 +146,8 @@ __device__ void prefill_tile(
 KVC_PREFILL(f32_f32, float, float)
 KVC_PREFILL(f16_f16, __half, __half)
 KVC_PREFILL(bf16_bf16, __nv_bfloat16, __nv_bfloat16)
+KVC_PREFILL(f32_f16, float, __half)
+KVC_PREFILL(f32_bf16, float, __nv_bfloat16)
 KVC_PREFILL(f32_fp8, float, __nv_fp8_e4m3)
 KVC_PREFILL(f16_fp8, __half, __nv_fp8_e4m3)
 KVC_PREFILL(bf16_fp8, __nv_bfloat16, __nv_fp8_e4m3)

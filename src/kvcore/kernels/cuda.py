@@ -1,0 +1,77 @@
+"""CUDA kernels through CuPy RawModule: the GPU implementations behind kvcore.kernels.
+
+Imported lazily by kvcore.kernels when an argument is a CuPy array (never on a CPU-only path).
+Each .cu source is compiled once per process with `compile_check.nvrtc_options()` (CuPy also
+caches the binaries on disk); the functions here have the reference kernels' signatures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import cupy  # type: ignore[import-not-found]
+import numpy as np
+
+from kvcore.kernels.compile_check import KERNEL_DIR, nvrtc_options
+from kvcore.kernels.cuda_ops import CudaOps, Kernel
+
+
+class CupyBackend:
+    """cuda_ops' backend on a GPU: RawModule kernels, CuPy arrays."""
+
+    xp = cupy
+
+    def __init__(self) -> None:
+        self._modules: dict[str, Any] = {}
+
+    def function(self, source: str, name: str) -> Kernel:
+        module = self._modules.get(source)
+        if module is None:
+            code = (KERNEL_DIR / source).read_text()
+            module = self._modules[source] = cupy.RawModule(code=code, options=nvrtc_options())
+        return module.get_function(name)  # type: ignore[no-any-return]
+
+    def pointer_array(self, arrays: Sequence[Any]) -> Any:
+        return cupy.asarray(np.array([a.data.ptr for a in arrays], dtype=np.int64))  # (L,)
+
+    def to_host(self, array: Any) -> np.ndarray:
+        return cupy.asnumpy(array)  # type: ignore[no-any-return]
+
+
+_OPS: CudaOps | None = None
+
+
+def ops() -> CudaOps:
+    global _OPS
+    if _OPS is None:
+        _OPS = CudaOps(CupyBackend())
+    return _OPS
+
+
+def reshape_and_cache(key: Any, value: Any, k_cache: Any, v_cache: Any, slot_mapping: Any,
+                      k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    ops().reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def paged_attention(query: Any, k_cache: Any, v_cache: Any, block_tables: Any, context_lens: Any,
+                    query_start_loc: Any, scale: float, sliding_window: int | None = None,
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> Any:
+    return ops().paged_attention(query, k_cache, v_cache, block_tables, context_lens,
+                                 query_start_loc, scale, sliding_window, k_scale, v_scale)
+
+
+def copy_blocks(k_caches: list[Any], v_caches: list[Any], block_mapping: Any) -> None:
+    ops().copy_blocks(k_caches, v_caches, block_mapping)
+
+
+def rms_norm(x: Any, weight: Any, eps: float) -> Any:
+    return ops().rms_norm(x, weight, eps)
+
+
+def silu_and_mul(x: Any) -> Any:
+    return ops().silu_and_mul(x)
+
+
+def rope(x: Any, positions: Any, cos: Any, sin: Any) -> Any:
+    return ops().rope(x, positions, cos, sin)
