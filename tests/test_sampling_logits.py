@@ -53,15 +53,17 @@ def ref_process(row: np.ndarray, p: SamplingParams, prompt: list[int],
     return x
 
 
-def random_case(rng: np.random.Generator, **params: Any) -> tuple[SamplingParams, list[int],
-                                                                   list[int]]:
+Case = tuple[SamplingParams, list[int], list[int]]  # params, prompt ids, output ids
+
+
+def random_case(rng: np.random.Generator, **params: Any) -> Case:
     prompt = rng.integers(0, VOCAB, size=int(rng.integers(1, 40))).tolist()
     output = rng.integers(0, VOCAB, size=int(rng.integers(0, 30))).tolist()
     output += output[: len(output) // 2]  # repeats, so counts above 1 occur
     return SamplingParams(max_tokens=None, **params), prompt, output
 
 
-def check_rows(logits: np.ndarray, cases: list[tuple[SamplingParams, list[int], list[int]]]) -> None:
+def check_rows(logits: np.ndarray, cases: list[Case]) -> None:
     rows = [SamplingRow(p, make_generator(0, np.random.SeedSequence(0)), prompt, output)
             for p, prompt, output in cases]
     got = logits.copy()
