@@ -159,6 +159,15 @@ class Scheduler:
             self.running.sort(key=_served_key)
         if not preempted:
             self._admit(scheduled, ops, budget, step)
+        while not scheduled and self.waiting and self.running:
+            # nothing could run: the running sequences wait for siblings (beams) that wait for
+            # blocks. Free the least important one if it ranks below the head of the queue.
+            victim = max(self.running, key=_victim_key)
+            if _queue_key(victim) < _queue_key(self.waiting[0]):
+                break
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            self._admit(scheduled, ops, budget, step)
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(
             scheduled=tuple(scheduled.items()),
@@ -176,6 +185,7 @@ class Scheduler:
             request = waiting[0]
             num_cached = kv.allocate_prefix(request.request_id, request.all_token_ids,
                                             request.cache_salt)
+            assert num_cached < request.num_tokens, "the last token is always recomputed"
             num_new = min(request.num_tokens - num_cached, budget)
             copies = kv.allocate_slots(request.request_id, request.all_token_ids, num_new)
             if copies is None:
@@ -251,12 +261,12 @@ class Scheduler:
         return progressed
 
 
-def _victim_key(request: Request) -> tuple[int, int]:
-    return request.priority, request.arrival_seq
+def _victim_key(request: Request) -> tuple[int, int, int]:
+    # forks (n > 1, beams) share their parent's arrival: the later choice goes first
+    return request.priority, request.arrival_seq, request.index
 
 
-def _queue_key(request: Request) -> tuple[int, int]:
-    return request.priority, request.arrival_seq
+_queue_key = _victim_key  # the waiting queue's order is the reverse of the victims'
 
 
 def _served_key(request: Request) -> int:

@@ -1,0 +1,141 @@
+"""A Hypothesis state machine over the scheduler and the real KVCacheManager, with a stub model.
+
+Rules add requests (random lengths and priorities, some rejected at admission), abort them, and
+step with random token budgets. Invariants: the budget and max_num_seqs are never exceeded, every
+running request gets tokens each step (budget >= max_num_seqs), no request waits past a bound,
+refcounts equal the block-table references (no leak), and everything drains to an empty pool.
+Longer runs: KVCORE_HYPOTHESIS_EXAMPLES=2000.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    invariant,
+    precondition,
+    rule,
+)
+
+from kvcore.request import RequestStatus
+from scheduler_helpers import EOS, make_request, make_scheduler, stub_token
+
+MAX_NUM_SEQS = 4
+NUM_BLOCKS = 24
+BLOCK_SIZE = 4
+MAX_MODEL_LEN = 64
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    requests = Bundle("requests")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.s = make_scheduler(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+                                budget=3 * MAX_NUM_SEQS, max_num_seqs=MAX_NUM_SEQS,
+                                max_model_len=MAX_MODEL_LEN)
+        self.num_added = 0
+        self.step_no = 0
+        self.added_at: dict[str, int] = {}
+        self.total_work = 0  # prompt + max_tokens of every request ever added
+
+    @rule(target=requests, prompt_len=st.integers(1, 60), max_tokens=st.integers(1, 24),
+          priority=st.integers(0, 2), stops_early=st.booleans())
+    def add(self, prompt_len: int, max_tokens: int, priority: int, stops_early: bool) -> str:
+        self.num_added += 1
+        request_id = f"q{self.num_added}"
+        request = make_request(request_id, prompt_len, max_tokens, priority,
+                               ignore_eos=not stops_early)
+        worst = prompt_len + max_tokens
+        fits = worst <= MAX_MODEL_LEN and -(-worst // BLOCK_SIZE) <= NUM_BLOCKS
+        try:
+            self.s.add_request(request)
+        except ValueError:
+            assert not fits
+            assert request_id not in self.s.requests
+            return request_id
+        assert fits
+        self.added_at[request_id] = self.step_no
+        self.total_work += worst
+        return request_id
+
+    @rule(request_id=consumes(requests))
+    def abort(self, request_id: str) -> None:
+        request = self.s.requests.get(request_id)
+        aborted = self.s.abort_request(request_id)
+        assert (aborted is None) == (request is None)
+        if aborted is not None:
+            assert aborted.status is RequestStatus.FINISHED_ABORTED
+            assert request_id not in self.s.kv
+        self.added_at.pop(request_id, None)
+
+    @precondition(lambda self: self.s.has_unfinished_requests())
+    @rule(budget=st.integers(MAX_NUM_SEQS, 4 * MAX_NUM_SEQS))
+    def step(self, budget: int) -> None:
+        s = self.s
+        running_before = {r.request_id for r in s.running}
+        out = s.schedule(budget)
+        self.step_no += 1
+        counts = dict(out.scheduled)
+        assert len(counts) == len(out.scheduled)
+        assert 0 <= out.num_batched_tokens == sum(counts.values()) <= budget
+        assert all(n >= 1 for n in counts.values())
+        assert len(s.running) <= MAX_NUM_SEQS
+        # decode-first with budget >= max_num_seqs: every running request progresses
+        for request_id in running_before - set(out.preempted_ids):
+            if request_id in s.requests:
+                assert request_id in counts, f"{request_id} got no tokens"
+        for request_id, n in out.scheduled:
+            request = s.requests[request_id]
+            assert request.num_computed_tokens + n <= request.num_tokens
+            assert s.kv.num_tokens(request_id) == request.num_computed_tokens + n
+        s.advance(out)
+        sampled = {}
+        for request_id, _ in out.scheduled:
+            request = s.requests[request_id]
+            if request.num_computed_tokens == request.num_tokens:
+                sampled[request_id] = EOS if request.num_tokens % 7 == 0 else stub_token(request)
+        for request in s.append_tokens(sampled):
+            if request.finished:
+                self.added_at.pop(request.request_id, None)
+
+    @invariant()
+    def no_starvation(self) -> None:
+        # the oldest, most important request always advances, and recompute after a preemption
+        # at most repeats a request's work: nobody waits longer than all the work there is
+        bound = self.total_work * (1 + self.s.num_preemptions) + 1
+        for request_id, added in self.added_at.items():
+            assert self.step_no - added <= bound, f"{request_id} starves"
+
+    @invariant()
+    def refcounts_match_block_tables(self) -> None:
+        kv = self.s.kv
+        held = Counter(b for seq_id in kv.seq_ids() for b in kv.block_table(seq_id)
+                       if b is not None)
+        for block in kv.pool.blocks:
+            assert block.ref_count == held.get(block.block_id, 0)
+        assert kv.num_free_blocks == sum(1 for b in kv.pool.blocks if b.ref_count == 0)
+        assert set(kv.seq_ids()) == {r.request_id for r in self.s.running}
+        assert {r.request_id for r in self.s.waiting} | set(kv.seq_ids()) == set(self.s.requests)
+
+    def teardown(self) -> None:
+        s = self.s
+        for _ in range(10 * (self.total_work + 1) * (1 + s.num_preemptions)):
+            if not s.has_unfinished_requests():
+                break
+            self.step(budget=3 * MAX_NUM_SEQS)
+        assert not s.has_unfinished_requests()
+        assert s.kv.usage() == 0.0
+        assert all(block.ref_count == 0 for block in s.kv.pool.blocks)
+
+
+SchedulerMachine.TestCase.settings = settings(
+    max_examples=int(os.environ.get("KVCORE_HYPOTHESIS_EXAMPLES", "60")),
+    stateful_step_count=40, deadline=None)
+TestSchedulerMachine = SchedulerMachine.TestCase
