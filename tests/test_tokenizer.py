@@ -135,15 +135,25 @@ def test_template_sources_and_hf_environment(tmp_path, tiny_model_dir):
     assert (tok.bos_token_id, tok.eos_token_id) == (1, 2)
 
 
+def test_template_variables_as_transformers_passes_them(tmp_path, tiny_model_dir):
+    tok = _tokenizer_with(tmp_path, tiny_model_dir, {
+        "eos_token": "<|im_end|>", "chat_template": (
+            "{{ tools is none }} {{ documents is none }} {{ add_generation_prompt }} "
+            "{{ eos_token }} {{ bos_token is defined }} {{ strftime_now('%Y') | length }}")})
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == (
+        "True True True <|im_end|> False 4")
+
+
 @pytest.mark.parametrize(("template", "match"), [
     ("{{ raise_exception('roles must alternate') }}", "roles must alternate"),
     ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "chat template"),  # the sandbox holds
     ("{{ messages.append(messages[0]) }}", "chat template"),  # and it is immutable
+    ("{{ 'x' + messages[0]['content'] + 'y' }}", "chat template"),  # content None
 ])
 def test_template_errors(tmp_path, tiny_model_dir, template, match):
     tok = _tokenizer_with(tmp_path, tiny_model_dir, {"chat_template": template})
     with pytest.raises(ChatTemplateError, match=match):
-        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+        tok.apply_chat_template([{"role": "user", "content": None}])
 
 
 def test_bad_input_is_named(tiny_model_dir):

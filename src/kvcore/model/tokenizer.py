@@ -156,10 +156,12 @@ class Tokenizer:
         if self._template is None:
             self._template = compile_chat_template(self.chat_template)
         try:
-            return self._template.render(messages=messages,
+            # tools and documents are None, not undefined, as transformers passes them
+            return self._template.render(messages=messages, tools=None, documents=None,
                                          add_generation_prompt=add_generation_prompt,
                                          **self.special_tokens)
-        except jinja2.exceptions.TemplateError as e:
+        except (jinja2.exceptions.TemplateError, TypeError) as e:
+            # TypeError: a message field of the wrong type, e.g. content None in `'a' + content`
             raise ChatTemplateError(f"chat template: {e}") from e
 
 
