@@ -14,7 +14,8 @@ import cupy  # type: ignore[import-not-found]
 import numpy as np
 
 from kvcore.kernels.compile_check import KERNEL_DIR, nvrtc_options
-from kvcore.kernels.cuda_ops import CudaOps, Kernel
+from kvcore.kernels.cuda_launch import Kernel
+from kvcore.kernels.cuda_ops import CudaOps
 
 
 class CupyBackend:

@@ -1,0 +1,156 @@
+"""Planning of paged attention launches: checks, partitions, tiles and shared memory sizes.
+
+A mixed batch gets the decode kernel for its one-token sequences (split into partitions and
+reduced when contexts are long) and the prefill kernel for its chunks; each kernel skips the
+other kind of sequence, so both run over the whole batch without reordering it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvcore.kernels.cuda_launch import (
+    SMEM_LIMIT,
+    Backend,
+    Launch,
+    cache_suffix_of,
+    check_contiguous,
+    check_int_array,
+    suffix_of,
+)
+
+DEFAULT_PARTITION_SIZE = 512
+_DECODE_THREADS = 128  # fixed in paged_attention_decode.cu (KVC_DECODE_THREADS)
+_PREFILL_THREADS = 128
+_GCHUNK = 8  # KVC_GCHUNK
+
+
+def decode_smem_bytes(group: int, head_dim: int, partition_size: int) -> int:
+    """q (G, D) + logits (G, P) + cross-warp sums (8, D) + stats (2, G), fp32."""
+    return 4 * (group * head_dim + group * partition_size + _GCHUNK * head_dim + 2 * group)
+
+
+def prefill_smem_bytes(group: int, head_dim: int, q_tile: int, k_tile: int) -> int:
+    rows = q_tile * group
+    return 4 * (2 * rows * head_dim + k_tile * (head_dim + 1) + k_tile * head_dim
+                + rows * k_tile + 3 * rows)
+
+
+def prefill_tiles(group: int, head_dim: int) -> tuple[int, int]:
+    """(q_tile, k_tile): about 16 query rows per block, the largest key tile that fits."""
+    for k_tile in (32, 16, 8):
+        for q_tile in range(max(1, 16 // group), 0, -1):
+            if prefill_smem_bytes(group, head_dim, q_tile, k_tile) <= SMEM_LIMIT:
+                return q_tile, k_tile
+    raise ValueError(f"GQA group {group} x head_dim {head_dim} exceeds the prefill kernel's "
+                     "shared memory")
+
+
+def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: Any,
+                         block_tables: Any, context_lens: Any, query_start_loc: Any, scale: float,
+                         sliding_window: int | None = None, k_scale: float = 1.0,
+                         v_scale: float = 1.0, *, partition_size: int | None = None
+                         ) -> tuple[Any, list[Launch]]:
+    """Check the arguments and prepare the launches; returns (out (T, H, D), launches).
+
+    Running the launches in order fills `out`. Preparing reads query_start_loc and context_lens
+    on the host (pass host arrays to avoid a device sync); the launches themselves never sync.
+    """
+    if query.ndim != 3 or k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"query {query.shape} must be (T, H, D) and k_cache {k_cache.shape}"
+                         f" / v_cache {v_cache.shape} equal (num_blocks, block_size, Hkv, D)")
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"query {query.shape} does not fit cache {k_cache.shape}: head_dim "
+                         "must match and H be a multiple of Hkv")
+    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError("k_cache and v_cache must share their dtype")
+    suffix = suffix_of("query", query)
+    cache_suffix = cache_suffix_of("k_cache", k_cache, suffix)
+    for name, array in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_contiguous(name, array)
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    qsl = np.asarray(backend.to_host(query_start_loc))
+    ctx = np.asarray(backend.to_host(context_lens))
+    xp = backend.xp
+    # metadata may come from the host: one upload each (a no-op for device arrays)
+    block_tables, context_lens, query_start_loc = (
+        xp.asarray(a) for a in (block_tables, context_lens, query_start_loc))
+    num_seqs = ctx.shape[0] if ctx.ndim == 1 else -1
+    check_int_array("context_lens", context_lens, "int32", (num_seqs,))
+    check_int_array("query_start_loc", query_start_loc, "int32", (num_seqs + 1,))
+    check_int_array("block_tables", block_tables, "int32")
+    if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables must be ({num_seqs}, max_blocks), "
+                         f"got {block_tables.shape}")
+    q_lens = np.diff(qsl.astype(np.int64))
+    if qsl[0] != 0 or qsl[-1] != num_tokens or np.any(q_lens < 0):
+        raise ValueError(f"query_start_loc must rise from 0 to {num_tokens}, got {qsl}")
+    if np.any(q_lens > ctx) or np.any(-(-ctx.astype(np.int64) // block_size)
+                                      > block_tables.shape[1]):
+        raise ValueError("context_lens must cover each sequence's queries and fit its "
+                         "block table")
+    out = xp.empty((num_tokens, num_heads, head_dim), dtype=query.dtype)  # (T, H, D)
+    window = int(sliding_window or 0)
+    group = num_heads // num_kv_heads
+    metadata = (block_tables, context_lens, query_start_loc)
+    scales = (np.float32(scale), np.float32(k_scale), np.float32(v_scale))
+    launches: list[Launch] = []
+    if np.any(q_lens == 1):
+        decode_ctx = ctx[q_lens == 1].astype(np.int64)
+        span = decode_ctx - (np.maximum(decode_ctx - window, 0) if window else 0)
+        part = _partition_size(group, head_dim, int(span.max()), partition_size)
+        num_parts = int(-(-int(span.max()) // part))
+        stats_shape = (num_seqs, num_heads, num_parts) if num_parts > 1 else (1,)
+        tmp_out = xp.empty((*stats_shape, head_dim), np.float32)  # (S, H, P, D) partials
+        max_logits = xp.empty(stats_shape, np.float32)  # (S, H, P)
+        exp_sums = xp.empty(stats_shape, np.float32)
+        ints = (num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1], part,
+                num_parts, window)
+        launches.append(Launch(
+            backend.function("paged_attention_decode.cu",
+                             f"paged_attention_decode_{suffix}_{cache_suffix}"),
+            (num_kv_heads, num_seqs, num_parts), (_DECODE_THREADS,),
+            (out, tmp_out, max_logits, exp_sums, query, k_cache, v_cache, *metadata,
+             *(np.int32(v) for v in ints), *scales),
+            decode_smem_bytes(group, head_dim, part)))
+        if num_parts > 1:
+            reduce_ints = (num_heads, head_dim, part, num_parts, window)
+            launches.append(Launch(
+                backend.function("paged_attention_decode.cu", f"paged_attention_reduce_{suffix}"),
+                (num_heads, num_seqs), (_DECODE_THREADS,),
+                (out, tmp_out, max_logits, exp_sums, context_lens, query_start_loc,
+                 *(np.int32(v) for v in reduce_ints)),
+                4 * (num_parts + 1)))
+    if np.any(q_lens > 1):
+        q_tile, k_tile = prefill_tiles(group, head_dim)
+        num_tiles = int(-(-int(q_lens.max()) // q_tile))
+        ints = (num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1], q_tile,
+                k_tile, window)
+        launches.append(Launch(
+            backend.function("paged_attention_prefill.cu",
+                             f"paged_attention_prefill_{suffix}_{cache_suffix}"),
+            (num_kv_heads, num_seqs, num_tiles), (_PREFILL_THREADS,),
+            (out, query, k_cache, v_cache, *metadata, *(np.int32(v) for v in ints), *scales),
+            prefill_smem_bytes(group, head_dim, q_tile, k_tile)))
+    return out, launches
+
+
+def _partition_size(group: int, head_dim: int, max_span: int, requested: int | None) -> int:
+    """The requested (or default) partition, shrunk until its scores fit shared memory."""
+    part = requested if requested is not None else DEFAULT_PARTITION_SIZE
+    if part < 1:
+        raise ValueError(f"partition_size must be >= 1, got {part}")
+    part = min(part, max_span)
+    while part > 32 and decode_smem_bytes(group, head_dim, part) > SMEM_LIMIT:
+        part //= 2
+    if decode_smem_bytes(group, head_dim, part) > SMEM_LIMIT:
+        raise ValueError(f"GQA group {group} x head_dim {head_dim} exceeds the decode "
+                         "kernel's shared memory")
+    return part
