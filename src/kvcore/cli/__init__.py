@@ -9,6 +9,7 @@ import sys
 # subcommand -> module under kvcore.cli; each module has add_arguments(parser) and run(args) -> int
 SUBCOMMANDS: dict[str, str] = {
     "plan": "plan",
+    "generate": "generate",
     "pull": "pull",
     "convert": "convert",
     "serve": "serve",
