@@ -40,7 +40,7 @@ def host(array, dtype: np.dtype) -> np.ndarray:  # noqa: ANN001
 def paged(rng: np.random.Generator, ctx: list[int], q_lens: list[int], heads: int, kv_heads: int,
           dim: int, block_size: int, act: np.dtype, cache_dtype: np.dtype,
           scales: tuple[float, float]) -> dict:
-    from test_kernels_emulated import DTYPES, paged_problem
+    from kernel_problems import DTYPES, paged_problem
 
     name = next(k for k, v in DTYPES.items() if v == (act, cache_dtype))
     return paged_problem(rng, ctx, q_lens, heads, kv_heads, dim, block_size, name, *scales)

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The one prepared script for a GPU machine (an offline H200): the GPU tests, then the kernel
+# benchmark table, in at most about 6 minutes. Without a usable CUDA GPU it says so and exits 2
+# at once.
+#
+#   bash tools/gpu_check.sh            # python3 (or $PYTHON) with cupy; kvcore from src/
+#
+# Python packages missing on the GPU machine travel as wheels in $KVCORE_WHEELS (default
+# ./gpu_wheels, untracked, so it travels with the working tree); they are installed with
+# pip --no-index --no-deps. Fill it here with `bash tools/gpu_check.sh --fetch-wheels`
+# (pure-Python wheels only: structlog and gguf, which that image lacks).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+WHEELS="${KVCORE_WHEELS:-gpu_wheels}"
+
+if [ "${1:-}" = "--fetch-wheels" ]; then
+    "$PY" -m pip download --only-binary=:all: --no-deps --dest "$WHEELS" structlog gguf
+    exit $?
+fi
+
+if ! timeout 60 "$PY" -c 'import cupy, sys; sys.exit(0 if cupy.cuda.runtime.getDeviceCount() > 0 else 1)' \
+        >/dev/null 2>&1; then
+    echo "gpu_check: no CUDA GPU available (cupy cannot see a device); nothing was run" >&2
+    exit 2
+fi
+
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
+    "$PY" -m pip install --quiet --no-index --no-deps "$WHEELS"/*.whl || exit 3
+fi
+export PYTHONPATH="$PWD/src:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
+export KVCORE_EMU_CACHE="${KVCORE_EMU_CACHE:-/tmp/kvcore_cuda_emu}"
+
+"$PY" -c 'import cupy; p = cupy.cuda.runtime.getDeviceProperties(0); print("gpu_check:", p["name"].decode(), "cupy", cupy.__version__)'
+status=0
+echo "== pytest -m gpu"
+timeout 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gpu.py || status=1
+echo "== tools/bench_kernels.py"
+timeout 150 "$PY" tools/bench_kernels.py --iters 10 || status=1
+exit $status
