@@ -112,6 +112,11 @@ class Request:
     stop_reason: int | str | None = None
     metrics: RequestMetrics = field(init=False)
     stop_checker: StopChecker | None = field(init=False)  # None for beams (the group decides)
+    # what can end the request, so most tokens skip the full check: stop ids (EOS included unless
+    # ignored), whether there are stop strings, and the total length that ends it
+    _stop_ids: frozenset[int] = field(init=False)
+    _stop_strings: bool = field(init=False)
+    _length_limit: int = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -123,9 +128,15 @@ class Request:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         # the resolved max_tokens becomes a total-length limit, so one check covers both
         # params.max_tokens and max_model_len
-        self.stop_checker = (StopChecker(self.params, self.eos_token_ids,
-                                         self.num_prompt_tokens + self.max_tokens)
-                             if isinstance(self.params, SamplingParams) else None)
+        self.stop_checker = None
+        self._stop_ids = frozenset()
+        self._stop_strings = False
+        self._length_limit = self.num_prompt_tokens + self.max_tokens
+        if isinstance(self.params, SamplingParams):
+            checker = StopChecker(self.params, self.eos_token_ids, self._length_limit)
+            self.stop_checker = checker
+            self._stop_ids = checker.eos_token_ids | checker.stop_token_ids
+            self._stop_strings = bool(self.params.stop)
 
     @property
     def num_tokens(self) -> int:
@@ -156,6 +167,10 @@ class Request:
         checker = self.stop_checker
         if checker is None:
             self.num_text_visible = len(self.text)
+            return None
+        if (not self._stop_strings and token_id not in self._stop_ids
+                and len(self.all_token_ids) < self._length_limit):
+            self.num_text_visible = len(self.text)  # nothing can end it with this token
             return None
         result = checker.check(token_id, len(self.output_token_ids), len(self.all_token_ids),
                                self.text, num_new_chars)

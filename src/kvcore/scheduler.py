@@ -123,37 +123,46 @@ class Scheduler:
         ops: dict[str, list[CopyOp]] = {}
         preempted: list[str] = []
         prefilling: list[Request] = []
-        for passes in (0, 1):
-            todo = self.running if passes == 0 else prefilling
-            for request in list(todo):
-                if request.status is not RequestStatus.RUNNING:
-                    continue  # preempted earlier in this step
-                num_new = request.num_tokens - request.num_computed_tokens
-                if num_new > 1 and passes == 0:
+        running_status = RequestStatus.RUNNING
+        allocate = kv.allocate_slots
+        # pass 1: decodes (one token to compute), least recently served first
+        for request in list(self.running):
+            if request.status is not running_status:
+                continue  # preempted earlier in this step
+            num_new = len(request.all_token_ids) - request.num_computed_tokens
+            if num_new != 1:
+                if num_new > 1:
                     prefilling.append(request)
-                    continue
-                num_new = min(num_new, budget)
-                if num_new <= 0:
-                    continue
-                while True:
-                    copies = kv.allocate_slots(request.request_id, request.all_token_ids,
-                                               num_new)
-                    if copies is not None:
-                        break
-                    victim = max(self.running, key=_victim_key)
-                    budget += scheduled.pop(victim.request_id, 0)
-                    ops.pop(victim.request_id, None)
-                    self._preempt(victim)
-                    preempted.append(victim.request_id)
-                    if victim is request:
-                        break
+                continue  # 0: a beam waiting for its siblings' rows
+            if budget <= 0:
+                continue
+            copies = allocate(request.request_id, request.all_token_ids, 1)
+            if copies is None:
+                copies, refund = self._make_room(request, 1, scheduled, ops, preempted)
+                budget += refund
                 if copies is None:
                     continue
-                scheduled[request.request_id] = num_new
-                if copies:
-                    ops[request.request_id] = copies
-                request.last_scheduled_step = step
-                budget -= num_new
+            scheduled[request.request_id] = 1
+            if copies:
+                ops[request.request_id] = copies
+            request.last_scheduled_step = step
+            budget -= 1
+        # pass 2: running prompts (chunked prefill, or recompute) get what budget is left
+        for request in prefilling:
+            if request.status is not running_status or budget <= 0:
+                continue
+            num_new = min(len(request.all_token_ids) - request.num_computed_tokens, budget)
+            copies = allocate(request.request_id, request.all_token_ids, num_new)
+            if copies is None:
+                copies, refund = self._make_room(request, num_new, scheduled, ops, preempted)
+                budget += refund
+                if copies is None:
+                    continue
+            scheduled[request.request_id] = num_new
+            if copies:
+                ops[request.request_id] = copies
+            request.last_scheduled_step = step
+            budget -= num_new
         if len(scheduled) < len(self.running):
             # least recently served first next time, so a small budget rotates over everyone
             self.running.sort(key=_served_key)
@@ -176,6 +185,24 @@ class Scheduler:
             finished_ids=tuple(finished),
             num_batched_tokens=sum(scheduled.values()),
         )
+
+    def _make_room(self, request: Request, num_new: int, scheduled: dict[str, int],
+                   ops: dict[str, list[CopyOp]], preempted: list[str]
+                   ) -> tuple[list[CopyOp] | None, int]:
+        """Preempt victims (largest (priority, arrival) first) until `request` gets its slots;
+        returns (its copy ops, or None if it was the victim itself; budget given back)."""
+        refund = 0
+        while True:
+            victim = max(self.running, key=_victim_key)
+            refund += scheduled.pop(victim.request_id, 0)
+            ops.pop(victim.request_id, None)
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return None, refund
+            copies = self.kv.allocate_slots(request.request_id, request.all_token_ids, num_new)
+            if copies is not None:
+                return copies, refund
 
     def _admit(self, scheduled: dict[str, int], ops: dict[str, list[CopyOp]], budget: int,
                step: int) -> None:
@@ -246,17 +273,24 @@ class Scheduler:
         requests = self.requests
         progressed: list[Request] = []
         now = time.monotonic()
+        running_status = RequestStatus.RUNNING
         for request_id, token_ids in sampled.items():
             request = requests.get(request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
+            if request is None or request.status is not running_status:
                 continue
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            for token_id in ((token_ids,) if isinstance(token_ids, int) else token_ids):
-                status = request.append_token(token_id)
+            metrics = request.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            if type(token_ids) is int:
+                status = request.append_token(token_ids)
                 if status is not None:
                     self.finish(request, status)
-                    break
+            else:
+                for token_id in token_ids:  # type: ignore[union-attr]
+                    status = request.append_token(token_id)
+                    if status is not None:
+                        self.finish(request, status)
+                        break
             progressed.append(request)
         return progressed
 
