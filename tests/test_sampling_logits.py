@@ -107,6 +107,16 @@ def test_each_processor_matches_reference(params: dict[str, Any]) -> None:
     check_rows(logits, [random_case(rng, **params) for _ in range(4)])
 
 
+@pytest.mark.parametrize("scale", [0.05, 0.5, 2.0, 6.0])
+def test_top_p_window_growth_matches_reference(scale: float) -> None:
+    """Nuclei from a handful of tokens to most of a 5000-token vocabulary: the search window
+    (128, then x8) is resolved at every size, including the full-sort fallback."""
+    rng = np.random.default_rng(int(scale * 100))
+    logits = (rng.standard_normal((6, 5000)) * scale).astype(np.float32)  # (B, V)
+    cases = [random_case(rng, top_p=p) for p in (0.05, 0.3, 0.6, 0.9, 0.99, 0.999)]
+    check_rows(logits, cases)
+
+
 def random_params(rng: np.random.Generator) -> dict[str, Any]:
     params: dict[str, Any] = {}
     if rng.random() < 0.3:

@@ -49,24 +49,27 @@ class Sampler:
             raise ValueError(f"logits must be float32 (B={len(rows)}, V), got "
                              f"{logits.dtype} {logits.shape}")
         num_rows = logits.shape[0]
-        want_logprobs = np.array([r.params.logprobs is not None for r in rows], dtype=bool)
-        raw_logprobs = lp.log_softmax(logits[want_logprobs]) if want_logprobs.any() else None
+        want = np.flatnonzero([r.params.logprobs is not None for r in rows])  # (W,)
+        # raw logprobs: saved before any processor touches the logits
+        raw = logits[want]  # (W, V) copy
+        raw_lse = lp.logsumexp(raw) if len(want) else None
 
         greedy = process_logits(logits, rows, self.eos_token_ids)  # (B,) bool
         token_ids = np.empty(num_rows, dtype=np.int64)  # (B,)
-        if greedy.any():
+        if greedy.all():
+            token_ids[:] = logits.argmax(axis=1)
+        elif greedy.any():
             token_ids[greedy] = logits[greedy].argmax(axis=1)
         random_rows = np.flatnonzero(~greedy)
         if len(random_rows):
-            token_ids[random_rows] = draw(logits[random_rows],
-                                          [rows[int(i)].generator for i in random_rows])
+            sub = logits if len(random_rows) == num_rows else logits[random_rows]
+            token_ids[random_rows] = draw(sub, [rows[int(i)].generator for i in random_rows])
 
         out: list[TokenLogprob | None] = [None] * num_rows
-        if raw_logprobs is not None:
-            for j, i in enumerate(np.flatnonzero(want_logprobs)):
-                k = rows[int(i)].params.logprobs
-                assert k is not None
-                out[int(i)] = _token_logprob(raw_logprobs[j], int(token_ids[i]), k)
+        for j, i in enumerate(want):
+            k = rows[int(i)].params.logprobs
+            assert k is not None and raw_lse is not None
+            out[int(i)] = _token_logprob(raw[j], float(raw_lse[j]), int(token_ids[i]), k)
         return SamplerOutput(token_ids=token_ids, logprobs=out)
 
 
@@ -147,32 +150,49 @@ def _checked_ids(token_ids: list[int], vocab_size: int, name: str) -> np.ndarray
     return ids
 
 
+DRAW_BLOCK = 1024  # tokens per block of the two-level inverse-CDF search
+
+
 def draw(logits: np.ndarray, generators: Sequence[np.random.Generator | None]) -> np.ndarray:
     """One inverse-CDF draw per row of processed `logits` (R, V) from the row's own generator
     (one uniform per row): a row's token depends only on its logits and its generator, never on
-    the rest of the batch. Returns (R,) int64."""
-    probs = np.exp(logits.astype(np.float64) - logits.max(axis=1, keepdims=True))  # (R, V)
-    cdf = np.cumsum(probs, axis=1)  # (R, V), unnormalized
+    the rest of the batch. Returns (R,) int64.
+
+    Two levels instead of a cumsum over the whole vocabulary: block masses (float64 sums), pick
+    the block, then a cumsum inside that block only."""
+    vocab_size = logits.shape[1]
+    probs = np.exp(logits - logits.max(axis=1, keepdims=True))  # (R, V) unnormalized, float32
+    starts = np.arange(0, vocab_size, DRAW_BLOCK)
+    # float32 block sums (pairwise, accurate to ~1e-7), float64 running sum across blocks
+    block_cdf = np.cumsum(np.add.reduceat(probs, starts, axis=1), axis=1,
+                          dtype=np.float64)  # (R, num_blocks)
     token_ids = np.empty(len(generators), dtype=np.int64)  # (R,)
     for i, generator in enumerate(generators):
         if generator is None:
             raise ValueError("a random (non-greedy) row needs a generator, got None")
-        target = generator.random() * cdf[i, -1]
-        token_id = int(np.searchsorted(cdf[i], target, side="right"))
-        if token_id >= logits.shape[1]:
-            # u * total rounded up to total: take the last token with non-zero probability
-            token_id = int(np.flatnonzero(probs[i])[-1])
-        token_ids[i] = token_id
+        target = generator.random() * block_cdf[i, -1]
+        block = int(np.searchsorted(block_cdf[i], target, side="right"))
+        if block >= len(starts):  # u * total rounded up to total
+            block = int(np.flatnonzero(np.diff(block_cdf[i], prepend=0.0) > 0)[-1])
+            target = block_cdf[i, -1]
+        base = block_cdf[i, block - 1] if block else 0.0
+        inner = probs[i, starts[block]:starts[block] + DRAW_BLOCK]
+        offset = int(np.searchsorted(np.cumsum(inner, dtype=np.float64), target - base,
+                                     side="right"))
+        if offset >= len(inner):  # the two sums rounded differently: the block's last live token
+            offset = int(np.flatnonzero(inner)[-1])
+        token_ids[i] = starts[block] + offset
     return token_ids
 
 
-def _token_logprob(logprobs: np.ndarray, token_id: int, k: int) -> TokenLogprob:
-    """The chosen token's logprob and the k best (token_id, logprob), best first."""
+def _token_logprob(raw: np.ndarray, lse: float, token_id: int, k: int) -> TokenLogprob:
+    """The chosen token's raw logprob and the k best (token_id, logprob), best first; a logprob
+    is logit - logsumexp, so only the k + 1 entries reported are ever computed."""
     top: tuple[tuple[int, float], ...] = ()
     if k > 0:
-        k = min(k, logprobs.shape[0])
-        best = np.argpartition(-logprobs, k - 1)[:k]
-        # sort by logprob descending, then token id, so ties come out in a fixed order
-        best = best[np.lexsort((best, -logprobs[best]))]
-        top = tuple((int(t), float(logprobs[t])) for t in best)
-    return TokenLogprob(token_id=token_id, logprob=float(logprobs[token_id]), top=top)
+        k = min(k, raw.shape[0])
+        best = np.argpartition(-raw, k - 1)[:k]
+        # by logit descending, then token id, so ties come out in a fixed order
+        best = best[np.lexsort((best, -raw[best]))]
+        top = tuple((int(t), float(raw[t]) - lse) for t in best)
+    return TokenLogprob(token_id=token_id, logprob=float(raw[token_id]) - lse, top=top)
