@@ -94,6 +94,19 @@ def test_prefill_attention(case: tuple) -> None:
     check_attention(problem, window)
 
 
+@pytest.mark.parametrize("window", [None, 9])
+def test_grids_sized_from_shapes_alone(window: int | None) -> None:
+    """Device metadata: no values read back, grids from the shapes; same results."""
+    rng = np.random.default_rng()
+    problem = paged_problem(rng, [37, 12, 20, 5], [1, 12, 4, 1], 6, 2, 16, 8, "f16-fp8",
+                            0.05, 0.02)
+    out = ops().paged_attention(**problem, sliding_window=window, partition_size=16,
+                                host_metadata=False)
+    expected = reference.paged_attention(**problem, sliding_window=window)
+    np.testing.assert_allclose(out.astype(np.float32), expected.astype(np.float32),
+                               rtol=2e-3, atol=2e-3)
+
+
 def test_thread_order_does_not_change_results() -> None:
     rng = np.random.default_rng()
     problem = paged_problem(rng, [37, 12, 20], [1, 12, 4], 6, 2, 16, 8, "f32")

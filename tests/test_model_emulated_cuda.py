@@ -8,6 +8,7 @@ batch of prefill chunks and decode steps.
 
 from __future__ import annotations
 
+import functools
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -51,7 +52,9 @@ def test_forward_through_emulated_cuda_kernels(tiny_model_dir: Path, cache_dtype
     expected = run_steps(tiny_model_dir, cache_dtype)
     ops = CudaOps(EmuBackend())
     emulated = SimpleNamespace(**{name: getattr(ops, name) for name in (
-        "reshape_and_cache", "paged_attention", "copy_blocks", "rms_norm", "silu_and_mul", "rope")})
+        "reshape_and_cache", "copy_blocks", "rms_norm", "silu_and_mul", "rope")})
+    # on a GPU the model's metadata are device arrays: grids sized from shapes, no read-back
+    emulated.paged_attention = functools.partial(ops.paged_attention, host_metadata=False)
     calls: list[str] = []
     monkeypatch.setattr(kernels, "_on_gpu", lambda array: calls.append("gpu") or True)
     monkeypatch.setattr(kernels, "_cuda", lambda: emulated)

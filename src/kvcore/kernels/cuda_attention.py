@@ -51,12 +51,15 @@ def prefill_tiles(group: int, head_dim: int) -> tuple[int, int]:
 def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: Any,
                          block_tables: Any, context_lens: Any, query_start_loc: Any, scale: float,
                          sliding_window: int | None = None, k_scale: float = 1.0,
-                         v_scale: float = 1.0, *, partition_size: int | None = None
-                         ) -> tuple[Any, list[Launch]]:
+                         v_scale: float = 1.0, *, partition_size: int | None = None,
+                         host_metadata: bool | None = None) -> tuple[Any, list[Launch]]:
     """Check the arguments and prepare the launches; returns (out (T, H, D), launches).
 
-    Running the launches in order fills `out`. Preparing reads query_start_loc and context_lens
-    on the host (pass host arrays to avoid a device sync); the launches themselves never sync.
+    Running the launches in order fills `out`; they never synchronize. With host (NumPy)
+    query_start_loc and context_lens (`host_metadata` None = decide by type), the grids fit the
+    batch exactly and the values are checked. With device arrays nothing is read back: the grids
+    are sized from the shapes alone (the kernels skip what they do not own), so a step needs no
+    sync and its launches can be captured in a CUDA graph.
     """
     if query.ndim != 3 or k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"query {query.shape} must be (T, H, D) and k_cache {k_cache.shape}"
@@ -76,43 +79,59 @@ def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: An
         check_contiguous(name, array)
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
-    qsl = np.asarray(backend.to_host(query_start_loc))
-    ctx = np.asarray(backend.to_host(context_lens))
-    xp = backend.xp
-    # metadata may come from the host: one upload each (a no-op for device arrays)
-    block_tables, context_lens, query_start_loc = (
-        xp.asarray(a) for a in (block_tables, context_lens, query_start_loc))
-    num_seqs = ctx.shape[0] if ctx.ndim == 1 else -1
-    check_int_array("context_lens", context_lens, "int32", (num_seqs,))
-    check_int_array("query_start_loc", query_start_loc, "int32", (num_seqs + 1,))
-    check_int_array("block_tables", block_tables, "int32")
+    window = int(sliding_window or 0)
+    num_seqs = context_lens.shape[0] if context_lens.ndim == 1 else -1
     if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
         raise ValueError(f"block_tables must be ({num_seqs}, max_blocks), "
                          f"got {block_tables.shape}")
-    q_lens = np.diff(qsl.astype(np.int64))
-    if qsl[0] != 0 or qsl[-1] != num_tokens or np.any(q_lens < 0):
-        raise ValueError(f"query_start_loc must rise from 0 to {num_tokens}, got {qsl}")
-    if np.any(q_lens > ctx) or np.any(-(-ctx.astype(np.int64) // block_size)
-                                      > block_tables.shape[1]):
-        raise ValueError("context_lens must cover each sequence's queries and fit its "
-                         "block table")
+    max_blocks = block_tables.shape[1]
+    if host_metadata is None:
+        host_metadata = isinstance(query_start_loc, np.ndarray) and isinstance(context_lens,
+                                                                               np.ndarray)
+    if host_metadata:
+        qsl = np.asarray(backend.to_host(query_start_loc))
+        ctx = np.asarray(backend.to_host(context_lens)).astype(np.int64)
+        q_lens = np.diff(qsl.astype(np.int64))
+        if qsl.shape != (num_seqs + 1,) or qsl[0] != 0 or qsl[-1] != num_tokens or \
+                np.any(q_lens < 0):
+            raise ValueError(f"query_start_loc must rise from 0 to {num_tokens}, got {qsl}")
+        if np.any(q_lens > ctx) or np.any(-(-ctx // block_size) > max_blocks):
+            raise ValueError("context_lens must cover each sequence's queries and fit its "
+                             "block table")
+        decode_ctx = ctx[q_lens == 1]
+        decode_span = int((decode_ctx - np.maximum(decode_ctx - window, 0) if window
+                           else decode_ctx).max(initial=0))
+        max_q_len = int(q_lens.max(initial=0))
+        has_prefill = max_q_len > 1
+    else:
+        # bounds from the shapes: every other sequence holds at least one of the T tokens
+        decode_span = max_blocks * block_size if not window else min(window,
+                                                                      max_blocks * block_size)
+        max_q_len = num_tokens - num_seqs + 1
+        has_prefill = num_tokens > num_seqs
+    xp = backend.xp
+    if num_tokens == 0 or num_seqs == 0:
+        return xp.empty((num_tokens, num_heads, head_dim), dtype=query.dtype), []
+    # metadata may come from the host: one upload each (a no-op for device arrays)
+    block_tables, context_lens, query_start_loc = (
+        xp.asarray(a) for a in (block_tables, context_lens, query_start_loc))
+    check_int_array("context_lens", context_lens, "int32", (num_seqs,))
+    check_int_array("query_start_loc", query_start_loc, "int32", (num_seqs + 1,))
+    check_int_array("block_tables", block_tables, "int32")
     out = xp.empty((num_tokens, num_heads, head_dim), dtype=query.dtype)  # (T, H, D)
-    window = int(sliding_window or 0)
     group = num_heads // num_kv_heads
     metadata = (block_tables, context_lens, query_start_loc)
     scales = (np.float32(scale), np.float32(k_scale), np.float32(v_scale))
     launches: list[Launch] = []
-    if np.any(q_lens == 1):
-        decode_ctx = ctx[q_lens == 1].astype(np.int64)
-        span = decode_ctx - (np.maximum(decode_ctx - window, 0) if window else 0)
-        part = _partition_size(group, head_dim, int(span.max()), partition_size)
-        num_parts = int(-(-int(span.max()) // part))
+    if decode_span > 0:
+        part = _partition_size(group, head_dim, decode_span, partition_size)
+        num_parts = -(-decode_span // part)
         stats_shape = (num_seqs, num_heads, num_parts) if num_parts > 1 else (1,)
         tmp_out = xp.empty((*stats_shape, head_dim), np.float32)  # (S, H, P, D) partials
         max_logits = xp.empty(stats_shape, np.float32)  # (S, H, P)
         exp_sums = xp.empty(stats_shape, np.float32)
-        ints = (num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1], part,
-                num_parts, window)
+        ints = (num_heads, num_kv_heads, head_dim, block_size, max_blocks, part, num_parts,
+                window)
         launches.append(Launch(
             backend.function("paged_attention_decode.cu",
                              f"paged_attention_decode_{suffix}_{cache_suffix}"),
@@ -128,11 +147,11 @@ def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: An
                 (out, tmp_out, max_logits, exp_sums, context_lens, query_start_loc,
                  *(np.int32(v) for v in reduce_ints)),
                 4 * (num_parts + 1)))
-    if np.any(q_lens > 1):
+    if has_prefill:
         q_tile, k_tile = prefill_tiles(group, head_dim)
-        num_tiles = int(-(-int(q_lens.max()) // q_tile))
-        ints = (num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1], q_tile,
-                k_tile, window)
+        num_tiles = -(-max_q_len // q_tile)
+        ints = (num_heads, num_kv_heads, head_dim, block_size, max_blocks, q_tile, k_tile,
+                window)
         launches.append(Launch(
             backend.function("paged_attention_prefill.cu",
                              f"paged_attention_prefill_{suffix}_{cache_suffix}"),
