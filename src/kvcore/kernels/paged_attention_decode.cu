@@ -75,9 +75,11 @@ __device__ void decode_partition(
 #pragma unroll
         for (int g = 0; g < KVC_GCHUNK; ++g) {
           if (g < gc) {
-            const float* q = q_s + (g0 + g) * D + c * 8;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) acc[g] += q[j] * kv[j];
+            // every lane reads the same query chunk: two broadcast 16-byte shared loads
+            const float4* q = reinterpret_cast<const float4*>(q_s + (g0 + g) * D + c * 8);
+            const float4 qa = q[0], qb = q[1];
+            acc[g] += qa.x * kv[0] + qa.y * kv[1] + qa.z * kv[2] + qa.w * kv[3] +
+                      qb.x * kv[4] + qb.y * kv[5] + qb.z * kv[6] + qb.w * kv[7];
           }
         }
       }
