@@ -125,7 +125,7 @@ def test_incomplete_target_is_refused(tiny_gguf, tmp_path):
 
 @pytest.mark.parametrize(("kwargs", "error", "match"), [
     ({"arch": "qwen2"}, GGUFConversionError, "general.architecture 'qwen2'"),
-    ({"tokenizer_model": "llama"}, GGUFTokenizerError, "tokenizer.ggml.model 'llama'"),
+    ({"tokenizer_model": "bert"}, GGUFTokenizerError, "tokenizer.ggml.model 'bert'"),
     ({"pre": "mystery"}, GGUFTokenizerError, "tokenizer.ggml.pre 'mystery'"),
 ])
 def test_unsupported_files_are_named(tmp_path, kwargs, error, match):

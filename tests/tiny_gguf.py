@@ -46,6 +46,44 @@ def tiny_tokens() -> tuple[list[str], list[int]]:
     return tokens, types
 
 
+SPM_CORPUS = ("the cat sat on the mat. that is the thing, then the theme: at 10 to 12, "
+              "a hat and a bat! it's tea time; the other three ate there")
+
+
+def spm_vocab(num_merges: int = 40) -> tuple[list[str], list[int], list[float]]:
+    """A sentencepiece-style vocabulary as llama.cpp stores it: <unk>, <s>, </s>, the 256
+    <0xXX> byte pieces, characters, then pieces learnt by BPE on SPM_CORPUS, each with a
+    distinct score (earlier merges score higher)."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [2, 3, 3] + [6] * 256
+    scores = [0.0] * len(tokens)
+    text = "\u2581" + SPM_CORPUS.replace(" ", "\u2581")
+    chars = sorted(set(text) | set("éabcdefghijklmnopqrstuvwxyz"))
+    tokens += chars
+    types += [1] * len(chars)
+    scores += [-1000.0 - i for i in range(len(chars))]
+    words = [list(w) for w in text.replace("\u2581", " \u2581").split(" ") if w]
+    for k in range(num_merges):
+        counts: dict[tuple[str, str], int] = {}
+        for w in words:
+            for pair in zip(w, w[1:], strict=False):
+                counts[pair] = counts.get(pair, 0) + 1
+        if not counts:
+            break
+        best = max(sorted(counts), key=lambda p: counts[p])
+        for w in words:
+            i = 0
+            while i < len(w) - 1:
+                if (w[i], w[i + 1]) == best:
+                    w[i:i + 2] = [w[i] + w[i + 1]]
+                i += 1
+        if best[0] + best[1] not in tokens:
+            tokens.append(best[0] + best[1])
+            types.append(1)
+            scores.append(-float(k))
+    return tokens, types, scores
+
+
 def _hf_weights(rng: np.random.Generator, vocab: int, tied: bool) -> dict[str, np.ndarray]:
     g = TINY_GGUF
     head_dim = g["hidden"] // g["heads"]
@@ -85,7 +123,12 @@ def make_tiny_gguf(path: str | Path, *, seed: int = 0, tied: bool = True, arch: 
     """Write the GGUF at `path`; returns the HF tensors the conversion must give back exactly
     (each weight after its quantization round trip, q/k rows in HF order)."""
     g = TINY_GGUF
-    tokens, types = tiny_tokens()
+    if tokenizer_model == "llama":  # sentencepiece: scores instead of merges, BOS added
+        tokens, types, scores = spm_vocab()
+        tokenizer_meta: dict[str, Any] = {"token_scores": scores, "add_space_prefix": True}
+    else:
+        (tokens, types), scores = tiny_tokens(), []
+        tokenizer_meta = {"tokenizer_pre": pre, "token_merges": MERGES, "add_bos_token": False}
     hf = _hf_weights(np.random.default_rng(seed), len(tokens), tied)
     writer = GGUFWriter(str(path), arch)
     meta: dict[str, Any] = {
@@ -94,10 +137,9 @@ def make_tiny_gguf(path: str | Path, *, seed: int = 0, tied: bool = True, arch: 
         "head_count": g["heads"], "head_count_kv": g["kv_heads"],
         "rope_freq_base": g["rope_theta"], "layer_norm_rms_eps": g["eps"],
         "rope_dimension_count": g["hidden"] // g["heads"], "vocab_size": len(tokens),
-        "tokenizer_model": tokenizer_model, "tokenizer_pre": pre, "token_list": tokens,
-        "token_types": types, "token_merges": MERGES, "bos_token_id": 1, "eos_token_id": 2,
-        "unk_token_id": 0, "pad_token_id": 2, "add_bos_token": False,
-    }
+        "tokenizer_model": tokenizer_model, "token_list": tokens, "token_types": types,
+        "bos_token_id": 1, "eos_token_id": 2, "unk_token_id": 0, "pad_token_id": 2,
+    } | tokenizer_meta
     for key, value in meta.items():
         getattr(writer, f"add_{key}")(value)
     if chat_template is not None:

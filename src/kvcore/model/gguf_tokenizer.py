@@ -5,13 +5,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-# llama.cpp's token types (gguf.TokenType): CONTROL tokens are special, USER_DEFINED are added
-# tokens that stay in decoded text.
+# llama.cpp's token types (gguf.TokenType): UNKNOWN and CONTROL tokens are special (matched in
+# text, skipped when decoding), USER_DEFINED are added tokens that stay in decoded text.
+_NORMAL = 1
+_UNKNOWN = 2
 _CONTROL = 3
 _USER_DEFINED = 4
+_SPACE = "\u2581"  # sentencepiece's visible space
 
 # The Llama 3 / Qwen2 pre-tokenizer regexes (as in their tokenizer.json), split off before the
 # byte-level mapping.
@@ -50,42 +53,98 @@ class GGUFTokenizerError(ValueError):
     """The GGUF's tokenizer cannot be rebuilt as a `tokenizers` pipeline."""
 
 
-def build_tokenizer(meta: dict[str, Any]) -> HFTokenizer:
-    """A byte-level BPE `tokenizers.Tokenizer` from the GGUF's tokenizer.ggml.* metadata."""
-    model = meta.get("tokenizer.ggml.model")
-    if model != "gpt2":
-        raise GGUFTokenizerError(
-            f"tokenizer.ggml.model {model!r} is not supported (kvcore converts byte-level BPE "
-            "tokenizers, tokenizer.ggml.model 'gpt2')")
+def add_bos_token(meta: dict[str, Any]) -> bool:
+    """llama.cpp adds BOS to a sentencepiece vocabulary whose file does not say otherwise."""
+    default = meta.get("tokenizer.ggml.model") == "llama"
+    return bool(meta.get("tokenizer.ggml.add_bos_token", default))
+
+
+def _byte_level_bpe(meta: dict[str, Any], vocab: dict[str, int]) -> HFTokenizer:
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in _PRE_TOKENIZERS:
         raise GGUFTokenizerError(
             f"tokenizer.ggml.pre {pre!r} is not supported (known: {', '.join(_PRE_TOKENIZERS)})")
-    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
-    vocab = {token: token_id for token_id, token in enumerate(tokens)}
-    if len(vocab) != len(tokens):
-        raise GGUFTokenizerError(f"tokenizer.ggml.tokens has {len(tokens) - len(vocab)} duplicates")
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
                                  ignore_merges=pre == "llama-bpe"))
     tok.pre_tokenizer = _PRE_TOKENIZERS[pre]()
     tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def merges_from_scores(tokens: list[str], scores: list[float],
+                       token_types: list[int]) -> list[tuple[str, str]]:
+    """Sentencepiece BPE merges the adjacent pair whose concatenation is the best-scored normal
+    piece; as BPE merges: every split of a normal piece into two vocabulary pieces, ranked by
+    the piece's score (then longer left part first, as transformers ranks them)."""
+    vocab = set(tokens)
+    ranked = []
+    for token, score, token_type in zip(tokens, scores, token_types, strict=True):
+        if token_type != _NORMAL:
+            continue
+        for i in range(1, len(token)):
+            if token[:i] in vocab and token[i:] in vocab:
+                ranked.append((-score, -i, -(len(token) - i), token[:i], token[i:]))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
+
+
+def _sentencepiece_bpe(meta: dict[str, Any], vocab: dict[str, int], tokens: list[str],
+                       token_types: list[int]) -> HFTokenizer:
+    if "tokenizer.ggml.merges" in meta:
+        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    elif "tokenizer.ggml.scores" in meta:
+        merges = merges_from_scores(tokens, list(meta["tokenizer.ggml.scores"]), token_types)
+    else:
+        raise GGUFTokenizerError("a 'llama' tokenizer needs tokenizer.ggml.scores or merges")
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    # byte_fallback: a character with no piece becomes its UTF-8 bytes as <0xXX> pieces
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True,
+                                 unk_token=None if unk_id is None else tokens[unk_id]))
+    # as llama.cpp and the original Llama tokenizer.json: a space before every text segment
+    # (the text between special tokens) when add_space_prefix, spaces as U+2581
+    space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    steps = [normalizers.Replace(" ", _SPACE)]
+    tok.normalizer = normalizers.Sequence(
+        [normalizers.Prepend(_SPACE), *steps] if space_prefix else steps)
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+        + ([decoders.Strip(" ", 1, 0)] if space_prefix else []))
+    return tok
+
+
+def build_tokenizer(meta: dict[str, Any]) -> HFTokenizer:
+    """A `tokenizers.Tokenizer` from the GGUF's tokenizer.ggml.* metadata: byte-level BPE
+    (tokenizer.ggml.model 'gpt2') or sentencepiece BPE with byte fallback ('llama')."""
+    model = meta.get("tokenizer.ggml.model")
+    if model not in ("gpt2", "llama"):
+        raise GGUFTokenizerError(
+            f"tokenizer.ggml.model {model!r} is not supported (kvcore converts 'gpt2', "
+            "byte-level BPE, and 'llama', sentencepiece BPE)")
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    vocab = {token: token_id for token_id, token in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise GGUFTokenizerError(f"tokenizer.ggml.tokens has {len(tokens) - len(vocab)} duplicates")
+    token_types = list(meta.get("tokenizer.ggml.token_type", [_NORMAL] * len(tokens)))
+    if model == "gpt2":
+        tok = _byte_level_bpe(meta, vocab)
+    else:
+        tok = _sentencepiece_bpe(meta, vocab, tokens, token_types)
     bos_id = meta.get("tokenizer.ggml.bos_token_id")
-    if meta.get("tokenizer.ggml.add_bos_token", False) and bos_id is not None:
+    if add_bos_token(meta) and bos_id is not None:
         bos = tokens[bos_id]
         tok.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
-    else:
+    elif model == "gpt2":
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    token_types = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
-    # normalized=False: the text of an added token is matched as is, before pre-tokenization
+    # normalized=False: the text of an added token is matched as is, before normalization
     tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                            for i, t in enumerate(token_types) if t == _CONTROL])
+                            for i, t in enumerate(token_types) if t in (_UNKNOWN, _CONTROL)])
     tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
                     for i, t in enumerate(token_types) if t == _USER_DEFINED])
     for i, t in enumerate(token_types):
         # an added token must keep its GGUF id, or every id after it would shift
-        if t in (_CONTROL, _USER_DEFINED) and tok.token_to_id(tokens[i]) != i:
+        if t in (_UNKNOWN, _CONTROL, _USER_DEFINED) and tok.token_to_id(tokens[i]) != i:
             raise GGUFTokenizerError(f"added token {tokens[i]!r} did not keep its id {i}")
     return tok
 
@@ -106,7 +165,7 @@ def tokenizer_config(meta: dict[str, Any], max_length: int) -> dict[str, Any]:
     tokens = meta["tokenizer.ggml.tokens"]
     cfg: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "add_bos_token": add_bos_token(meta),
         "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
         "clean_up_tokenization_spaces": False,
         "model_max_length": max_length,

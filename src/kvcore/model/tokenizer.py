@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -14,6 +15,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 _REPLACEMENT = "\ufffd"  # what a decoder writes for an incomplete UTF-8 sequence
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # sentencepiece's byte-fallback pieces
 
 
 class ChatTemplateError(ValueError):
@@ -89,6 +91,13 @@ class Tokenizer:
         self.bos_token_id: int | None = self._special_id("bos_token", generation_config)
         self.eos_token_id: int | None = self._special_id("eos_token", generation_config)
         self.chat_template: str | None = chat_template
+        # byte-fallback pieces (<0xE4>...): a run of them decodes as a whole, so a later byte
+        # can still change the text of the earlier ones
+        self.byte_fallback_ids: frozenset[int] = frozenset()
+        if getattr(tokenizer.model, "byte_fallback", False):
+            self.byte_fallback_ids = frozenset(
+                token_id for token, token_id in tokenizer.get_vocab().items()
+                if _BYTE_PIECE.fullmatch(token))
         self._template: jinja2.Template | None = None
 
     def _special_id(self, name: str, generation_config: dict[str, Any]) -> int | None:
@@ -172,7 +181,9 @@ class IncrementalDetokenizer:
     ids[prefix_offset:read_offset] has been emitted already, and a new token's delta is what
     decoding ids[prefix_offset:] adds beyond it. The window starts one emitted token back so
     decoders that treat the first token specially (a leading space) see context. Text that
-    ends in U+FFFD is held back until the bytes that complete the character arrive.
+    ends in U+FFFD is held back until the bytes that complete the character arrive, and so is a
+    run of byte-fallback pieces until a token that is not one ends it (a further byte would
+    change how the whole run decodes).
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
@@ -181,6 +192,7 @@ class IncrementalDetokenizer:
         self.token_ids: list[int] = []
         self._prefix_offset = 0  # window start
         self._read_offset = 0  # tokens before it have all been emitted as text
+        self._in_byte_run = False  # the last visible token is a byte-fallback piece
 
     def _decode(self, start: int, end: int) -> str:
         return self.tokenizer.decode(self.token_ids[start:end], self.skip_special_tokens)
@@ -188,6 +200,10 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Append one token; returns the text it completes (possibly empty)."""
         self.token_ids.append(token_id)
+        if not (self.skip_special_tokens and token_id in self.tokenizer.all_special_ids):
+            self._in_byte_run = token_id in self.tokenizer.byte_fallback_ids
+        if self._in_byte_run:
+            return ""
         prefix_text = self._decode(self._prefix_offset, self._read_offset)
         new_text = self._decode(self._prefix_offset, len(self.token_ids))
         if new_text.endswith(_REPLACEMENT):
