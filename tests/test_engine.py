@@ -138,3 +138,20 @@ def test_stats_and_metrics(tiny_model_dir: Path) -> None:
     m = outs[0].metrics
     assert m.finished_time is not None and m.first_token_time is not None
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2"])
+def test_sliding_window_and_qkv_bias_models_are_batch_independent(
+        tmp_path: Path, arch: str) -> None:
+    from tiny_model import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / arch, arch=arch)
+    prompts = random_prompts(seed=12, num=12, low=5, high=40)  # many past the window of 16
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    engine = make_engine(model_dir)
+    alone = [run_all(engine, [p], params)[0].outputs[0].token_ids for p in prompts]
+    for args in ({}, {"max_num_batched_tokens": 5}, {"num_blocks": 30}):
+        engine = make_engine(model_dir, **args)
+        outs = run_all(engine, prompts, params)
+        assert [o.outputs[0].token_ids for o in outs] == alone, args
+        assert_pool_empty(engine)
