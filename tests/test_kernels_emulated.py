@@ -206,6 +206,10 @@ def test_wrappers_check_arguments() -> None:
     with pytest.raises(ValueError, match="head_dim must be a power of two"):
         p = paged_problem(rng, [9], [1], 4, 2, 24, 4, "f32")
         ops().paged_attention(**p)
+    with pytest.raises(ValueError, match="slot_mapping holds a slot outside"):
+        ops().reshape_and_cache(problem["query"][:, :2].copy(), problem["query"][:, :2].copy(),
+                                problem["k_cache"], problem["v_cache"],
+                                np.array([problem["k_cache"].shape[0] * 4], np.int64))
     with pytest.raises(ValueError, match="slot_mapping must be int64"):
         ops().reshape_and_cache(problem["query"][:, :2], problem["query"][:, :2],
                                 problem["k_cache"], problem["v_cache"], np.zeros(1, np.int32))

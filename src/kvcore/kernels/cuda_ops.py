@@ -23,6 +23,8 @@ from kvcore.kernels.cuda_launch import (
 
 
 class CudaOps:
+    """The kernels' wrappers over one backend; methods mirror kvcore.kernels.reference."""
+
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self.xp = backend.xp
@@ -40,6 +42,11 @@ class CudaOps:
             raise ValueError("key/value and k_cache/v_cache must share their dtypes")
         suffix = suffix_of("key", key)
         cache_suffix = cache_suffix_of("k_cache", k_cache, suffix)
+        if isinstance(slot_mapping, np.ndarray) and slot_mapping.size:
+            # host slots are checked; device slots are trusted (reading them back would sync)
+            limit = k_cache.shape[0] * k_cache.shape[1]
+            if int(slot_mapping.max()) >= limit or int(slot_mapping.min()) < -1:
+                raise ValueError(f"slot_mapping holds a slot outside [-1, {limit})")
         slot_mapping = self.xp.asarray(slot_mapping)
         check_int_array("slot_mapping", slot_mapping, "int64", (num_tokens,))
         for name, array in (("key", key), ("value", value), ("k_cache", k_cache),
