@@ -219,8 +219,10 @@ class IncrementalDetokenizer:
         return new_text[len(prefix_text):]
 
     def flush(self) -> str:
-        """At the end of the sequence: the held-back text (a character left incomplete)."""
+        """At the end of the sequence: the held-back text (an incomplete character, an open
+        byte-fallback run)."""
         prefix_text = self._decode(self._prefix_offset, self._read_offset)
         new_text = self._decode(self._prefix_offset, len(self.token_ids))
         self._prefix_offset = self._read_offset = len(self.token_ids)
+        self._in_byte_run = False
         return new_text[len(prefix_text):]
