@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import math
-from typing import Any
+import threading
 
 import ml_dtypes
 import numpy as np
 
-from kvcore.config import RopeScaling
-from kvcore.device import array_module
+from kvcore.kernels.layer_ops import rms_norm, rope, rope_cos_sin, rope_inv_freq, silu_and_mul
 
 FP8_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)
 FP8_MAX = 448.0  # largest finite e4m3fn value; casts saturate here (as CUDA's __NV_SATFINITE)
 # score elements per attention tile of a prefill chunk: bounds the (H, rows, keys) score matrix
 _TILE_ELEMENTS = 1 << 20
+_scratch = threading.local()
 
 
 def _store(x: np.ndarray, dtype: np.dtype, scale: float) -> np.ndarray:
@@ -134,28 +133,70 @@ def _chunk_attention(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray
     k_start = _first_key(ctx, q_len, sliding_window)
     keys = _gather(k_cache, block_table, k_start, ctx, k_scale)  # (N, Hkv, D)
     values = _gather(v_cache, block_table, k_start, ctx, v_scale)
-    keys_t = keys.transpose(1, 2, 0)[:, None]  # (Hkv, 1, D, N)
-    values_t = values.transpose(1, 0, 2)[:, None]  # (Hkv, 1, N, D)
+    # contiguous per-head K^T and V, and each tile's queries merged over the group, so every
+    # product is one plain GEMM per KV head (strided or broadcast operands run far slower)
+    keys_t = np.ascontiguousarray(keys.transpose(1, 2, 0))  # (Hkv, D, N)
+    values_h = np.ascontiguousarray(values.transpose(1, 0, 2))  # (Hkv, N, D)
     out = np.empty((q_len, num_heads, head_dim), dtype=np.float32)  # (q_len, H, D)
     # query rows per tile: the (H, rows, keys) score tile stays around 4 MB
     rows_per_tile = max(16, _TILE_ELEMENTS // (num_heads * (ctx - k_start)))
     for t0 in range(0, q_len, rows_per_tile):
         t1 = min(q_len, t0 + rows_per_tile)
+        rows = t1 - t0
         # the keys this tile can see at all: causal end, and the window's start
         hi = first_pos + t1 - k_start
         lo = 0 if sliding_window is None else max(0, first_pos + t0 - sliding_window + 1 - k_start)
         q = query[t0:t1].astype(np.float32) * np.float32(scale)
-        q = q.reshape(t1 - t0, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)
-        scores = q @ keys_t[..., lo:hi]  # (Hkv, G, rows, keys)
-        q_pos = np.arange(first_pos + t0, first_pos + t1)[:, None]
-        key_pos = np.arange(k_start + lo, k_start + hi)[None, :]
-        masked = key_pos > q_pos
-        if sliding_window is not None:
-            masked |= key_pos <= q_pos - sliding_window
-        np.copyto(scores, -np.inf, where=masked)
-        o = _softmax_weighted(scores, values_t[:, :, lo:hi])  # (Hkv, G, rows, D)
-        out[t0:t1] = o.transpose(2, 0, 1, 3).reshape(t1 - t0, num_heads, head_dim)
+        q = q.reshape(rows, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)
+        q = np.ascontiguousarray(q).reshape(num_kv_heads, group * rows, head_dim)
+        scores = np.matmul(q, keys_t[:, :, lo:hi], out=_workspace(
+            "scores", num_kv_heads * group * rows * (hi - lo)).reshape(num_kv_heads, group * rows,
+                                                             hi - lo))  # (Hkv, G * rows, keys)
+        _mask_tile(scores.reshape(num_kv_heads, group, rows, hi - lo), first_pos + t0,
+                   k_start + lo, sliding_window)
+        o = _softmax_weighted(scores, values_h[:, lo:hi])  # (Hkv, G * rows, D)
+        out[t0:t1] = o.reshape(num_kv_heads, group, rows, head_dim).transpose(2, 0, 1, 3).reshape(
+            rows, num_heads, head_dim)
     return out
+
+
+def _workspace(name: str, size: int) -> np.ndarray:
+    """A reused float32 scratch buffer of `size` elements, per name and thread: fresh
+    multi-megabyte score tiles and gathered contexts every layer cost more in page faults than
+    the GEMMs that use them."""
+    buf: np.ndarray | None = getattr(_scratch, name, None)
+    if buf is None or buf.size < size:
+        buf = np.empty(max(size, 1 << 16), dtype=np.float32)
+        setattr(_scratch, name, buf)
+    return buf[:size]
+
+
+def _gather_blocks(cache: np.ndarray, table: np.ndarray, name: str, scale: float) -> np.ndarray:
+    """cache[table] as float32 (S, nb, block_size, Hkv, D); every entry of table is valid."""
+    if cache.dtype != np.float32:
+        return _load(cache[table], scale)
+    out = _workspace(name, table.size * cache[0].size).reshape(*table.shape, *cache.shape[1:])
+    np.take(cache, table, axis=0, out=out, mode="clip")  # "clip": no bounds buffer, ids valid
+    return _load(out, scale)
+
+
+def _mask_tile(scores: np.ndarray, first_query: int, first_key: int,
+               sliding_window: int | None) -> None:
+    """Set -inf where query (first_query + row) may not see key (first_key + column): the
+    future, and keys at or behind the window. Only the columns that can hold such keys are
+    touched: the tile's diagonal band and, with a window, its left edge."""
+    rows, num_keys = scores.shape[-2:]
+    q_pos = np.arange(first_query, first_query + rows)[:, None]
+    c0 = max(0, first_query + 1 - first_key)  # first column some row must not see (future)
+    if c0 < num_keys:
+        key_pos = np.arange(first_key + c0, first_key + num_keys)[None, :]
+        np.copyto(scores[..., c0:], -np.inf, where=key_pos > q_pos)
+    if sliding_window is not None:
+        # columns some row sees as too old: key <= last query - window
+        c1 = min(num_keys, first_query + rows - sliding_window - first_key)
+        if c1 > 0:
+            key_pos = np.arange(first_key, first_key + c1)[None, :]
+            np.copyto(scores[..., :c1], -np.inf, where=key_pos <= q_pos - sliding_window)
 
 
 def _softmax_weighted(scores: np.ndarray, values: np.ndarray) -> np.ndarray:
@@ -192,8 +233,8 @@ def _decode_attention(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarra
                                axis=1)
     table = np.where(in_table, table, 0)
     table = np.maximum(table, 0)
-    keys = _load(k_cache[table], k_scale)  # (S, nb, block_size, Hkv, D)
-    values = _load(v_cache[table], v_scale)
+    keys = _gather_blocks(k_cache, table, "keys", k_scale)  # (S, nb, block_size, Hkv, D)
+    values = _gather_blocks(v_cache, table, "values", v_scale)
     num_keys = width * block_size
     keys = keys.reshape(num_seqs, num_keys, num_kv_heads, head_dim).transpose(0, 2, 3, 1)
     values = values.reshape(num_seqs, num_keys, num_kv_heads, head_dim).transpose(0, 2, 1, 3)
@@ -224,51 +265,5 @@ def copy_blocks(k_caches: list[np.ndarray], v_caches: list[np.ndarray],
         cache[dst] = cache[src]
 
 
-def rms_norm(x: Any, weight: Any, eps: float) -> Any:
-    """x / rms(x) * weight over the last axis, in float32 (NumPy or CuPy)."""
-    xp = array_module(x)
-    variance = xp.mean(xp.square(x), axis=-1, keepdims=True)
-    return (x * (1.0 / xp.sqrt(variance + np.float32(eps)))).astype(np.float32) * weight
-
-
-def silu_and_mul(x: Any) -> Any:
-    """x (T, 2I) = [gate | up] -> silu(gate) * up (T, I)."""
-    xp = array_module(x)
-    half = x.shape[-1] // 2
-    gate, up = x[..., :half], x[..., half:]
-    return gate / (1.0 + xp.exp(-gate)) * up
-
-
-def rope_inv_freq(head_dim: int, rope_theta: float,
-                  rope_scaling: RopeScaling | None = None) -> np.ndarray:
-    """Inverse frequencies (D/2,) float64, with linear or llama3 scaling as transformers does."""
-    inv_freq = 1.0 / rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    if rope_scaling is None:
-        return inv_freq
-    factor = rope_scaling.factor
-    if rope_scaling.rope_type == "linear":
-        return inv_freq / factor
-    old_len = rope_scaling.original_max_position_embeddings
-    low, high = rope_scaling.low_freq_factor, rope_scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return np.where(medium, smoothed, scaled)
-
-
-def rope_cos_sin(inv_freq: np.ndarray, num_positions: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin tables (num_positions, D/2) float32 for positions 0 .. num_positions - 1."""
-    angles = np.arange(num_positions, dtype=np.float64)[:, None] * inv_freq[None, :]
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-
-
-def rope(x: Any, positions: Any, cos: Any, sin: Any) -> Any:
-    """Rotate-half (HF layout) rotary embedding: x (T, H, D), positions (T,) -> (T, H, D)."""
-    xp = array_module(x)
-    half = x.shape[-1] // 2
-    c = cos[positions][:, None, :]  # (T, 1, D/2)
-    s = sin[positions][:, None, :]
-    x1, x2 = x[..., :half], x[..., half:]
-    return xp.concatenate((x1 * c - x2 * s, x2 * c + x1 * s), axis=-1)
+__all__ = ["FP8_DTYPE", "FP8_MAX", "copy_blocks", "paged_attention", "reshape_and_cache",
+           "rms_norm", "rope", "rope_cos_sin", "rope_inv_freq", "silu_and_mul"]

@@ -1,0 +1,73 @@
+"""Element-wise layer ops (RMSNorm, SwiGLU, rotary embedding), array-generic: NumPy or CuPy."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from kvcore.config import RopeScaling
+from kvcore.device import array_module
+
+
+def rms_norm(x: Any, weight: Any, eps: float) -> Any:
+    """x / rms(x) * weight over the last axis, in float32 (NumPy or CuPy)."""
+    xp = array_module(x)
+    x = x.astype(np.float32, copy=False)
+    # einsum sums the squares without an (T, hidden) temporary
+    mean_square = xp.einsum("...i,...i->...", x, x)[..., None]  # (T, 1)
+    mean_square /= x.shape[-1]
+    mean_square += np.float32(eps)
+    out = x * (1.0 / xp.sqrt(mean_square))
+    out *= weight
+    return out
+
+
+def silu_and_mul(x: Any) -> Any:
+    """x (T, 2I) = [gate | up] -> silu(gate) * up (T, I)."""
+    xp = array_module(x)
+    half = x.shape[-1] // 2
+    gate, up = x[..., :half], x[..., half:]
+    # silu(g) = g * sigmoid(g) = h + h * tanh(h) with h = g / 2: no exp overflow, in place
+    h = gate * np.float32(0.5)
+    out = xp.tanh(h)
+    out *= h
+    out += h
+    out *= up
+    return out
+
+
+def rope_inv_freq(head_dim: int, rope_theta: float,
+                  rope_scaling: RopeScaling | None = None) -> np.ndarray:
+    """Inverse frequencies (D/2,) float64, with linear or llama3 scaling as transformers does."""
+    inv_freq = 1.0 / rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if rope_scaling is None:
+        return inv_freq
+    factor = rope_scaling.factor
+    if rope_scaling.rope_type == "linear":
+        return inv_freq / factor
+    old_len = rope_scaling.original_max_position_embeddings
+    low, high = rope_scaling.low_freq_factor, rope_scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return np.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(inv_freq: np.ndarray, num_positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin tables (num_positions, D/2) float32 for positions 0 .. num_positions - 1."""
+    angles = np.arange(num_positions, dtype=np.float64)[:, None] * inv_freq[None, :]
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def rope(x: Any, positions: Any, cos: Any, sin: Any) -> Any:
+    """Rotate-half (HF layout) rotary embedding: x (T, H, D), positions (T,) -> (T, H, D)."""
+    xp = array_module(x)
+    half = x.shape[-1] // 2
+    c = cos[positions][:, None, :]  # (T, 1, D/2)
+    s = sin[positions][:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return xp.concatenate((x1 * c - x2 * s, x2 * c + x1 * s), axis=-1)
