@@ -19,7 +19,7 @@ from kvcore.model import gguf_convert, hub
 from kvcore.model.gguf_convert import MODEL_FILES, GGUFConversionError, convert_gguf
 from kvcore.model.gguf_tokenizer import GGUFTokenizerError
 from kvcore.model.tokenizer import Tokenizer
-from tiny_gguf import TINY_GGUF, make_tiny_gguf, tiny_tokens
+from tiny_gguf import TINY_GGUF, llama_cpp_rope_factors, make_tiny_gguf, tiny_tokens
 
 
 @pytest.fixture
@@ -58,6 +58,33 @@ def test_tensors_come_back_exactly_in_hf_layout(tmp_path, tied):
         assert got[name].dtype == np.float32, name
         np.testing.assert_array_equal(got[name], w, err_msg=name)
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is tied
+
+
+@pytest.mark.parametrize("scaling", [
+    {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 32.0,
+     "original_max_position_embeddings": 8192},
+    {"factor": 16.0, "low_freq_factor": 2.0, "high_freq_factor": 64.0,
+     "original_max_position_embeddings": 8192},
+])
+def test_llama3_rope_freqs_become_rope_scaling(tmp_path, scaling):
+    expected = make_tiny_gguf(tmp_path / "t.gguf", rope_scaling=scaling)
+    out = convert_gguf(tmp_path / "t.gguf", tmp_path / "out")
+    assert json.loads((out / "config.json").read_text())["rope_scaling"] == {
+        "rope_type": "llama3", **scaling}
+    rope = ModelConfig.from_dir(out).rope_scaling
+    assert rope is not None and (rope.rope_type, rope.factor) == ("llama3", scaling["factor"])
+    assert set(load_file(str(out / "model.safetensors"))) == set(expected)  # not a weight
+
+
+def test_llama31_rope_freqs():
+    """Llama 3.1's own numbers: head_dim 128, theta 500000, factor 8, low 1, high 4."""
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    divisors = llama_cpp_rope_factors(128, 500000.0, scaling)
+    assert gguf_convert.llama3_rope_scaling(divisors, 128, 500000.0) == {
+        "rope_type": "llama3", **scaling}
+    with pytest.raises(GGUFConversionError, match="rope_freqs"):
+        gguf_convert.llama3_rope_scaling(divisors * np.linspace(1, 2, 64), 128, 500000.0)
 
 
 def test_tokenizer_files(tiny_gguf, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,30 @@ def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     """llama.cpp convert_hf_to_gguf.py's LlamaModel.permute (HF rows -> GGUF rope layout)."""
     return (w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:])
             .swapaxes(1, 2).reshape(w.shape))
+
+
+def llama_cpp_rope_factors(head_dim: int, rope_theta: float,
+                           rope_scaling: dict[str, float]) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py's rope_freqs.weight for a llama3 rope_scaling."""
+    factor = rope_scaling["factor"]
+    low_freq_factor = rope_scaling["low_freq_factor"]
+    high_freq_factor = rope_scaling["high_freq_factor"]
+    old_context_len = rope_scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    freqs = 1.0 / (rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    rope_factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            rope_factors.append(1)
+        elif wavelen > low_freq_wavelen:
+            rope_factors.append(factor)
+        else:
+            smooth = ((old_context_len / wavelen - low_freq_factor)
+                      / (high_freq_factor - low_freq_factor))
+            rope_factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(rope_factors, dtype=np.float32)
 
 
 def tiny_tokens() -> tuple[list[str], list[int]]:
@@ -119,7 +144,8 @@ def _gguf_name(hf_name: str) -> str:
 
 def make_tiny_gguf(path: str | Path, *, seed: int = 0, tied: bool = True, arch: str = "llama",
                    tokenizer_model: str = "gpt2", pre: str = "smollm",
-                   chat_template: str | None = CHATML_TEMPLATE) -> dict[str, np.ndarray]:
+                   chat_template: str | None = CHATML_TEMPLATE,
+                   rope_scaling: dict[str, float] | None = None) -> dict[str, np.ndarray]:
     """Write the GGUF at `path`; returns the HF tensors the conversion must give back exactly
     (each weight after its quantization round trip, q/k rows in HF order)."""
     g = TINY_GGUF
@@ -144,6 +170,9 @@ def make_tiny_gguf(path: str | Path, *, seed: int = 0, tied: bool = True, arch: 
         getattr(writer, f"add_{key}")(value)
     if chat_template is not None:
         writer.add_chat_template(chat_template)
+    if rope_scaling is not None:  # llama 3.1: the rope divisors as a tensor, not metadata
+        writer.add_tensor("rope_freqs.weight", llama_cpp_rope_factors(
+            g["hidden"] // g["heads"], g["rope_theta"], rope_scaling))
     expected = {}
     for name, w in hf.items():
         qtype = _QTYPES.get(name.split(".", 3)[-1] if "layers" in name else name, Q.F32)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -121,10 +122,53 @@ def hf_tensor_name(name: str) -> str:
     parts = stem.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
         return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{suffix}"
-    if stem == "rope_freqs":
-        raise GGUFConversionError(
-            "tensor 'rope_freqs.weight' (llama3 rope scaling factors) is not supported")
     raise GGUFConversionError(f"unexpected tensor {name!r} in a llama GGUF")
+
+
+def llama3_rope_scaling(factors: np.ndarray, head_dim: int, rope_theta: float,
+                        original_max_position_embeddings: int = 8192) -> dict[str, Any]:
+    """HF's llama3 rope_scaling from llama.cpp's rope_freqs.weight (a divisor per frequency).
+
+    The divisors depend on (original_max_position_embeddings, low_freq_factor, high_freq_factor)
+    only through smooth = (original / wavelen - low) / (high - low), a line in 1 / wavelen; so
+    the original length is fixed at Llama 3's 8192 and the line through the smoothly scaled
+    frequencies gives low and high. The result is checked by recomputing the divisors.
+    """
+    divisors = factors.astype(np.float64)
+    factor = float(divisors.max())
+    inv_freq = rope_theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if divisors.shape != inv_freq.shape or factor <= 1.0:
+        raise GGUFConversionError(f"rope_freqs.weight of shape {divisors.shape} does not hold "
+                                  f"llama3 rope divisors for head_dim {head_dim}")
+    x = inv_freq / (2 * math.pi)  # 1 / wavelen
+    mid = (divisors > 1.0 + 1e-5) & (divisors < factor * (1.0 - 1e-5))
+    scaling: dict[str, Any] = {"rope_type": "llama3", "factor": round(factor, 4),
+                               "original_max_position_embeddings": original_max_position_embeddings}
+    if mid.sum() >= 2:
+        smooth = (1.0 / divisors[mid] - 1.0 / factor) / (1.0 - 1.0 / factor)
+        slope, intercept = np.polyfit(x[mid], smooth, 1)
+        span = original_max_position_embeddings / slope  # high - low
+        scaling["low_freq_factor"] = round(float(-intercept * span), 4)
+        scaling["high_freq_factor"] = round(float(-intercept * span + span), 4)
+    else:
+        scaling |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    expected = llama3_rope_divisors(head_dim, rope_theta, scaling)
+    if not np.allclose(expected, divisors, rtol=1e-4):
+        raise GGUFConversionError("rope_freqs.weight is not a llama3 rope scaling that kvcore "
+                                  "can express as rope_scaling")
+    return scaling
+
+
+def llama3_rope_divisors(head_dim: int, rope_theta: float, scaling: dict[str, Any]) -> np.ndarray:
+    """llama.cpp's rope_freqs for a llama3 rope_scaling (its convert_hf_to_gguf.py formula)."""
+    inv_freq = rope_theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / inv_freq
+    original = scaling["original_max_position_embeddings"]
+    low, high, factor = scaling["low_freq_factor"], scaling["high_freq_factor"], scaling["factor"]
+    smooth = (original / wavelen - low) / (high - low)
+    divisors = 1.0 / ((1.0 - smooth) / factor + smooth)
+    divisors = np.where(wavelen < original / high, 1.0, divisors)
+    return np.where(wavelen > original / low, factor, divisors)  # (head_dim // 2,)
 
 
 def convert_tensors(reader: GGUFReader, cfg: dict[str, Any],
@@ -133,6 +177,8 @@ def convert_tensors(reader: GGUFReader, cfg: dict[str, Any],
     out: dict[str, np.ndarray] = {}
     num_tensors = len(reader.tensors)
     for n, tensor in enumerate(reader.tensors):
+        if tensor.name == "rope_freqs.weight":
+            continue  # read into config.json's rope_scaling by write_model_dir
         name = hf_tensor_name(tensor.name)
         try:
             w = dequantize(tensor.data, tensor.tensor_type)
@@ -164,6 +210,15 @@ def write_model_dir(gguf_path: Path, out: Path,
     meta = read_metadata(reader)
     tied = not any(t.name == "output.weight" for t in reader.tensors)
     cfg = hf_config(meta, tied)
+    rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if rope_freqs is not None:
+        if "rope_scaling" in cfg:
+            kind = cfg["rope_scaling"]["rope_type"]
+            raise GGUFConversionError(
+                f"the GGUF has both rope_freqs.weight and llama.rope.scaling.type {kind!r}")
+        cfg["rope_scaling"] = llama3_rope_scaling(
+            dequantize(rope_freqs.data, rope_freqs.tensor_type).reshape(-1), cfg["head_dim"],
+            cfg["rope_theta"])
     tokenizer = build_tokenizer(meta)  # before the slow part: an unsupported tokenizer fails fast
     tensors = convert_tensors(reader, cfg, progress)
     embed = tensors["model.embed_tokens.weight"]
