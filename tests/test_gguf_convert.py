@@ -20,6 +20,7 @@ from kvcore.model.gguf_convert import MODEL_FILES, GGUFConversionError, convert_
 from kvcore.model.gguf_tokenizer import GGUFTokenizerError
 from kvcore.model.tokenizer import Tokenizer
 from tiny_gguf import TINY_GGUF, llama_cpp_rope_factors, make_tiny_gguf, tiny_tokens
+from tiny_model import byte_to_unicode
 
 
 @pytest.fixture
@@ -245,3 +246,29 @@ def test_pull_prints_the_default_model(default_model_dir, monkeypatch, capsys):
     assert main(["pull", "--quiet"]) == 0
     assert capsys.readouterr().out.strip() == str(default_model_dir)
     assert hub.resolve_model(None) == default_model_dir
+
+
+# the canonical patterns: openai/gpt-2 encoder.py and meta-llama/llama3 tokenizer.py (tiktoken)
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+@pytest.mark.parametrize("pre", ["smollm", "default", "llama-bpe"])
+def test_pre_tokenizers_split_as_their_reference_regex(tmp_path, pre):
+    regex = pytest.importorskip("regex")
+    from tokenizers import Tokenizer as HFTokenizer
+
+    make_tiny_gguf(tmp_path / "t.gguf", pre=pre)
+    convert_gguf(tmp_path / "t.gguf", tmp_path / "out")
+    pre_tokenizer = HFTokenizer.from_file(str(tmp_path / "out/tokenizer.json")).pre_tokenizer
+    chars = byte_to_unicode()
+    text = ("Hello world! It's 2024-11-29, π≈3.14159; I'LL   see\r\n\n  you 12345 ٣٤٥ ²³ "
+            "naïve 中文 😀\tend  ")
+    if pre == "smollm":  # every numeral alone, then GPT-2's pattern within each part
+        pieces = [p for part in regex.split(r"(\p{N})", text)
+                  for p in regex.findall(GPT2_PATTERN, part)]
+    else:
+        pieces = regex.findall(GPT2_PATTERN if pre == "default" else LLAMA3_PATTERN, text)
+    expected = ["".join(chars[b] for b in piece.encode()) for piece in pieces]
+    assert [p for p, _ in pre_tokenizer.pre_tokenize_str(text)] == expected
