@@ -212,3 +212,21 @@ def test_tiled_long_chunks(monkeypatch: pytest.MonkeyPatch, window: int | None) 
     for s, ctx in enumerate(context_lens):
         expected = _dense_attention(query[qsl[s]:qsl[s + 1]], keys[s], values[s], ctx, 0.4, window)
         np.testing.assert_allclose(out[qsl[s]:qsl[s + 1]], expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("threads", ["1", "3"])
+def test_large_decode_batch_split_over_threads(monkeypatch: pytest.MonkeyPatch,
+                                               threads: str) -> None:
+    monkeypatch.setenv("KVCORE_NUM_THREADS", threads)
+    rng = np.random.default_rng(int(threads))
+    context_lens = [int(c) for c in rng.integers(1, 50, 40)]
+    q_lens = [1] * 37 + context_lens[37:]  # 37 decode tokens and 3 whole prompts
+    k_cache, v_cache, tables, keys, values = _scatter_sequences(
+        rng, context_lens, 4, 2, 8, np.dtype(np.float32))
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    query = rng.standard_normal((int(qsl[-1]), 4, 8)).astype(np.float32)
+    out = reference.paged_attention(query, k_cache, v_cache, tables,
+                                    np.array(context_lens, np.int32), qsl, 0.3, 11)
+    for s, ctx in enumerate(context_lens):
+        expected = _dense_attention(query[qsl[s]:qsl[s + 1]], keys[s], values[s], ctx, 0.3, 11)
+        np.testing.assert_allclose(out[qsl[s]:qsl[s + 1]], expected, rtol=1e-4, atol=1e-5)

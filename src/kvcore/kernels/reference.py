@@ -8,6 +8,7 @@ import ml_dtypes
 import numpy as np
 
 from kvcore.kernels.layer_ops import rms_norm, rope, rope_cos_sin, rope_inv_freq, silu_and_mul
+from kvcore.kernels.parallel import run_parallel, split
 
 FP8_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)
 FP8_MAX = 448.0  # largest finite e4m3fn value; casts saturate here (as CUDA's __NV_SATFINITE)
@@ -109,11 +110,15 @@ def paged_attention(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     out = np.empty((num_tokens, num_heads, head_dim), dtype=np.float32)  # (T, H, D)
     q_lens = np.diff(query_start_loc).astype(np.int64)
     decode = np.flatnonzero(q_lens == 1)
-    if decode.size:
-        rows = query_start_loc[decode].astype(np.int64)
-        out[rows] = _decode_attention(query[rows], k_cache, v_cache, block_tables[decode],
-                                      context_lens[decode].astype(np.int64), scale,
+
+    def decode_part(part: range) -> None:
+        seqs = decode[part.start:part.stop]
+        rows = query_start_loc[seqs].astype(np.int64)
+        out[rows] = _decode_attention(query[rows], k_cache, v_cache, block_tables[seqs],
+                                      context_lens[seqs].astype(np.int64), scale,
                                       sliding_window, k_scale, v_scale)
+
+    run_parallel(decode_part, split(decode.size, min_part=8))
     for s in np.flatnonzero(q_lens > 1):
         q_start, q_len, ctx = int(query_start_loc[s]), int(q_lens[s]), int(context_lens[s])
         out[q_start:q_start + q_len] = _chunk_attention(
@@ -127,8 +132,6 @@ def _chunk_attention(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray
                      sliding_window: int | None, k_scale: float, v_scale: float) -> np.ndarray:
     """The q_len queries of one sequence's chunk, the last of its ctx tokens: (q_len, H, D)."""
     q_len, num_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
     first_pos = ctx - q_len  # position of the chunk's first query
     k_start = _first_key(ctx, q_len, sliding_window)
     keys = _gather(k_cache, block_table, k_start, ctx, k_scale)  # (N, Hkv, D)
@@ -140,24 +143,43 @@ def _chunk_attention(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray
     out = np.empty((q_len, num_heads, head_dim), dtype=np.float32)  # (q_len, H, D)
     # query rows per tile: the (H, rows, keys) score tile stays around 4 MB
     rows_per_tile = max(16, _TILE_ELEMENTS // (num_heads * (ctx - k_start)))
-    for t0 in range(0, q_len, rows_per_tile):
-        t1 = min(q_len, t0 + rows_per_tile)
-        rows = t1 - t0
-        # the keys this tile can see at all: causal end, and the window's start
-        hi = first_pos + t1 - k_start
-        lo = 0 if sliding_window is None else max(0, first_pos + t0 - sliding_window + 1 - k_start)
-        q = query[t0:t1].astype(np.float32) * np.float32(scale)
-        q = q.reshape(rows, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)
-        q = np.ascontiguousarray(q).reshape(num_kv_heads, group * rows, head_dim)
-        scores = np.matmul(q, keys_t[:, :, lo:hi], out=_workspace(
-            "scores", num_kv_heads * group * rows * (hi - lo)).reshape(num_kv_heads, group * rows,
-                                                             hi - lo))  # (Hkv, G * rows, keys)
-        _mask_tile(scores.reshape(num_kv_heads, group, rows, hi - lo), first_pos + t0,
-                   k_start + lo, sliding_window)
-        o = _softmax_weighted(scores, values_h[:, lo:hi])  # (Hkv, G * rows, D)
-        out[t0:t1] = o.reshape(num_kv_heads, group, rows, head_dim).transpose(2, 0, 1, 3).reshape(
-            rows, num_heads, head_dim)
+    starts = list(range(0, q_len, rows_per_tile))
+
+    def tiles(part: range) -> None:
+        # interleaved tiles per thread: causal tiles grow in cost along the chunk
+        for t0 in starts[part.start::part.step]:
+            t1 = min(q_len, t0 + rows_per_tile)
+            # the keys this tile can see at all: causal end, and the window's start
+            hi = first_pos + t1 - k_start
+            lo = 0 if sliding_window is None else max(
+                0, first_pos + t0 - sliding_window + 1 - k_start)
+            out[t0:t1] = _attention_tile(query[t0:t1], keys_t[:, :, lo:hi], values_h[:, lo:hi],
+                                         first_pos + t0, k_start + lo, scale, sliding_window)
+
+    num_parts = len(split(len(starts), min_part=2))
+    run_parallel(tiles, [range(p, len(starts), num_parts) for p in range(num_parts)])
     return out
+
+
+def _attention_tile(query: np.ndarray, keys_t: np.ndarray, values: np.ndarray,
+                    first_query: int, first_key: int, scale: float,
+                    sliding_window: int | None) -> np.ndarray:
+    """Queries (rows, H, D) at first_query.. over keys_t (Hkv, D, n) / values (Hkv, n, D) at
+    first_key..: (rows, H, D). The group's queries of a KV head form one GEMM's rows."""
+    rows, num_heads, head_dim = query.shape
+    num_kv_heads, _, num_keys = keys_t.shape
+    group = num_heads // num_kv_heads
+    q = query.astype(np.float32) * np.float32(scale)
+    q = q.reshape(rows, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)
+    q = np.ascontiguousarray(q).reshape(num_kv_heads, group * rows, head_dim)
+    scores = _workspace("scores", num_kv_heads * group * rows * num_keys).reshape(
+        num_kv_heads, group * rows, num_keys)  # (Hkv, G * rows, keys)
+    np.matmul(q, keys_t, out=scores)
+    _mask_tile(scores.reshape(num_kv_heads, group, rows, num_keys), first_query, first_key,
+               sliding_window)
+    o = _softmax_weighted(scores, values)  # (Hkv, G * rows, D)
+    return o.reshape(num_kv_heads, group, rows, head_dim).transpose(2, 0, 1, 3).reshape(
+        rows, num_heads, head_dim)
 
 
 def _workspace(name: str, size: int) -> np.ndarray:
