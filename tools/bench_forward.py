@@ -39,6 +39,7 @@ ARGS = parse_args()
 # BLAS reads its thread count when first loaded: set it before NumPy or torch is imported
 for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[var] = str(ARGS.threads)
+os.environ["KVCORE_NUM_THREADS"] = str(ARGS.threads)  # kvcore's own kernel threads too
 
 import numpy as np  # noqa: E402
 
@@ -48,18 +49,22 @@ from kvcore.model import BatchInput, LlamaModel, load_model  # noqa: E402
 BLOCK_SIZE = 16
 
 
-def median_time(fn: Callable[[], object], repeats: int, setup: Callable[[], object] | None = None
-                ) -> float:
-    """Median wall time of fn() over `repeats` runs after one warm-up (setup untimed)."""
-    times = []
+def median_times(fns: list[Callable[[], object] | None], repeats: int,
+                 setups: list[Callable[[], object] | None] | None = None) -> list[float | None]:
+    """Median wall time of each fn over `repeats` runs after one warm-up each. The fns take
+    turns run by run, so a load that drifts during the benchmark hits all of them alike."""
+    times: list[list[float]] = [[] for _ in fns]
     for i in range(repeats + 1):
-        if setup is not None:
-            setup()
-        t = time.perf_counter()
-        fn()
-        if i:
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        for j, fn in enumerate(fns):
+            if fn is None:
+                continue
+            if setups and setups[j] is not None:
+                setups[j]()  # type: ignore[misc]
+            t = time.perf_counter()
+            fn()
+            if i:
+                times[j].append(time.perf_counter() - t)
+    return [statistics.median(t) if t else None for t in times]
 
 
 def fresh_cache(model: LlamaModel, num_blocks: int, rng: np.random.Generator) -> KVCache:
@@ -104,7 +109,9 @@ def matmul_rate(model: LlamaModel, batch: int, repeats: int) -> float:
             y @ layer.down
 
     flops = 10 * 2 * batch * (layer.gate_up.size + layer.down.size)
-    return flops / median_time(mlp, repeats)
+    seconds = median_times([mlp], repeats)[0]
+    assert seconds is not None
+    return flops / seconds
 
 
 def decode_flops(model: LlamaModel, batch: int, context: int) -> float:
@@ -177,23 +184,24 @@ def main() -> int:
     print(f"model {model_dir.name}, {ARGS.threads} threads, repeats {ARGS.repeats}")
     for length in (int(x) for x in ARGS.prompts.split(",")):
         repeats = max(1, ARGS.repeats if length < 1024 else ARGS.repeats // 2)
-        ours = length / median_time(ours_prefill(model, length, rng), repeats)
-        base = length / median_time(hf.prefill(length, rng), repeats) if hf else None
+        ours_t, base_t = median_times(
+            [ours_prefill(model, length, rng), hf.prefill(length, rng) if hf else None], repeats)
+        assert ours_t is not None
+        ours, base = length / ours_t, (length / base_t if base_t else None)
         rows.append(("prefill", f"{length} tokens", f"{ours:,.0f} tok/s",
                      f"{base:,.0f} tok/s" if base else "-", base and ours / base))
-        print(rows[-1])
+        print(rows[-1], flush=True)
     decode_ms = {}
     for batch in (int(x) for x in ARGS.batches.split(",")):
-        ours_t = median_time(ours_decode(model, batch, ARGS.context, rng), ARGS.repeats)
-        base_t = None
-        if hf:
-            run, trim = hf.decode(batch, ARGS.context, rng)
-            base_t = median_time(run, ARGS.repeats, setup=trim)
+        run, trim = hf.decode(batch, ARGS.context, rng) if hf else (None, None)
+        ours_t, base_t = median_times([ours_decode(model, batch, ARGS.context, rng), run],
+                                      ARGS.repeats, [None, trim])
+        assert ours_t is not None
         decode_ms[batch] = ours_t
         rows.append(("decode step", f"batch {batch}, context {ARGS.context}",
                      f"{ours_t * 1e3:.1f} ms", f"{base_t * 1e3:.1f} ms" if base_t else "-",
                      base_t and base_t / ours_t))
-        print(rows[-1])
+        print(rows[-1], flush=True)
     lines = [f"Model `{model_dir.name}` ({model.config.num_layers} layers, hidden "
              f"{model.config.hidden_size}), fp32 weights and KV cache, block size {BLOCK_SIZE}, "
              f"{ARGS.threads} BLAS threads for both, {platform.processor() or platform.machine()}, "

@@ -49,8 +49,9 @@ class KVCache:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.device = resolve_device(device)
         self.xp = get_xp(self.device)
-        self.dtype = dtype
-        self.storage_dtype = storage_dtype(dtype, self.device)
+        # "auto" is the model's compute dtype: kvcore computes in fp32 on both devices
+        self.dtype = "fp32" if dtype == "auto" else dtype
+        self.storage_dtype = storage_dtype(self.dtype, self.device)
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.k_scales = self._scales("k_scales", k_scales)
