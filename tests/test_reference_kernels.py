@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcore.config import RopeScaling
-from kvcore.kernels import reference
+from kvcore.kernels import attention, reference
 
 EXAMPLES = int(os.environ.get("KVCORE_HYPOTHESIS_EXAMPLES", "30"))
 
@@ -200,7 +200,7 @@ def test_rope_scaling_frequencies() -> None:
 @pytest.mark.parametrize("window", [None, 9, 40])
 def test_tiled_long_chunks(monkeypatch: pytest.MonkeyPatch, window: int | None) -> None:
     """Chunks longer than one query tile: causal and window bounds trim keys per tile."""
-    monkeypatch.setattr(reference, "_TILE_ELEMENTS", 64)  # 16-row tiles
+    monkeypatch.setattr(attention, "TILE_ELEMENTS", 64)  # 16-row tiles
     rng = np.random.default_rng(21)
     context_lens, q_lens = [70, 53, 90], [70, 37, 1]
     k_cache, v_cache, tables, keys, values = _scatter_sequences(
@@ -230,3 +230,24 @@ def test_large_decode_batch_split_over_threads(monkeypatch: pytest.MonkeyPatch,
     for s, ctx in enumerate(context_lens):
         expected = _dense_attention(query[qsl[s]:qsl[s + 1]], keys[s], values[s], ctx, 0.3, 11)
         np.testing.assert_allclose(out[qsl[s]:qsl[s + 1]], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_plan_reuse_follows_in_place_changes() -> None:
+    """Layers of one step share an attention plan; arrays changed in place get a new one."""
+    rng = np.random.default_rng(8)
+    context_lens = [9, 14]
+    k_cache, v_cache, tables, keys, values = _scatter_sequences(
+        rng, context_lens, 4, 2, 8, np.dtype(np.float32))
+    ctx = np.array(context_lens, np.int32)
+    qsl = np.array([0, 1, 2], np.int32)
+    query = rng.standard_normal((2, 4, 8)).astype(np.float32)
+    reference.paged_attention(query, k_cache, v_cache, tables, ctx, qsl, 0.3)
+    # move sequence 1 to other blocks and drop its last token, in the same arrays
+    spare = np.setdiff1d(np.arange(k_cache.shape[0]), tables[tables >= 0])[:3]
+    for i, block in enumerate(spare):
+        k_cache[block], v_cache[block] = k_cache[tables[1, i]], v_cache[tables[1, i]]
+    tables[1, :3] = spare
+    ctx[1] = 13
+    out = reference.paged_attention(query, k_cache, v_cache, tables, ctx, qsl, 0.3)
+    np.testing.assert_allclose(out[1:], _dense_attention(query[1:], keys[1][:13], values[1][:13],
+                                                         13, 0.3, None), rtol=1e-4, atol=1e-5)
