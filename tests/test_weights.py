@@ -167,7 +167,8 @@ def test_tied_embeddings(tmp_path: Path) -> None:
     assert "lm_head.weight" not in load_file(str(tied / "model.safetensors"))
     np.testing.assert_array_equal(weights["lm_head.weight"], weights["model.embed_tokens.weight"])
     model = load_model(tied)
-    np.testing.assert_array_equal(model.lm_head, weights["model.embed_tokens.weight"].T)
+    assert model.lm_head is model.embed  # one array, not a copy
+    np.testing.assert_array_equal(model.lm_head, weights["model.embed_tokens.weight"])
     # a tied checkpoint that stores the head copy anyway still loads
     _rewrite(tied, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"]}))
     load_model(tied)

@@ -49,8 +49,11 @@ class LlamaModel:
         c = config
         self.embed = self._put(weights["model.embed_tokens.weight"])  # (vocab, hidden)
         self.norm = self._put(weights["model.norm.weight"])  # (hidden,)
-        lm_head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
-        self.lm_head = self._put(lm_head.T)  # (hidden, vocab)
+        # (vocab, hidden) as stored, and tied to the embedding's very array when tied: logits
+        # come out as (lm_head @ h.T).T, which BLAS runs faster than h @ lm_head.T here
+        lm_head = weights.get("lm_head.weight")
+        self.lm_head = self.embed if lm_head is None or c.tie_word_embeddings else self._put(
+            lm_head)  # (vocab, hidden)
         self.layers = [self._layer(weights, f"model.layers.{i}.") for i in range(c.num_layers)]
         self.scale = 1.0 / math.sqrt(c.head_dim)
         self._inv_freq = reference.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
@@ -147,7 +150,8 @@ class LlamaModel:
             x = kernels.rms_norm(h, layer.post_norm, c.rms_norm_eps)
             h += kernels.silu_and_mul(x @ layer.gate_up) @ layer.down
         h = kernels.rms_norm(h[xp.asarray(batch.logits_indices)], self.norm, c.rms_norm_eps)
-        return to_numpy(h @ self.lm_head).astype(np.float32, copy=False)  # (L, vocab)
+        logits = to_numpy((self.lm_head @ h.T).T)  # (L, vocab)
+        return np.ascontiguousarray(logits, dtype=np.float32)
 
 
 def load_model(model_dir: str | Path, device: str = "cpu") -> LlamaModel:
