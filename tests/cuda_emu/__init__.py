@@ -14,6 +14,7 @@ import hashlib
 import os
 import pickle
 import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -115,6 +116,7 @@ def build(path: Path, defines: Sequence[str] = ()) -> tuple[Path, list[str]]:
     if result.returncode != 0:
         raise RuntimeError(f"g++ failed on {path.name}:\n{result.stderr[-6000:]}")
     os.replace(tmp, lib)  # atomic: a concurrent build of the same key is harmless
+    shutil.rmtree(work, ignore_errors=True)
     return lib, names
 
 
