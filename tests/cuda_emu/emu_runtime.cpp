@@ -45,7 +45,9 @@ struct Fiber {
 
 constexpr size_t kStackSize = 256 * 1024;
 std::vector<Fiber> fibers;
-std::vector<char> stacks;
+// fiber stacks: malloc'd, never zero-filled (large blocks are mapped lazily), grown on demand
+char* stacks = nullptr;
+size_t stacks_size = 0;
 ucontext_t scheduler;
 Fiber* current = nullptr;
 void (*kernel_tramp)(void**) = nullptr;
@@ -152,7 +154,7 @@ bool run_block(unsigned long long seed) {
     f.warp = i / 32;
     f.state = kRunnable;
     getcontext(&f.ctx);
-    f.ctx.uc_stack.ss_sp = stacks.data() + static_cast<size_t>(i) * kStackSize;
+    f.ctx.uc_stack.ss_sp = stacks + static_cast<size_t>(i) * kStackSize;
     f.ctx.uc_stack.ss_size = kStackSize;
     f.ctx.uc_link = nullptr;
     makecontext(&f.ctx, fiber_main, 0);
@@ -240,7 +242,11 @@ extern "C" __attribute__((visibility("default"))) int emu_launch(
     gridDim = dim3(gx, gy, gz);
     blockDim = dim3(bx, by, bz);
     fibers.assign(threads, Fiber());
-    stacks.resize(threads * kStackSize);
+    if (stacks_size < threads * kStackSize) {
+      free(stacks);
+      stacks_size = threads * kStackSize;
+      stacks = static_cast<char*>(malloc(stacks_size));
+    }
     for (unsigned z = 0; z < gz && error.empty(); ++z) {
       for (unsigned y = 0; y < gy && error.empty(); ++y) {
         for (unsigned x = 0; x < gx && error.empty(); ++x) {
