@@ -251,3 +251,24 @@ def test_plan_reuse_follows_in_place_changes() -> None:
     out = reference.paged_attention(query, k_cache, v_cache, tables, ctx, qsl, 0.3)
     np.testing.assert_allclose(out[1:], _dense_attention(query[1:], keys[1][:13], values[1][:13],
                                                          13, 0.3, None), rtol=1e-4, atol=1e-5)
+
+
+def test_large_inputs_split_by_rows_give_the_same_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVCORE_NUM_THREADS", "3")
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((700, 512)).astype(np.float32)  # above the row-split threshold
+    w = rng.standard_normal(512).astype(np.float32)
+    x64 = x.astype(np.float64)
+    np.testing.assert_allclose(
+        reference.rms_norm(x, w, 1e-6),
+        x64 / np.sqrt((x64**2).mean(axis=1, keepdims=True) + 1e-6) * w, rtol=1e-5, atol=1e-6)
+    gate, up = x64[:, :256], x64[:, 256:]
+    np.testing.assert_allclose(reference.silu_and_mul(x), gate / (1 + np.exp(-gate)) * up,
+                               rtol=1e-5, atol=1e-6)
+    q = x.reshape(700, 8, 64)
+    positions = rng.integers(0, 4096, 700)
+    cos, sin = reference.rope_cos_sin(reference.rope_inv_freq(64, 10000.0), 4096)
+    z = (q[..., :32] + 1j * q[..., 32:]) * np.exp(
+        1j * positions[:, None, None] * reference.rope_inv_freq(64, 10000.0))
+    np.testing.assert_allclose(reference.rope(q, positions, cos, sin),
+                               np.concatenate([z.real, z.imag], axis=-1), atol=5e-5)

@@ -3,16 +3,42 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from kvcore.config import RopeScaling
 from kvcore.device import array_module
+from kvcore.kernels.parallel import run_parallel, split
+
+# NumPy ops this large are split by rows over the kernel threads (a prefill's activations);
+# smaller ones cost less than the hand-off
+_PARALLEL_MIN_ELEMENTS = 1 << 18
+
+
+def _by_rows(op: Callable[..., Any], x: Any, out_cols: int, *row_args: Any) -> Any:
+    """op(x[rows], *(a[rows] for a in row_args)) for row ranges, in parallel for large NumPy
+    inputs; out (T, *x.shape[1:-1], out_cols) float32."""
+    if array_module(x) is not np or x.size < _PARALLEL_MIN_ELEMENTS:
+        return op(x, *row_args)
+    out = np.empty((*x.shape[:-1], out_cols), dtype=np.float32)
+    row_elements = x.size // max(x.shape[0], 1)
+
+    def part(rows: range) -> None:
+        sl = slice(rows.start, rows.stop)
+        out[sl] = op(x[sl], *(a[sl] for a in row_args))
+
+    run_parallel(part, split(x.shape[0], min_part=max(1, (1 << 16) // row_elements)))
+    return out
 
 
 def rms_norm(x: Any, weight: Any, eps: float) -> Any:
     """x / rms(x) * weight over the last axis, in float32 (NumPy or CuPy)."""
+    return _by_rows(lambda rows: _rms_norm(rows, weight, eps), x, x.shape[-1])
+
+
+def _rms_norm(x: Any, weight: Any, eps: float) -> Any:
     xp = array_module(x)
     x = x.astype(np.float32, copy=False)
     # einsum sums the squares without an (T, hidden) temporary
@@ -26,6 +52,10 @@ def rms_norm(x: Any, weight: Any, eps: float) -> Any:
 
 def silu_and_mul(x: Any) -> Any:
     """x (T, 2I) = [gate | up] -> silu(gate) * up (T, I)."""
+    return _by_rows(_silu_and_mul, x, x.shape[-1] // 2)
+
+
+def _silu_and_mul(x: Any) -> Any:
     xp = array_module(x)
     half = x.shape[-1] // 2
     gate, up = x[..., :half], x[..., half:]
@@ -65,6 +95,10 @@ def rope_cos_sin(inv_freq: np.ndarray, num_positions: int) -> tuple[np.ndarray, 
 
 def rope(x: Any, positions: Any, cos: Any, sin: Any) -> Any:
     """Rotate-half (HF layout) rotary embedding: x (T, H, D), positions (T,) -> (T, H, D)."""
+    return _by_rows(lambda rows, pos: _rope(rows, pos, cos, sin), x, x.shape[-1], positions)
+
+
+def _rope(x: Any, positions: Any, cos: Any, sin: Any) -> Any:
     xp = array_module(x)
     half = x.shape[-1] // 2
     c = cos[positions][:, None, :]  # (T, 1, D/2)
