@@ -25,13 +25,18 @@ class CupyBackend:
 
     def __init__(self) -> None:
         self._modules: dict[str, Any] = {}
+        self._functions: dict[tuple[str, str], Kernel] = {}
 
     def function(self, source: str, name: str) -> Kernel:
-        module = self._modules.get(source)
-        if module is None:
-            code = (KERNEL_DIR / source).read_text()
-            module = self._modules[source] = cupy.RawModule(code=code, options=nvrtc_options())
-        return module.get_function(name)  # type: ignore[no-any-return]
+        kernel = self._functions.get((source, name))
+        if kernel is None:
+            module = self._modules.get(source)
+            if module is None:
+                code = (KERNEL_DIR / source).read_text()
+                module = cupy.RawModule(code=code, options=nvrtc_options())
+                self._modules[source] = module
+            kernel = self._functions[source, name] = module.get_function(name)
+        return kernel
 
     def pointer_array(self, arrays: Sequence[Any]) -> Any:
         return cupy.asarray(np.array([a.data.ptr for a in arrays], dtype=np.int64))  # (L,)
