@@ -52,3 +52,17 @@ def test_spill_report_is_parsed() -> None:
     assert (report.kernel, report.arch, report.registers) == ("k", "90", 255)
     assert (report.stack_bytes, report.spill_stores, report.spill_loads) == (24, 8, 12)
     assert report.static_smem == 1024
+
+
+def test_cuda_module_mirrors_the_reference_signatures() -> None:
+    """kvcore.kernels.cuda imports without a device and has the reference kernels' signatures."""
+    import inspect
+
+    from kvcore.kernels import cuda, reference
+
+    for name in ("reshape_and_cache", "paged_attention", "copy_blocks", "rms_norm",
+                 "silu_and_mul", "rope"):
+        want = inspect.signature(getattr(reference, name)).parameters
+        got = inspect.signature(getattr(cuda, name)).parameters
+        assert [(p.name, p.default) for p in got.values()] == \
+            [(p.name, p.default) for p in want.values()], name
