@@ -9,7 +9,7 @@ import pytest
 import pytest_asyncio
 
 from kvcore.engine import AsyncEngine, Engine
-from kvcore.service import drain, make_app
+from kvcore.service import STATE_KEY, drain, make_app
 from service_fixtures import MODEL_NAME, tiny_app, tiny_config
 
 pytestmark = pytest.mark.asyncio
@@ -72,10 +72,24 @@ async def test_404_405_413(client) -> None:
 
 
 async def test_429_when_waiting_queue_full(aiohttp_client, tiny_model_dir) -> None:
-    client = await aiohttp_client(tiny_app(tiny_model_dir, max_waiting=0))
-    resp = await client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
+    # one running sequence at most, one waiting request at most
+    app = tiny_app(tiny_model_dir, max_waiting=1, engine_kwargs={"max_num_seqs": 1})
+    client = await aiohttp_client(app)
+    long = {"prompt": "a", "max_tokens": 100, "ignore_eos": True}
+    running = await client.post("/v1/completions", json=long | {"stream": True})
+    assert running.status == 200  # headers come with its first token: it runs
+    waiting = asyncio.create_task(client.post("/v1/completions", json=long))
+    async_engine = app[STATE_KEY].engine
+    assert async_engine is not None
+    while async_engine.num_waiting < 1:
+        await asyncio.sleep(0.005)
+    resp = await client.post("/v1/completions", json={"prompt": "b", "max_tokens": 2})
     assert resp.status == 429 and resp.headers["Retry-After"] == "1"
     assert_error(await resp.json(), 429)
+    assert (await running.text()).endswith("data: [DONE]\n\n")
+    assert (await waiting).status == 200
+    resp = await client.post("/v1/completions", json={"prompt": "b", "max_tokens": 2})
+    assert resp.status == 200
 
 
 async def test_401_and_public_health(aiohttp_client, tiny_model_dir) -> None:
