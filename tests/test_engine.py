@@ -155,3 +155,20 @@ def test_sliding_window_and_qkv_bias_models_are_batch_independent(
         outs = run_all(engine, prompts, params)
         assert [o.outputs[0].token_ids for o in outs] == alone, args
         assert_pool_empty(engine)
+
+
+def test_default_model_greedy_is_the_same_alone_chunked_and_preempted(
+        default_model_dir: Path) -> None:
+    engine = make_engine(default_model_dir, block_size=16, num_blocks=64)
+    tok = engine.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}])
+               for q in ("What is 2 + 2?", "Name a fruit.", "Say hello in French.")]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    alone = [run_all(engine, [p], params)[0].outputs[0].token_ids for p in prompts]
+    demand = sum(-(-(len(tok.encode(p)) + 6) // 4) for p in prompts)  # blocks of 4
+    for args in ({"max_num_batched_tokens": 7}, {"num_blocks": demand // 2}):
+        engine = make_engine(default_model_dir, **args)
+        outs = run_all(engine, prompts, params)
+        assert [o.outputs[0].token_ids for o in outs] == alone, args
+        assert_pool_empty(engine)
+    assert engine.stats().num_preemptions > 0
