@@ -109,6 +109,8 @@ def test_admission_errors_leave_nothing_allocated(tiny_model_dir: Path) -> None:
         engine.add_request("a", [5, 259], GREEDY)
     with pytest.raises(ValueError, match="pool"):
         engine.add_request("a", [5] * 8, SamplingParams(max_tokens=8, n=4))
+    with pytest.raises(ValueError, match="priority"):
+        engine.add_request("a", [5] * 8, GREEDY, priority=1.5)  # type: ignore[arg-type]
     engine.add_request("a", [5] * 8, GREEDY)
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("a", [5] * 8, GREEDY)

@@ -90,6 +90,10 @@ class Engine:
         """Queue a request. ValueError (nothing left allocated) for an empty prompt, one longer
         than max_model_len, prompt + max_tokens > max_model_len, more blocks than the pool holds,
         or a duplicate request_id. `prompt_text`: the text of a pre-tokenized `prompt`."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string or None, got {cache_salt!r}")
         if request_id in self._groups or request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else prompt_text
