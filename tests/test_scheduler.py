@@ -79,12 +79,13 @@ def test_admission_control_rejects_what_can_never_run() -> None:
 
 
 def test_preemption_victim_is_lowest_priority_then_latest_and_goes_to_the_front() -> None:
-    s = make_scheduler(num_blocks=6, block_size=4, budget=64)
+    s = make_scheduler(num_blocks=6, block_size=4, budget=64, max_num_seqs=2)
     s.add_request(make_request("old", 7, max_tokens=9))
     s.add_request(make_request("new", 7, max_tokens=9))
     s.add_request(make_request("later", 3, max_tokens=1))
-    run_step(s)  # old and new take 2 blocks each; later (1 block) finishes at once
+    run_step(s)  # old and new take 2 blocks each; later waits for a seat
     assert [r.request_id for r in s.running] == ["old", "new"]
+    assert [r.request_id for r in s.waiting] == ["later"]
     with structlog.testing.capture_logs() as logs:
         for _ in range(10):  # both grow a block every 4 tokens until 6 blocks run out
             out = run_step(s)
@@ -95,7 +96,7 @@ def test_preemption_victim_is_lowest_priority_then_latest_and_goes_to_the_front(
     assert [e["request_id"] for e in logs if e["event"] == "preempted"] == ["new"]
     new = s.requests["new"]
     assert new.status is RequestStatus.WAITING and new.num_computed_tokens == 0
-    assert s.waiting[0] is new
+    assert [r.request_id for r in s.waiting] == ["new", "later"]  # the front: it came first
     while s.has_unfinished_requests():
         run_step(s)
     assert s.kv.usage() == 0.0 and set(block_refcounts(s.kv)) == {0}
