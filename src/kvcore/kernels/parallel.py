@@ -11,13 +11,14 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 _pool_threads = 0
+_blas: Any = None  # threadpoolctl's controller of the loaded BLAS libraries, made on first use
 
 
 def num_threads() -> int:
@@ -51,11 +52,25 @@ def split(total: int, min_part: int) -> list[range]:
     return [range(bounds[i], bounds[i + 1]) for i in range(parts)]
 
 
+def _blas_controller() -> Any:
+    global _blas
+    if _blas is None:
+        from threadpoolctl import ThreadpoolController
+
+        _blas = ThreadpoolController().select(user_api="blas")
+    return _blas
+
+
 def run_parallel(fn: Callable[[T], None], items: Sequence[T]) -> None:
-    """fn(item) for every item, on the pool when there is more than one, else inline."""
+    """fn(item) for every item, on the pool when there is more than one, else inline.
+
+    While the pool works, BLAS runs one thread per call: each pool thread already holds a
+    core, and BLAS's own threads on top would oversubscribe them (and pay a thread hand-off
+    on every small GEMM)."""
     if len(items) <= 1 or threading.current_thread().name.startswith("kvcore-kernel"):
         for item in items:
             fn(item)
         return
-    for future in [_executor(num_threads()).submit(fn, item) for item in items]:
-        future.result()  # re-raises a worker's exception here
+    with _blas_controller().limit(limits=1):
+        for future in [_executor(num_threads()).submit(fn, item) for item in items]:
+            future.result()  # re-raises a worker's exception here
