@@ -111,3 +111,14 @@ def test_default_model_beams_equal_transformers(default_model_dir: Path,
     assert_pool_empty(engine)
     eos = list(engine.eos_token_ids)
     check_equal(outputs, model, prompts, params, eos)
+
+
+def test_aborted_beam_search_reports_its_live_beams(tiny_model_dir: Path) -> None:
+    engine = make_engine(tiny_model_dir)
+    engine.add_request("b", [5, 6, 7, 8], BeamSearchParams(beam_width=3, max_tokens=20))
+    for _ in range(3):
+        assert engine.step() == []  # nothing is streamed while the search runs
+    out = engine.abort_request("b")
+    assert out is not None and out.finished and len(out.outputs) == 3
+    assert all(c.finish_reason == "abort" and len(c.token_ids) == 3 for c in out.outputs)
+    assert_pool_empty(engine)

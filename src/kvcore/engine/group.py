@@ -40,9 +40,11 @@ class RequestGroup:
     def output(self) -> RequestOutput:
         """The outputs so far; each choice's delta covers what changed since the last call."""
         first = self.first
-        if self.beam is not None:
-            outputs = self.beam_outputs or []
-        else:
+        if self.beam is not None and self.beam_outputs is not None:
+            outputs = self.beam_outputs
+        elif self.beam is not None and not self.aborted:
+            outputs = []  # a beam search reports once, when it is done
+        else:  # the choices (or, aborted, the live beams as they were: reason "abort")
             outputs = [m.completion() for m in self.members]
         metrics = first.metrics
         finished = self.finished
