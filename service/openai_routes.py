@@ -241,7 +241,9 @@ def _account(state: ServiceState, gen: Generation, call_id: str, tenant: str,
     ttfts = []
     for job in gen.jobs:
         choices = gen.choices[job.index * req.n:(job.index + 1) * req.n]
-        reasons = [c.finish_reason or "abort" for c in choices] if job.last_output else []
+        # a call cancelled before any output (disconnect, drain) still aborted its request
+        started = job.last_output is not None or outcome == "cancelled"
+        reasons = [c.finish_reason or "abort" for c in choices] if started else []
         timings = job.last_output.metrics if job.last_output else None
         state.metrics.observe_request(len(job.prompt_token_ids) if job.last_output else 0,
                                       sum(len(c.token_ids) for c in choices), reasons, timings)

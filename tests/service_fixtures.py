@@ -16,12 +16,13 @@ MODEL_NAME = "tiny"
 
 
 def tiny_config(model_dir: Path, *, num_blocks: int = 96, max_model_len: int = 128,
-                enable_prefix_caching: bool = True, max_num_seqs: int = 16) -> EngineConfig:
+                enable_prefix_caching: bool = True, max_num_seqs: int = 16,
+                max_num_batched_tokens: int = 64) -> EngineConfig:
     return EngineConfig(model=str(model_dir), device="cpu",
                         cache=CacheConfig(block_size=4, num_blocks=num_blocks,
                                           enable_prefix_caching=enable_prefix_caching),
                         scheduler=SchedulerConfig(max_model_len=max_model_len,
-                                                  max_num_batched_tokens=64,
+                                                  max_num_batched_tokens=max_num_batched_tokens,
                                                   max_num_seqs=max_num_seqs))
 
 

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import structlog
 
-from service_fixtures import tiny_app, wait_pool_idle
+from service_fixtures import engine_of, tiny_app, wait_pool_idle
 
 pytestmark = pytest.mark.asyncio
 
@@ -71,6 +71,25 @@ async def test_non_stream_disconnect_aborts(aiohttp_client, tiny_model_dir, path
     with pytest.raises(asyncio.CancelledError):
         await pending
     await wait_pool_idle(client.server.app)
+    assert await _abort_count(client) == 1
+
+
+async def test_disconnect_during_prefill_aborts(aiohttp_client, tiny_model_dir) -> None:
+    # a 4-token budget per step: the 1,000-token prompt takes 250 prefill chunks
+    app = tiny_app(tiny_model_dir, engine_kwargs={"max_model_len": 1024, "num_blocks": 600,
+                                                  "max_num_batched_tokens": 4})
+    client = await aiohttp_client(app)
+    pending = asyncio.create_task(client.post("/v1/completions", json={
+        "prompt": [7] * 1000, "max_tokens": 2, "stream": True}))
+    engine = engine_of(app)
+    while engine.stats().num_running == 0:
+        await asyncio.sleep(0.001)
+    pending.cancel()  # no token yet: the request is between prefill chunks
+    with pytest.raises(asyncio.CancelledError):
+        await pending
+    await wait_pool_idle(app)
+    metrics = await (await client.get("/metrics")).text()
+    assert 'kvcore:generation_tokens_total{model_name="tiny"} 0.0' in metrics
     assert await _abort_count(client) == 1
 
 
