@@ -37,7 +37,7 @@ class GenerationRequest:
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields but max_tokens
     use_beam_search: bool = False
     length_penalty: float = 1.0
-    early_stopping: bool = False
+    early_stopping: bool | Literal["never"] = False
     stream: bool = False
     include_usage: bool = False
     logprobs: int | None = None  # the top-k to report with each token; None: no logprobs
@@ -132,6 +132,13 @@ def _sampling(body: dict[str, Any], vocab_size: int) -> dict[str, Any]:
     }
 
 
+def _early_stopping(body: dict[str, Any]) -> bool | Literal["never"]:
+    # vLLM and transformers also accept "never" (score running beams at max_tokens)
+    if body.get("early_stopping") == "never":
+        return "never"
+    return get_bool(body, "early_stopping", False)
+
+
 def _common(body: dict[str, Any], kind: Literal["completion", "chat"], vocab_size: int,
             max_tokens: int | None, logprobs: int | None, prompts: list[Prompt],
             messages: list[dict[str, Any]], echo: bool) -> GenerationRequest:
@@ -160,7 +167,7 @@ def _common(body: dict[str, Any], kind: Literal["completion", "chat"], vocab_siz
         sampling=sampling,
         use_beam_search=get_bool(body, "use_beam_search", False),
         length_penalty=get_float(body, "length_penalty", 1.0),
-        early_stopping=get_bool(body, "early_stopping", False),
+        early_stopping=_early_stopping(body),
         stream=stream,
         include_usage=include_usage,
         logprobs=logprobs,

@@ -157,6 +157,11 @@ def test_beam_search_params() -> None:
     params = build_params(req, 1, 64)
     assert (params.beam_width, params.max_tokens, params.length_penalty) == (3, 5, 0.5)
     assert params.early_stopping is True
+    req = parse_completion({"prompt": "a", "use_beam_search": True, "early_stopping": "never"},
+                           VOCAB)
+    assert build_params(req, 1, 64).early_stopping == "never"  # type: ignore[union-attr]
+    with pytest.raises(APIError):
+        parse_completion({"prompt": "a", "early_stopping": "sometimes"}, VOCAB)
 
 
 def test_error_body_shape() -> None:
