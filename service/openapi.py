@@ -28,8 +28,8 @@ _SAMPLING: dict[str, Any] = {
                                                               "maximum": 100}},
     "ignore_eos": _BOOL, "echo": _BOOL, "user": _STR, "priority": _INT,
     "cache_salt": {"type": "string", "minLength": 1}, "use_beam_search": _BOOL,
-    "length_penalty": _NUM, "early_stopping": _BOOL, "skip_special_tokens": _BOOL,
-    "include_stop_str_in_output": _BOOL,
+    "length_penalty": _NUM, "early_stopping": {"oneOf": [_BOOL, {"const": "never"}]},
+    "skip_special_tokens": _BOOL, "include_stop_str_in_output": _BOOL,
 }
 _MESSAGES = {"type": "array", "minItems": 1, "items": {
     "type": "object", "required": ["role"],
