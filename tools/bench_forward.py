@@ -32,10 +32,17 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (median)")
     p.add_argument("--no-transformers", action="store_true", help="skip the baseline")
     p.add_argument("--record", action="store_true", help="write docs/benchmarks.md's section")
-    return p.parse_args()
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="cpu: process CPU time, which other processes' load does not inflate "
+                        "(meaningful with --threads 1 only)")
+    args = p.parse_args()
+    if args.clock == "cpu" and args.threads != 1:
+        p.error("--clock cpu needs --threads 1 (CPU time adds up every thread's)")
+    return args
 
 
 ARGS = parse_args()
+CLOCK = time.process_time if ARGS.clock == "cpu" else time.perf_counter
 # BLAS reads its thread count when first loaded: set it before NumPy or torch is imported
 for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[var] = str(ARGS.threads)
@@ -60,10 +67,10 @@ def median_times(fns: list[Callable[[], object] | None], repeats: int,
                 continue
             if setups and setups[j] is not None:
                 setups[j]()  # type: ignore[misc]
-            t = time.perf_counter()
+            t = CLOCK()
             fn()
             if i:
-                times[j].append(time.perf_counter() - t)
+                times[j].append(CLOCK() - t)
     return [statistics.median(t) if t else None for t in times]
 
 
@@ -210,7 +217,9 @@ def main() -> int:
              f"{model.config.hidden_size}), fp32 weights and KV cache, block size {BLOCK_SIZE}, "
              f"{ARGS.threads} BLAS threads for both, {platform.processor() or platform.machine()}, "
              f"NumPy {np.__version__}" + (f", {hf.version}" if hf else "") + ". Median of "
-             f"{ARGS.repeats} timed runs after a warm-up.", "",
+             f"{ARGS.repeats} timed runs after a warm-up, taking turns; "
+             f"{'process CPU time' if ARGS.clock == 'cpu' else 'wall time'}; load average "
+             f"{os.getloadavg()[0]:.1f} at the end.", "",
              "| measurement | shape | kvcore | transformers | kvcore speed-up |",
              "|---|---|---|---|---|"]
     for kind, shape, ours_s, base_s, ratio in rows:
@@ -228,7 +237,8 @@ def main() -> int:
                   f"layer's in turn (streamed from memory, as the step reads them) -> "
                   f"**{achieved / streamed:.0%}**."]
     lines += ["", "Command: `.venv/bin/python tools/bench_forward.py"
-              + (f" --model {ARGS.model}" if ARGS.model else "") + f" --threads {ARGS.threads}`"]
+              + (f" --model {ARGS.model}" if ARGS.model else "") + f" --threads {ARGS.threads}"
+              + (" --clock cpu" if ARGS.clock == "cpu" else "") + "`"]
     text = "\n".join(lines)
     print(text)
     if ARGS.record:
@@ -237,17 +247,25 @@ def main() -> int:
 
 
 def record(body: str) -> None:
-    """Replace (or append) only this tool's section of docs/benchmarks.md."""
+    """Write this run as one `### ` subsection (per thread count and clock) of this tool's own
+    `## ` section of docs/benchmarks.md, leaving every other section and run as it is."""
     path = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
     old = path.read_text() if path.exists() else "# Benchmarks\n"
-    section = f"{SECTION}\n\n{body}\n"
+    label = f"### {ARGS.threads} thread{'s' if ARGS.threads > 1 else ''}, {ARGS.clock} time"
     if SECTION in old:
         start = old.index(SECTION)
         end = old.find("\n## ", start + len(SECTION))
-        new = old[:start] + section + (old[end:] if end >= 0 else "")
+        end = len(old) if end < 0 else end + 1
+        section = old[start:end]
     else:
-        new = old.rstrip("\n") + "\n\n" + section
-    path.write_text(new)
+        start = end = len(old)
+        section = f"{SECTION}\n\nWritten by `tools/bench_forward.py --record`.\n"
+        old = old.rstrip("\n") + "\n\n"
+    runs = section.split("\n### ")
+    head, kept = runs[0].rstrip("\n"), [r for r in runs[1:] if not label.endswith(r.split("\n")[0])]
+    section = "\n\n".join([head, *("### " + r.rstrip("\n") for r in kept),
+                            f"{label}\n\n{body}"]) + "\n"
+    path.write_text(old[:start] + section + ("\n" + old[end:] if old[end:] else ""))
 
 
 if __name__ == "__main__":
