@@ -162,8 +162,9 @@ def _chunk(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_ta
     keys_t = np.ascontiguousarray(keys.transpose(1, 2, 0))  # (Hkv, D, N)
     values_h = np.ascontiguousarray(values.transpose(1, 0, 2))  # (Hkv, N, D)
     out = np.empty((q_len, num_heads, head_dim), dtype=np.float32)  # (q_len, H, D)
-    # query rows per tile: the (H, rows, keys) score tile stays around 4 MB
-    rows_per_tile = max(16, TILE_ELEMENTS // (num_heads * (ctx - k_start)))
+    # query rows per tile: the (H, rows, keys) score tile stays under ~4 MB, and tiles stay
+    # short (<= 64 rows) so little of each causal tile is computed only to be masked
+    rows_per_tile = max(16, min(64, TILE_ELEMENTS // (num_heads * (ctx - k_start))))
     starts = list(range(0, q_len, rows_per_tile))
 
     def tiles(part: range) -> None:
