@@ -24,7 +24,8 @@ def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if cuda_available() else "cpu"
     if device == "cuda" and not cuda_available():
-        raise RuntimeError("device 'cuda' requested but no CUDA device is usable (install kvcore[cuda12])")
+        raise RuntimeError(
+            "device 'cuda' requested but no CUDA device is usable (install kvcore[cuda12])")
     return device
 
 
