@@ -20,20 +20,21 @@ from kvcore.model.batch import BatchInput
 from kvcore.model.weights import Checkpoint, iter_weights
 
 _PROGRESS_MIN_BYTES = 64 << 20  # show a progress bar for loads at least this large
+_FEW_ROWS = 64  # up to this many rows, _linear multiplies weight @ x.T (measured on this CPU)
 
 
 @dataclass(slots=True)
 class LayerWeights:
-    """One decoder layer, pre-transposed to (in, out) so every projection is x @ W."""
+    """One decoder layer as (out, in) matrices, q/k/v and gate/up fused (one GEMM each)."""
 
     input_norm: Any  # (hidden,)
-    qkv: Any  # (hidden, (H + 2 Hkv) D): q, k and v projections fused into one matmul
+    qkv: Any  # ((H + 2 Hkv) D, hidden): q, k and v projections fused into one matmul
     qkv_bias: Any | None  # ((H + 2 Hkv) D,)
-    o: Any  # (H D, hidden)
+    o: Any  # (hidden, H D)
     o_bias: Any | None  # (hidden,)
     post_norm: Any  # (hidden,)
-    gate_up: Any  # (hidden, 2 I): gate and up fused into one matmul
-    down: Any  # (I, hidden)
+    gate_up: Any  # (2 I, hidden): gate and up fused into one matmul
+    down: Any  # (hidden, I)
 
 
 class LlamaModel:
@@ -49,8 +50,7 @@ class LlamaModel:
         c = config
         self.embed = self._put(weights["model.embed_tokens.weight"])  # (vocab, hidden)
         self.norm = self._put(weights["model.norm.weight"])  # (hidden,)
-        # (vocab, hidden) as stored, and tied to the embedding's very array when tied: logits
-        # come out as (lm_head @ h.T).T, which BLAS runs faster than h @ lm_head.T here
+        # (vocab, hidden) as stored, and the embedding's very array when tied (no copy)
         lm_head = weights.get("lm_head.weight")
         self.lm_head = self.embed if lm_head is None or c.tie_word_embeddings else self._put(
             lm_head)  # (vocab, hidden)
@@ -77,14 +77,14 @@ class LlamaModel:
             o_bias = self._put(w[p + "self_attn.o_proj.bias"])
         return LayerWeights(
             input_norm=self._put(w[p + "input_layernorm.weight"]),
-            qkv=self._put(np.concatenate([w[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]).T),
+            qkv=self._put(np.concatenate([w[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])),
             qkv_bias=qkv_bias,
-            o=self._put(w[p + "self_attn.o_proj.weight"].T),
+            o=self._put(w[p + "self_attn.o_proj.weight"]),
             o_bias=o_bias,
             post_norm=self._put(w[p + "post_attention_layernorm.weight"]),
             gate_up=self._put(np.concatenate([w[p + "mlp.gate_proj.weight"],
-                                              w[p + "mlp.up_proj.weight"]]).T),
-            down=self._put(w[p + "mlp.down_proj.weight"].T),
+                                              w[p + "mlp.up_proj.weight"]])),
+            down=self._put(w[p + "mlp.down_proj.weight"]),
         )
 
     def _rope_tables(self, max_position: int) -> tuple[Any, Any]:
@@ -130,7 +130,7 @@ class LlamaModel:
         for layer_id, layer in enumerate(self.layers):
             k_cache, v_cache, k_scale, v_scale = kv_cache.layer(layer_id)
             x = kernels.rms_norm(h, layer.input_norm, c.rms_norm_eps)
-            qkv = x @ layer.qkv  # (T, (H + 2 Hkv) D)
+            qkv = _linear(x, layer.qkv)  # (T, (H + 2 Hkv) D)
             if layer.qkv_bias is not None:
                 qkv += layer.qkv_bias
             q = qkv[:, :q_dim].reshape(num_tokens, c.num_heads, c.head_dim)
@@ -143,15 +143,23 @@ class LlamaModel:
             attn = kernels.paged_attention(q, k_cache, v_cache, block_tables, context_lens,
                                            query_start_loc, self.scale, c.sliding_window,
                                            k_scale, v_scale)  # (T, H, D)
-            out = attn.reshape(num_tokens, q_dim) @ layer.o  # (T, hidden)
+            out = _linear(attn.reshape(num_tokens, q_dim), layer.o)  # (T, hidden)
             if layer.o_bias is not None:
                 out += layer.o_bias
             h += out
             x = kernels.rms_norm(h, layer.post_norm, c.rms_norm_eps)
-            h += kernels.silu_and_mul(x @ layer.gate_up) @ layer.down
+            h += _linear(kernels.silu_and_mul(_linear(x, layer.gate_up)), layer.down)
         h = kernels.rms_norm(h[xp.asarray(batch.logits_indices)], self.norm, c.rms_norm_eps)
-        logits = to_numpy((self.lm_head @ h.T).T)  # (L, vocab)
+        logits = to_numpy(_linear(h, self.lm_head))  # (L, vocab)
         return np.ascontiguousarray(logits, dtype=np.float32)
+
+
+def _linear(x: Any, weight: Any) -> Any:
+    """x (T, in) @ weight (out, in).T -> (T, out). A few rows run faster as weight @ x.T (BLAS
+    then streams the weight as its left operand); one row or many, as x @ weight.T."""
+    if 1 < x.shape[0] <= _FEW_ROWS:
+        return (weight @ x.T).T
+    return x @ weight.T
 
 
 def load_model(model_dir: str | Path, device: str = "cpu") -> LlamaModel:
