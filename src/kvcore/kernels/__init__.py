@@ -18,6 +18,12 @@ def _on_gpu(array: Any) -> bool:
     return array_module(array).__name__ == "cupy"
 
 
+def uses_cuda_kernels(array: Any) -> bool:
+    """Whether ops on `array` dispatch to kvcore.kernels.cuda (whose kernels want row-major,
+    C-contiguous activations)."""
+    return _on_gpu(array)
+
+
 def _cuda() -> ModuleType:
     from kvcore.kernels import cuda  # type: ignore[attr-defined]
 
@@ -62,4 +68,4 @@ def rope(x: Any, positions: Any, cos: Any, sin: Any) -> Any:
 
 
 __all__ = ["copy_blocks", "paged_attention", "reshape_and_cache", "rms_norm", "rope",
-           "silu_and_mul"]
+           "silu_and_mul", "uses_cuda_kernels"]

@@ -130,7 +130,8 @@ class LlamaModel:
         for layer_id, layer in enumerate(self.layers):
             k_cache, v_cache, k_scale, v_scale = kv_cache.layer(layer_id)
             x = kernels.rms_norm(h, layer.input_norm, c.rms_norm_eps)
-            qkv = _linear(x, layer.qkv)  # (T, (H + 2 Hkv) D)
+            # contiguous: q/k/v below are views with dense (H, D) per token, as kernels want
+            qkv = xp.ascontiguousarray(_linear(x, layer.qkv))  # (T, (H + 2 Hkv) D)
             if layer.qkv_bias is not None:
                 qkv += layer.qkv_bias
             q = qkv[:, :q_dim].reshape(num_tokens, c.num_heads, c.head_dim)
@@ -155,9 +156,10 @@ class LlamaModel:
 
 
 def _linear(x: Any, weight: Any) -> Any:
-    """x (T, in) @ weight (out, in).T -> (T, out). A few rows run faster as weight @ x.T (BLAS
-    then streams the weight as its left operand); one row or many, as x @ weight.T."""
-    if 1 < x.shape[0] <= _FEW_ROWS:
+    """x (T, in) @ weight (out, in).T -> (T, out). On the CPU a few rows run faster as
+    weight @ x.T (OpenBLAS then streams the weight as its left operand), a column-major result;
+    one row, many rows and CuPy arrays (cuBLAS; the CUDA kernels want row-major) as x @ W.T."""
+    if 1 < x.shape[0] <= _FEW_ROWS and not kernels.uses_cuda_kernels(x):
         return (weight @ x.T).T
     return x @ weight.T
 
