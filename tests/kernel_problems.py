@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import ml_dtypes
 import numpy as np
 
+from kvcore.cache.kv_cache import KVCache
+from kvcore.config import ModelConfig
 from kvcore.kernels import reference
+from kvcore.model import BatchInput
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -42,3 +48,20 @@ def paged_problem(rng: np.random.Generator, context_lens: list[int], q_lens: lis
     return dict(query=query, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
                 context_lens=np.array(context_lens, dtype=np.int32), query_start_loc=qsl,
                 scale=head_dim ** -0.5, k_scale=k_scale, v_scale=v_scale)
+
+
+def greedy(model: Any, model_dir: Path, cache_dtype: str, steps: int, device: str = "cpu"
+           ) -> tuple[list[int], np.ndarray]:
+    """Greedy tokens of `model` after a 9-token prompt, and the prompt's last logits."""
+    c = ModelConfig.from_dir(model_dir)
+    cache = KVCache(c.num_layers, 8, 4, c.num_kv_heads, c.head_dim, cache_dtype, device)
+    table = [[6, 1, 4, 7, 2]]
+    tokens = np.random.default_rng(3).integers(3, c.vocab_size, size=9).tolist()
+    logits = model.forward(BatchInput.build([tokens], [0], table, 4), cache)
+    first = logits
+    out: list[int] = []
+    for _ in range(steps):
+        out.append(int(np.argmax(logits[-1])))
+        logits = model.forward(BatchInput.build([[out[-1]]], [len(tokens) + len(out) - 1],
+                                                table, 4), cache)
+    return out, first

@@ -137,6 +137,20 @@ def test_tiny_model_greedy_gpu_equals_cpu(tiny_model_dir: Path) -> None:
                                                                    prompts, 24)
 
 
+@pytest.mark.parametrize("cache_dtype", ["fp16", "fp8"])
+def test_half_model_greedy_on_gpu(tiny_model_dir: Path, cache_dtype: str) -> None:
+    from kernel_problems import greedy
+    from kvcore.model import load_model
+    from kvcore.model.gpu_runner import load_half_model
+
+    want_tokens, want_logits = greedy(load_model(tiny_model_dir), tiny_model_dir, "fp32", 8)
+    tokens, logits = greedy(load_half_model(tiny_model_dir), tiny_model_dir, cache_dtype, 8,
+                            "cuda")
+    np.testing.assert_allclose(logits, want_logits, rtol=0,
+                               atol=3e-2 * np.abs(want_logits).max())
+    assert tokens == want_tokens
+
+
 def test_default_model_greedy_gpu_equals_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     from conftest import KVCORE_TEST_HOME
     from kvcore.model.hub import default_model_dir, is_model_dir
