@@ -37,6 +37,24 @@ class LayerWeights:
     down: Any  # (hidden, I)
 
 
+# the BatchInput fields a step reads on the device, in DeviceBatch order
+DEVICE_FIELDS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "context_lens",
+                 "block_tables", "logits_indices")
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceBatch:
+    """A BatchInput's arrays on the model's device (NumPy on the CPU): what `run` reads."""
+
+    input_ids: Any  # (T,) int64
+    positions: Any  # (T,) int64
+    slot_mapping: Any  # (T,) int64
+    query_start_loc: Any  # (S+1,) int32
+    context_lens: Any  # (S,) int32
+    block_tables: Any  # (S, max_blocks) int32
+    logits_indices: Any  # (L,) int64
+
+
 class LlamaModel:
     """Weights on one device and a forward over an explicit BatchInput; no hidden state."""
 
@@ -115,18 +133,28 @@ class LlamaModel:
     def forward(self, batch: BatchInput, kv_cache: KVCache) -> np.ndarray:
         """(L, vocab) float32 logits at batch.logits_indices; writes the step's K/V to the cache."""
         self._check(batch, kv_cache)
-        c, xp = self.config, self.xp
         if batch.input_ids.shape[0] == 0:
-            return np.zeros((0, c.vocab_size), np.float32)  # (L, vocab): an empty step
-        cos, sin = self._rope_tables(int(batch.positions.max()))
-        positions = xp.asarray(batch.positions)
-        slot_mapping = xp.asarray(batch.slot_mapping)
-        block_tables = xp.asarray(batch.block_tables)
-        context_lens = xp.asarray(batch.context_lens)
-        query_start_loc = xp.asarray(batch.query_start_loc)
+            return np.zeros((0, self.config.vocab_size), np.float32)  # (L, vocab): an empty step
+        self.ensure_rope(int(batch.positions.max()))
+        xp = self.xp
+        device_batch = DeviceBatch(*(xp.asarray(getattr(batch, name)) for name in DEVICE_FIELDS))
+        logits = to_numpy(self.run(device_batch, kv_cache))  # (L, vocab)
+        return np.ascontiguousarray(logits, dtype=np.float32)
+
+    def ensure_rope(self, max_position: int) -> None:
+        """Grow the rope tables to cover max_position (before a step, or a graph capture)."""
+        self._rope_tables(max_position)
+
+    def run(self, batch: DeviceBatch, kv_cache: KVCache) -> Any:
+        """The step on device arrays: (L, vocab) logits on the device. Reads nothing back to the
+        host and allocates only through xp, so a CUDA graph can capture it; the rope tables must
+        already cover every position (ensure_rope)."""
+        c, xp = self.config, self.xp
+        cos, sin = self._cos, self._sin
+        positions, slot_mapping = batch.positions, batch.slot_mapping
         num_tokens = batch.input_ids.shape[0]
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        h = self.embed[xp.asarray(batch.input_ids)]  # (T, hidden) residual stream
+        h = self.embed[batch.input_ids]  # (T, hidden) residual stream
         for layer_id, layer in enumerate(self.layers):
             k_cache, v_cache, k_scale, v_scale = kv_cache.layer(layer_id)
             x = kernels.rms_norm(h, layer.input_norm, c.rms_norm_eps)
@@ -141,18 +169,17 @@ class LlamaModel:
             k = kernels.rope(k, positions, cos, sin)
             kernels.reshape_and_cache(k, xp.ascontiguousarray(v), k_cache, v_cache, slot_mapping,
                                       k_scale, v_scale)
-            attn = kernels.paged_attention(q, k_cache, v_cache, block_tables, context_lens,
-                                           query_start_loc, self.scale, c.sliding_window,
-                                           k_scale, v_scale)  # (T, H, D)
+            attn = kernels.paged_attention(q, k_cache, v_cache, batch.block_tables,
+                                           batch.context_lens, batch.query_start_loc, self.scale,
+                                           c.sliding_window, k_scale, v_scale)  # (T, H, D)
             out = _linear(attn.reshape(num_tokens, q_dim), layer.o)  # (T, hidden)
             if layer.o_bias is not None:
                 out += layer.o_bias
             h += out
             x = kernels.rms_norm(h, layer.post_norm, c.rms_norm_eps)
             h += _linear(kernels.silu_and_mul(_linear(x, layer.gate_up)), layer.down)
-        h = kernels.rms_norm(h[xp.asarray(batch.logits_indices)], self.norm, c.rms_norm_eps)
-        logits = to_numpy(_linear(h, self.lm_head))  # (L, vocab)
-        return np.ascontiguousarray(logits, dtype=np.float32)
+        h = kernels.rms_norm(h[batch.logits_indices], self.norm, c.rms_norm_eps)
+        return _linear(h, self.lm_head)  # (L, vocab)
 
 
 def _linear(x: Any, weight: Any) -> Any:
