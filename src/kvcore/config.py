@@ -219,6 +219,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0
+    enforce_eager: bool = False  # cuda: no CUDA graphs for decode steps (every step eager)
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):

@@ -15,8 +15,14 @@ from kvcore.device import resolve_device
 from kvcore.engine.beam import beam_step
 from kvcore.engine.group import RequestGroup
 from kvcore.engine.runner import ModelRunner
-from kvcore.engine.setup import EngineModel, check_prompt, pool_size
-from kvcore.model import load_model
+from kvcore.engine.setup import (
+    EngineModel,
+    check_prompt,
+    engine_cache_dtype,
+    engine_max_model_len,
+    load_engine_model,
+    pool_size,
+)
 from kvcore.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvcore.request import Request, RequestOutput
 from kvcore.sampling import (
@@ -51,17 +57,19 @@ class Engine:
 
     def __init__(self, config: EngineConfig, model: EngineModel | None = None,
                  tokenizer: Tokenizer | None = None) -> None:
-        """Loads the model and tokenizer from config.model unless given (tests pass their own)."""
+        """Loads the model and tokenizer from config.model unless given (tests pass their own);
+        the model and cache dtype follow the device (engine.setup.load_engine_model)."""
         device = resolve_device(config.device)
         self.config = config
-        self.model = model if model is not None else load_model(config.model, device)
+        if model is None:
+            model, self.cache_dtype = load_engine_model(config, device)
+        else:
+            self.cache_dtype = engine_cache_dtype(config.cache.cache_dtype, device)
+        self.model = model
         self.tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_dir(config.model)
         self.model_config: ModelConfig = self.model.config
         mc = self.model_config
-        self.max_model_len = min(config.scheduler.max_model_len or mc.max_position_embeddings,
-                                 mc.max_position_embeddings)
-        dtype = config.cache.cache_dtype
-        self.cache_dtype = "fp32" if dtype == "auto" else dtype  # CPU computes in fp32
+        self.max_model_len = engine_max_model_len(config, mc)
         num_blocks = pool_size(config, mc, self.cache_dtype, self.max_model_len, device)
         block_size = config.cache.block_size
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
@@ -77,7 +85,7 @@ class Engine:
         self.sampler = Sampler(self.eos_token_ids)
         self._seeds = np.random.SeedSequence(config.seed)
         self._groups: dict[str, RequestGroup] = {}
-        log.info("kv cache pool", num_blocks=num_blocks, block_size=block_size,
+        log.info("kv cache pool", device=device, num_blocks=num_blocks, block_size=block_size,
                  cache_dtype=self.cache_dtype, bytes=self.kv_cache.num_bytes,
                  max_model_len=self.max_model_len,
                  max_concurrency=round(num_blocks * block_size / self.max_model_len, 2))

@@ -1,4 +1,4 @@
-"""Engine set-up helpers: the model protocol, KV pool sizing and request validation."""
+"""Engine set-up helpers: the model and cache dtype for a device, KV pool sizing, request checks."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import numpy as np
 from kvcore.cache import KVCacheManager
 from kvcore.cache.kv_cache import KVCache
 from kvcore.config import EngineConfig, ModelConfig
-from kvcore.model import BatchInput
+from kvcore.model import BatchInput, load_model
+from kvcore.model.gpu_runner import HALF_CACHE_DTYPES, load_half_model
 from kvcore.planner import bytes_per_token, num_blocks_for_memory
 from kvcore.sampling import BeamSearchParams, SamplingParams
 
@@ -24,6 +25,40 @@ class EngineModel(Protocol):
     config: ModelConfig
 
     def forward(self, batch: BatchInput, kv_cache: KVCache) -> np.ndarray: ...
+
+
+def engine_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    """SchedulerConfig.max_model_len, capped at (and by default) the model's context."""
+    limit = model_config.max_position_embeddings
+    return min(config.scheduler.max_model_len or limit, limit)
+
+
+def engine_cache_dtype(cache_dtype: str, device: str) -> str:
+    """The KV cache dtype for a resolved device: "auto" is the compute dtype (cuda: fp16, cpu:
+    fp32); on cuda the fp16 model pairs only with fp16 or fp8 caches."""
+    if device == "cuda":
+        if cache_dtype == "auto":
+            return "fp16"
+        if cache_dtype not in HALF_CACHE_DTYPES:
+            raise ValueError(f"cache_dtype {cache_dtype!r} is not supported on cuda (the fp16 "
+                             f"model needs one of {('auto', *HALF_CACHE_DTYPES)})")
+        return cache_dtype
+    return "fp32" if cache_dtype == "auto" else cache_dtype
+
+
+def load_engine_model(config: EngineConfig, device: str) -> tuple[EngineModel, str]:
+    """(model, cache dtype) for a resolved device. cpu: the fp32 LlamaModel; cuda: the fp16
+    HalfLlamaModel with CUDA graphs for decode steps unless config.enforce_eager. A cache dtype
+    the device cannot use is a ValueError raised before any weight is loaded."""
+    cache_dtype = engine_cache_dtype(config.cache.cache_dtype, device)
+    if device != "cuda":
+        return load_model(config.model, device), cache_dtype
+    model = load_half_model(config.model, device)
+    if not config.enforce_eager:
+        model.enable_cuda_graphs(config.scheduler.max_num_seqs,
+                                 engine_max_model_len(config, model.config),
+                                 config.cache.block_size)
+    return model, cache_dtype
 
 
 def pool_size(config: EngineConfig, model_config: ModelConfig, cache_dtype: str,
