@@ -9,19 +9,14 @@ field that is not copied (or copied wrongly padded) changes the replayed logits 
 
 from __future__ import annotations
 
-import functools
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import numpy as np
 import pytest
 
-import kvcore.kernels as kernels
 from kvcore.cache.kv_cache import KVCache
-from kvcore.kernels.cuda_ops import CudaOps
 from kvcore.model import BatchInput
 from kvcore.model.cuda_graph import capture_sizes, is_pure_decode
 from kvcore.model.gpu_runner import HalfLlamaModel, load_half_model
@@ -30,46 +25,16 @@ pytest.importorskip("cupy", reason="cupy's CCCL headers provide <nv/target> for 
 if shutil.which("g++") is None:
     pytest.skip("the emulation harness needs g++", allow_module_level=True)
 
-from cuda_emu import EmuBackend  # noqa: E402
+from graph_helpers import StandInCapturer, route_kernels_through_emulation  # noqa: E402
 
 BLOCK_SIZE = 4
 
 
-class ReplayGraph:
-    def __init__(self, step: Callable[[], Any], out: np.ndarray) -> None:
-        self.step, self.out = step, out
-
-    def replay(self) -> None:
-        np.copyto(self.out, self.step())  # a CUDA graph rewrites the very array it captured
-
-
-class StandInCapturer:
-    """The CPU stand-in for CudaGraphCapturer."""
-
-    def __init__(self) -> None:
-        self.num_captures = 0
-        self.num_uploads = 0
-
-    def capture(self, step: Callable[[], Any]) -> tuple[ReplayGraph, Any]:
-        self.num_captures += 1
-        out = step()
-        return ReplayGraph(step, out), out
-
-    def upload(self, dst: np.ndarray, src: np.ndarray) -> None:
-        assert dst.shape == src.shape and dst.dtype == src.dtype  # a plain copy, no reshaping
-        np.copyto(dst, src)
-        self.num_uploads += 1
-
-
 @pytest.fixture
 def emulated(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Route every kernel through the emulated CUDA kernels with device-side metadata."""
-    ops = CudaOps(EmuBackend())
-    impl = SimpleNamespace(**{name: getattr(ops, name) for name in (
-        "reshape_and_cache", "copy_blocks", "rms_norm", "silu_and_mul", "rope")})
-    impl.paged_attention = functools.partial(ops.paged_attention, host_metadata=False)
-    monkeypatch.setattr(kernels, "_on_gpu", lambda array: True)
-    monkeypatch.setattr(kernels, "_cuda", lambda: impl)
+    route_kernels_through_emulation(monkeypatch)
+
+
 
 
 def test_capture_sizes() -> None:

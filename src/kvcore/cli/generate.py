@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 
@@ -26,6 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="seed of the sampler")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                         help="where to run (default: cuda when available, else cpu)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="cuda: run every step eagerly (no CUDA graphs for decode steps)")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="show the engine's log lines and a timing summary")
 
@@ -47,16 +50,22 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace, model: str | None, prompt: str) -> int:
+    from kvcore.device import resolve_device
     from kvcore.engine import Engine
     from kvcore.engine.llm import engine_config
     from kvcore.model.hub import resolve_model
     from kvcore.sampling import SamplingParams
 
     try:
+        resolve_device(args.device)  # --device cuda without a GPU: before the model is fetched
+    except RuntimeError as e:
+        raise CLIError(str(e)) from e
+    try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, seed=args.seed)
         model_dir = resolve_model(model)
-        engine = Engine(engine_config(str(model_dir), device=args.device, max_num_seqs=1))
+        config = engine_config(str(model_dir), device=args.device, max_num_seqs=1)
+        engine = Engine(dataclasses.replace(config, enforce_eager=args.enforce_eager))
         if args.chat:
             prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
         engine.add_request("cli", prompt, params)

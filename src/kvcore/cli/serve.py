@@ -13,6 +13,7 @@ from aiohttp import web
 
 from kvcore.cli import CLIError
 from kvcore.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvcore.device import resolve_device
 from kvcore.engine import AsyncEngine
 from kvcore.planner import format_size, parse_size, plan_for_model
 from kvcore.service import STATE_KEY, drain, make_app
@@ -34,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", action="append", metavar="NAME",
                         help="name(s) clients use in `model` (default: the model directory's)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="cuda: run every step eagerly (no CUDA graphs for decode steps)")
     parser.add_argument("--max-model-len", type=int, metavar="TOKENS",
                         help="prompt + completion tokens at most (default: the model's)")
     parser.add_argument("--max-num-seqs", type=int, default=256, metavar="N",
@@ -73,7 +76,7 @@ def configure_logging() -> None:
 def _config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
     memory = parse_size(args.kv_cache_memory) if args.kv_cache_memory is not None else None
     return EngineConfig(
-        model=model_dir, device=args.device, seed=args.seed,
+        model=model_dir, device=args.device, seed=args.seed, enforce_eager=args.enforce_eager,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           kv_cache_memory=memory, cache_dtype=args.kv_cache_dtype,
                           enable_prefix_caching=args.enable_prefix_caching),
@@ -143,6 +146,8 @@ def run(args: argparse.Namespace) -> int:
 
     configure_logging()
     try:
+        # before the model is fetched: --device cuda without a GPU is a one-line error
+        resolve_device(args.device)
         keys = keys_from_list(args.api_key)
         if args.api_keys_file:
             keys |= load_keys_file(args.api_keys_file)
@@ -151,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
         max_body = parse_size(args.max_body_size)
         if args.drain_timeout < 0:
             raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RuntimeError) as e:
         raise CLIError(str(e)) from e
     names = args.served_model_name or [args.model if args.model else model_dir.name]
     app = make_app(lambda: _build_engine(config), api_keys=keys, served_model_name=names,
