@@ -214,10 +214,13 @@ def test_tiled_long_chunks(monkeypatch: pytest.MonkeyPatch, window: int | None) 
         np.testing.assert_allclose(out[qsl[s]:qsl[s + 1]], expected, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("threads", ["1", "3"])
-def test_large_decode_batch_split_over_threads(monkeypatch: pytest.MonkeyPatch,
-                                               threads: str) -> None:
+@pytest.mark.parametrize("threads,part_keys", [("1", 4096), ("3", 4096), ("2", 24), ("3", 1)])
+def test_large_decode_batch_split_over_threads(monkeypatch: pytest.MonkeyPatch, threads: str,
+                                               part_keys: int) -> None:
+    """Decode tokens sorted by context length into groups of bounded padded keys (part_keys 1:
+    a group per sequence), the groups spread over threads; rows come back in batch order."""
     monkeypatch.setenv("KVCORE_NUM_THREADS", threads)
+    monkeypatch.setattr(attention, "DECODE_PART_KEYS", part_keys)
     rng = np.random.default_rng(int(threads))
     context_lens = [int(c) for c in rng.integers(1, 50, 40)]
     q_lens = [1] * 37 + context_lens[37:]  # 37 decode tokens and 3 whole prompts
@@ -230,6 +233,28 @@ def test_large_decode_batch_split_over_threads(monkeypatch: pytest.MonkeyPatch,
     for s, ctx in enumerate(context_lens):
         expected = _dense_attention(query[qsl[s]:qsl[s + 1]], keys[s], values[s], ctx, 0.3, 11)
         np.testing.assert_allclose(out[qsl[s]:qsl[s + 1]], expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("logit_scale", [0.3, 40.0])
+def test_prefill_softmax_with_large_scores(monkeypatch: pytest.MonkeyPatch,
+                                           logit_scale: float) -> None:
+    """Prefill tiles skip the shift by the row maximum only while every row's maximum is within
+    +-60; scores far outside that (scale 40: |score| in the hundreds) take the shifted path and
+    must neither overflow nor underflow to 0/0."""
+    monkeypatch.setattr(attention, "TILE_ELEMENTS", 64)  # 16-row tiles
+    rng = np.random.default_rng(33)
+    context_lens, q_lens = [45, 30], [45, 12]
+    k_cache, v_cache, tables, keys, values = _scatter_sequences(
+        rng, context_lens, 4, 2, 8, np.dtype(np.float32))
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    query = rng.standard_normal((int(qsl[-1]), 4, 8)).astype(np.float32)
+    out = reference.paged_attention(query, k_cache, v_cache, tables,
+                                    np.array(context_lens, np.int32), qsl, logit_scale)
+    assert np.isfinite(out).all()
+    for s, ctx in enumerate(context_lens):
+        expected = _dense_attention(query[qsl[s]:qsl[s + 1]], keys[s], values[s], ctx,
+                                    logit_scale, None)
+        np.testing.assert_allclose(out[qsl[s]:qsl[s + 1]], expected, rtol=1e-4, atol=1e-4)
 
 
 def test_plan_reuse_follows_in_place_changes() -> None:

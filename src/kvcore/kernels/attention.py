@@ -11,6 +11,10 @@ from kvcore.kernels.parallel import num_threads, run_parallel, split
 
 # score elements per attention tile of a prefill chunk: bounds the (H, rows, keys) score matrix
 TILE_ELEMENTS = 1 << 20
+# padded context keys per group of decode sequences attended together: a group's gathered K and
+# V (here 2 x 4096 x Hkv x D floats, 6 MB for 3 x 64) stay in the core's cache between the gather
+# and the two GEMMs that read them, instead of a round trip through memory
+DECODE_PART_KEYS = 4096
 _local = threading.local()  # per-thread scratch buffers and the last attention plan
 
 
@@ -57,13 +61,32 @@ def plan(block_tables: np.ndarray, context_lens: np.ndarray, query_start_loc: np
         return cached[1]  # type: ignore[no-any-return]
     q_lens = np.diff(query_start_loc).astype(np.int64)
     decode = np.flatnonzero(q_lens == 1)
-    parts = [_decode_part(decode[r.start:r.stop], block_tables, context_lens, query_start_loc,
-                          block_size, sliding_window) for r in split(decode.size, min_part=8)]
+    # by context length, so that the sequences of a group pad to about the same width
+    decode = decode[np.argsort(context_lens[decode], kind="stable")]
+    parts = [_decode_part(decode[r], block_tables, context_lens, query_start_loc, block_size,
+                          sliding_window)
+             for r in _decode_groups(context_lens[decode], block_size, sliding_window)]
     chunks = [Chunk(int(query_start_loc[s]), int(q_lens[s]), int(context_lens[s]),
                     block_tables[s]) for s in np.flatnonzero(q_lens > 1)]
     result = AttentionPlan(parts, chunks)
     _local.plan = (key, result)
     return result
+
+
+def _decode_groups(context_lens: np.ndarray, block_size: int,
+                   sliding_window: int | None) -> list[slice]:
+    """Consecutive groups of decode sequences (sorted by context length) whose padded keys
+    (group size x the longest's blocks) stay within DECODE_PART_KEYS."""
+    keys = -(-context_lens.astype(np.int64) // block_size) * block_size
+    if sliding_window is not None:
+        keys = np.minimum(keys, sliding_window + 2 * block_size)
+    groups: list[slice] = []
+    start = 0
+    for end in range(1, keys.size + 1):
+        if end == keys.size or (end + 1 - start) * keys[end] > DECODE_PART_KEYS:
+            groups.append(slice(start, end))
+            start = end
+    return groups
 
 
 def _decode_part(seqs: np.ndarray, block_tables: np.ndarray, context_lens: np.ndarray,
@@ -95,11 +118,14 @@ def attend(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, step: At
     """Run a plan for one layer: (T, H, D) float32."""
     out = np.empty(query.shape, dtype=np.float32)  # (T, H, D)
 
-    def decode(part: DecodePart) -> None:
-        out[part.rows] = _decode(query[part.rows], k_cache, v_cache, part, scale, k_scale,
-                                 v_scale)
+    def decode(parts: list[DecodePart]) -> None:
+        for part in parts:
+            out[part.rows] = _decode(query[part.rows], k_cache, v_cache, part, scale, k_scale,
+                                     v_scale)
 
-    run_parallel(decode, step.decode_parts)
+    # interleaved over the threads: the groups grow along the sorted order
+    threads = min(num_threads(), len(step.decode_parts))
+    run_parallel(decode, [step.decode_parts[i::threads] for i in range(threads)])
     for c in step.chunks:
         out[c.q_start:c.q_start + c.q_len] = _chunk(
             query[c.q_start:c.q_start + c.q_len], k_cache, v_cache, c.block_table,
@@ -160,7 +186,10 @@ def _chunk(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_ta
     # contiguous per-head K^T and V, and each tile's queries merged over the group, so every
     # product is one plain GEMM per KV head (strided or broadcast operands run far slower)
     keys_t = np.ascontiguousarray(keys.transpose(1, 2, 0))  # (Hkv, D, N)
-    values_h = np.ascontiguousarray(values.transpose(1, 0, 2))  # (Hkv, N, D)
+    # V with a column of ones: the GEMM that weights the values also sums the probabilities
+    values_h = np.empty((values.shape[1], values.shape[0], head_dim + 1), np.float32)  # (Hkv,N,D+1)
+    values_h[..., :head_dim] = values.transpose(1, 0, 2)
+    values_h[..., head_dim] = 1.0
     out = np.empty((q_len, num_heads, head_dim), dtype=np.float32)  # (q_len, H, D)
     # query rows per tile: the (H, rows, keys) score tile stays under ~4 MB, and tiles stay
     # short (<= 64 rows) so little of each causal tile is computed only to be masked
@@ -185,8 +214,9 @@ def _chunk(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_ta
 
 def _tile(query: np.ndarray, keys_t: np.ndarray, values: np.ndarray, first_query: int,
           first_key: int, scale: float, sliding_window: int | None) -> np.ndarray:
-    """Queries (rows, H, D) at first_query.. over keys_t (Hkv, D, n) / values (Hkv, n, D) at
-    first_key..: (rows, H, D). The group's queries of a KV head form one GEMM's rows."""
+    """Queries (rows, H, D) at first_query.. over keys_t (Hkv, D, n) / values (Hkv, n, D + 1, a
+    last column of ones) at first_key..: (rows, H, D). The group's queries of a KV head form one
+    GEMM's rows."""
     rows, num_heads, head_dim = query.shape
     num_kv_heads, _, num_keys = keys_t.shape
     group = num_heads // num_kv_heads
@@ -198,7 +228,7 @@ def _tile(query: np.ndarray, keys_t: np.ndarray, values: np.ndarray, first_query
     np.matmul(q, keys_t, out=scores)
     _mask_tile(scores.reshape(num_kv_heads, group, rows, num_keys), first_query, first_key,
                sliding_window)
-    o = _softmax_weighted(scores, values)  # (Hkv, G * rows, D)
+    o = _softmax_weighted_ones(scores, values)  # (Hkv, G * rows, D)
     return o.reshape(num_kv_heads, group, rows, head_dim).transpose(2, 0, 1, 3).reshape(
         rows, num_heads, head_dim)
 
@@ -230,6 +260,25 @@ def _softmax_weighted(scores: np.ndarray, values: np.ndarray) -> np.ndarray:
     denominator = scores.sum(axis=-1, keepdims=True)
     out = scores @ values
     out /= denominator
+    return out
+
+
+# exp(score) needs no shift by the row maximum while every row's maximum lies within this bound:
+# no overflow (e^60 x a million keys < float32's max) and no row underflows to all zeros
+_EXP_SAFE = 60.0
+
+
+def _softmax_weighted_ones(scores: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """softmax(scores) @ values[..., :-1] where values' last column is ones, in place on scores:
+    the GEMM yields the denominator too, and the shift by the row maximum (one more pass over
+    the scores) is skipped when no row needs it."""
+    row_max = scores.max(axis=-1, keepdims=True)
+    if not (row_max.min() > -_EXP_SAFE and row_max.max() < _EXP_SAFE):
+        scores -= row_max
+    np.exp(scores, out=scores)
+    weighted = scores @ values  # (..., rows, D + 1)
+    out = weighted[..., :-1]
+    out /= weighted[..., -1:]
     return out
 
 
