@@ -48,13 +48,15 @@ def fake_gpu(monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path) -> list[tupl
     return calls
 
 
-def test_cache_dtype_follows_the_device() -> None:
-    assert engine_cache_dtype("auto", "cpu") == "fp32"
-    assert engine_cache_dtype("auto", "cuda") == "fp16"
+def test_cache_dtype_follows_the_model() -> None:
+    assert engine_cache_dtype("auto", half_model=False) == "fp32"
+    assert engine_cache_dtype("auto", half_model=True) == "fp16"
     for dtype in ("fp32", "fp16", "bf16", "fp8"):
-        assert engine_cache_dtype(dtype, "cpu") == dtype
-    assert engine_cache_dtype("fp8", "cuda") == "fp8"
-    assert engine_cache_dtype("fp16", "cuda") == "fp16"
+        assert engine_cache_dtype(dtype, half_model=False) == dtype
+    assert engine_cache_dtype("fp8", half_model=True) == "fp8"
+    assert engine_cache_dtype("fp16", half_model=True) == "fp16"
+    with pytest.raises(ValueError, match="cache_dtype 'bf16' does not pair with the fp16 model"):
+        engine_cache_dtype("bf16", half_model=True)
 
 
 def test_cpu_path_is_unchanged(tiny_model_dir: Path, fake_gpu: list) -> None:
@@ -81,7 +83,7 @@ def test_cuda_loads_the_half_model_with_graphs(tiny_model_dir: Path, fake_gpu: l
 @pytest.mark.parametrize("cache_dtype", ["fp32", "bf16"])
 def test_cuda_refuses_a_cache_dtype_the_half_model_cannot_use(
         tiny_model_dir: Path, fake_gpu: list, cache_dtype: str) -> None:
-    with pytest.raises(ValueError, match=f"cache_dtype '{cache_dtype}' is not supported on cuda"):
+    with pytest.raises(ValueError, match=f"cache_dtype '{cache_dtype}' does not pair"):
         Engine(config(tiny_model_dir, "cuda", cache_dtype))
     assert not fake_gpu  # raised before any weight was loaded (or cache allocated)
 
@@ -134,7 +136,7 @@ def test_engine_over_a_graphed_half_model_equals_eager(tiny_model_dir: Path,
     from graph_helpers import StandInCapturer, route_kernels_through_emulation
 
     route_kernels_through_emulation(monkeypatch)
-    base = dataclasses.replace(config(tiny_model_dir, "cpu", "fp16"),
+    base = dataclasses.replace(config(tiny_model_dir, "cpu"),  # auto: fp16 for the half model
                                scheduler=SchedulerConfig(max_num_seqs=4, max_model_len=64))
     prompts = random_prompts(3, 6, high=20)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)

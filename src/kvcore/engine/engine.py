@@ -23,6 +23,7 @@ from kvcore.engine.setup import (
     load_engine_model,
     pool_size,
 )
+from kvcore.model.gpu_runner import HalfLlamaModel
 from kvcore.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvcore.request import Request, RequestOutput
 from kvcore.sampling import (
@@ -64,7 +65,8 @@ class Engine:
         if model is None:
             model, self.cache_dtype = load_engine_model(config, device)
         else:
-            self.cache_dtype = engine_cache_dtype(config.cache.cache_dtype, device)
+            self.cache_dtype = engine_cache_dtype(config.cache.cache_dtype,
+                                                  isinstance(model, HalfLlamaModel))
         self.model = model
         self.tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_dir(config.model)
         self.model_config: ModelConfig = self.model.config

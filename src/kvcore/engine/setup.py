@@ -33,24 +33,24 @@ def engine_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int
     return min(config.scheduler.max_model_len or limit, limit)
 
 
-def engine_cache_dtype(cache_dtype: str, device: str) -> str:
-    """The KV cache dtype for a resolved device: "auto" is the compute dtype (cuda: fp16, cpu:
-    fp32); on cuda the fp16 model pairs only with fp16 or fp8 caches."""
-    if device == "cuda":
-        if cache_dtype == "auto":
-            return "fp16"
-        if cache_dtype not in HALF_CACHE_DTYPES:
-            raise ValueError(f"cache_dtype {cache_dtype!r} is not supported on cuda (the fp16 "
-                             f"model needs one of {('auto', *HALF_CACHE_DTYPES)})")
-        return cache_dtype
-    return "fp32" if cache_dtype == "auto" else cache_dtype
+def engine_cache_dtype(cache_dtype: str, half_model: bool) -> str:
+    """The KV cache dtype: "auto" is the model's compute dtype (fp16 for the fp16 GPU model,
+    else fp32); the fp16 model pairs only with fp16 or fp8 caches (ValueError otherwise)."""
+    if not half_model:
+        return "fp32" if cache_dtype == "auto" else cache_dtype
+    if cache_dtype == "auto":
+        return "fp16"
+    if cache_dtype not in HALF_CACHE_DTYPES:
+        raise ValueError(f"cache_dtype {cache_dtype!r} does not pair with the fp16 model (device "
+                         f"cuda); use one of {('auto', *HALF_CACHE_DTYPES)}")
+    return cache_dtype
 
 
 def load_engine_model(config: EngineConfig, device: str) -> tuple[EngineModel, str]:
     """(model, cache dtype) for a resolved device. cpu: the fp32 LlamaModel; cuda: the fp16
     HalfLlamaModel with CUDA graphs for decode steps unless config.enforce_eager. A cache dtype
     the device cannot use is a ValueError raised before any weight is loaded."""
-    cache_dtype = engine_cache_dtype(config.cache.cache_dtype, device)
+    cache_dtype = engine_cache_dtype(config.cache.cache_dtype, half_model=device == "cuda")
     if device != "cuda":
         return load_model(config.model, device), cache_dtype
     model = load_half_model(config.model, device)
