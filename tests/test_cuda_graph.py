@@ -10,11 +10,14 @@ field that is not copied (or copied wrongly padded) changes the replayed logits 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
+from structlog.testing import capture_logs
 
 from kvcore.cache.kv_cache import KVCache
 from kvcore.model import BatchInput
@@ -172,3 +175,27 @@ def test_replay_after_new_inputs_and_a_new_cache(tiny_model_dir: Path, emulated:
     batch = BatchInput.build(*cases[0][:2], cases[0][2], BLOCK_SIZE)
     model.forward(batch, caches[0])
     assert capturer.num_captures == 3 and list(graphs._captured) == [4]
+
+
+class FailingCapturer(StandInCapturer):
+    def capture(self, step: Callable[[], Any]) -> tuple[Any, Any]:
+        self.num_captures += 1
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_a_failed_capture_runs_eagerly_from_then_on(tiny_model_dir: Path,
+                                                    emulated: None) -> None:
+    model = load_half_model(tiny_model_dir, device="cpu")
+    eager = load_half_model(tiny_model_dir, device="cpu")
+    capturer = FailingCapturer()
+    graphs = model.enable_cuda_graphs(4, 64, BLOCK_SIZE, capturer)
+    c = model.config
+    caches = [KVCache(c.num_layers, 8, BLOCK_SIZE, c.num_kv_heads, c.head_dim, "fp16")
+              for _ in range(2)]
+    batch = BatchInput.build([[7], [9]], [0, 0], [[1], [2]], BLOCK_SIZE)
+    with capture_logs() as logs:
+        for _ in range(2):
+            np.testing.assert_array_equal(model.forward(batch, caches[0]),
+                                          eager.forward(batch, caches[1]))
+    assert graphs.failed and capturer.num_captures == 1 and graphs.num_replays == 0
+    assert [e["event"] for e in logs] == ["cuda graph capture failed; decode steps run eagerly"]

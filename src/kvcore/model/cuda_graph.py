@@ -23,11 +23,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
+import structlog
 
 from kvcore.cache.kv_cache import KVCache
 from kvcore.device import to_numpy
 from kvcore.model.batch import BatchInput
 from kvcore.model.llama import DeviceBatch
+
+log = structlog.get_logger(__name__)
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -99,6 +102,7 @@ class GraphedDecode:
         self._captured: dict[int, _Captured] = {}
         self._kv_cache: KVCache | None = None  # the cache the graphs were captured against
         self.num_replays = 0
+        self.failed = False  # a capture failed: every step runs eagerly from then on
 
     def reset(self) -> None:
         """Drop every graph (the rope tables or the KV cache moved); recaptured on next use."""
@@ -118,7 +122,7 @@ class GraphedDecode:
     def forward(self, batch: BatchInput, kv_cache: KVCache) -> np.ndarray | None:
         """(S, vocab) float32 logits through a graph, or None when `batch` is not graphable
         (the caller runs it eagerly). `batch` is assumed checked (LlamaModel._check)."""
-        size = self.bucket(batch)
+        size = None if self.failed else self.bucket(batch)
         if size is None:
             return None
         if kv_cache is not self._kv_cache:
@@ -127,6 +131,8 @@ class GraphedDecode:
         captured = self._captured.get(size)
         if captured is None:
             captured = self._capture(size, kv_cache)
+            if captured is None:
+                return None
         self._upload(captured.inputs, batch, size)
         assert captured.graph is not None
         captured.graph.replay()
@@ -135,7 +141,10 @@ class GraphedDecode:
         logits = to_numpy(captured.logits[:num_seqs])  # (S, vocab)
         return np.ascontiguousarray(logits, dtype=np.float32)
 
-    def _capture(self, size: int, kv_cache: KVCache) -> _Captured:
+    def _capture(self, size: int, kv_cache: KVCache) -> _Captured | None:
+        """Static buffers, a warm-up run and the capture for one size; None (and every later
+        step eager) when the capture itself fails, so a driver or library that cannot capture
+        costs speed, not the server."""
         xp = self.model.xp
         inputs = DeviceBatch(
             input_ids=xp.zeros((size,), np.int64),  # (S_pad,)
@@ -151,8 +160,14 @@ class GraphedDecode:
         # warm-up on the all-padding inputs: compiles the kernels and creates the cuBLAS handle
         # outside the capture, and writes nothing to the cache (every slot is -1)
         model.run(inputs, kv_cache)
-        captured.graph, captured.logits = self.capturer.capture(
-            lambda: model.run(inputs, kv_cache))
+        try:
+            captured.graph, captured.logits = self.capturer.capture(
+                lambda: model.run(inputs, kv_cache))
+        except Exception as e:
+            log.warning("cuda graph capture failed; decode steps run eagerly", size=size,
+                        error=f"{type(e).__name__}: {e}")
+            self.failed = True
+            return None
         self._captured[size] = captured
         return captured
 
