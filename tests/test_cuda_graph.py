@@ -129,20 +129,15 @@ def test_graphed_decode_equals_eager(tiny_model_dir: Path, cache_dtype: str,
     assert graphs.num_replays == 5 and capturer.num_captures == 3
     assert sorted(graphs._captured) == [1, 2, 4]
     assert capturer.num_uploads == 5 * 5  # one copy per changing array per replay
+    # the emulated kernels and NumPy's fp16 matmul compute each row on its own, so padding the
+    # batch (and the block tables to 256 columns: two decode partitions) changes no bit
     for g, w in zip(got, want, strict=True):
         assert g.shape == w.shape and g.dtype == np.float32
-        np.testing.assert_allclose(g, w, rtol=0, atol=2e-3 * np.abs(w).max())
-        assert (g.argmax(axis=1) == w.argmax(axis=1)).all()
-    for k, v, wk, wv in zip(cache.key_caches, cache.value_caches, want_cache.key_caches,
-                            want_cache.value_caches, strict=True):
-        for a, b in ((k, wk), (v, wv)):
-            a32, b32 = a.astype(np.float32), b.astype(np.float32)
-            assert not a32[0].any()  # block 0: padding rows read it, nobody writes it
-            assert ((a32 != 0) == (b32 != 0)).all()  # the same slots written, no others
-            np.testing.assert_allclose(a32, b32, rtol=2e-2, atol=2e-2)
-    # layer 0's K/V depend on the embeddings only: bit for bit the eager cache
-    np.testing.assert_array_equal(cache.key_caches[0].view(np.uint8),
-                                  want_cache.key_caches[0].view(np.uint8))
+        np.testing.assert_array_equal(g, w)
+    for a, b in zip(cache.key_caches + cache.value_caches,
+                    want_cache.key_caches + want_cache.value_caches, strict=True):
+        assert not a[0].view(np.uint8).any()  # block 0: padding rows read it, nobody writes it
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
 def test_replay_after_new_inputs_and_a_new_cache(tiny_model_dir: Path, emulated: None) -> None:
@@ -170,7 +165,7 @@ def test_replay_after_new_inputs_and_a_new_cache(tiny_model_dir: Path, emulated:
         batch = BatchInput.build(tokens, computed, tables, BLOCK_SIZE)
         got = model.forward(batch, caches[1])
         want = eager.forward(batch, caches[2])
-        np.testing.assert_allclose(got, want, rtol=0, atol=2e-3 * np.abs(want).max())
+        np.testing.assert_array_equal(got, want)
     assert capturer.num_captures == 2 and graphs.num_replays == 3  # sizes 4 and 2
     batch = BatchInput.build(*cases[0][:2], cases[0][2], BLOCK_SIZE)
     model.forward(batch, caches[0])
