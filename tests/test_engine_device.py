@@ -155,3 +155,12 @@ def test_engine_over_a_graphed_half_model_equals_eager(tiny_model_dir: Path,
     assert outputs[0] == outputs[1]
     assert [len(t) for t in outputs[1]] == [7, 3, 9, 5, 2, 6]
     assert graphs.num_replays >= 5 and len(graphs._captured) >= 2
+
+
+def test_llm_engine_args_take_enforce_eager() -> None:
+    from kvcore.engine.llm import engine_config
+
+    assert engine_config("m", enforce_eager=True).enforce_eager is True
+    assert engine_config("m").enforce_eager is False
+    with pytest.raises(ValueError, match="enforce_eager must be a bool, got 'yes'"):
+        engine_config("m", enforce_eager="yes")
