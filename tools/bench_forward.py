@@ -48,6 +48,7 @@ for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[var] = str(ARGS.threads)
 os.environ["KVCORE_NUM_THREADS"] = str(ARGS.threads)  # kvcore's own kernel threads too
 
+import kvcore  # noqa: E402, F401, I001  (before NumPy: sets OpenBLAS's thread timeout)
 import numpy as np  # noqa: E402
 
 from kvcore.cache.kv_cache import KVCache  # noqa: E402

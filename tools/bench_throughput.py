@@ -17,8 +17,11 @@ import logging
 import time
 from pathlib import Path
 
+# isort: off
+import kvcore  # noqa: F401  (before NumPy: sets OpenBLAS's thread timeout, see kvcore/__init__)
 import numpy as np
 import structlog
+# isort: on
 
 
 def make_requests(seed: int, num: int, vocab_size: int, max_input: int,
