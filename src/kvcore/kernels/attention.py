@@ -65,7 +65,8 @@ def plan(block_tables: np.ndarray, context_lens: np.ndarray, query_start_loc: np
     decode = decode[np.argsort(context_lens[decode], kind="stable")]
     parts = [_decode_part(decode[r], block_tables, context_lens, query_start_loc, block_size,
                           sliding_window)
-             for r in _decode_groups(context_lens[decode], block_size, sliding_window)]
+             for r in _decode_groups(context_lens[decode], block_size, sliding_window,
+                                     num_threads())]
     chunks = [Chunk(int(query_start_loc[s]), int(q_lens[s]), int(context_lens[s]),
                     block_tables[s]) for s in np.flatnonzero(q_lens > 1)]
     result = AttentionPlan(parts, chunks)
@@ -73,17 +74,19 @@ def plan(block_tables: np.ndarray, context_lens: np.ndarray, query_start_loc: np
     return result
 
 
-def _decode_groups(context_lens: np.ndarray, block_size: int,
-                   sliding_window: int | None) -> list[slice]:
+def _decode_groups(context_lens: np.ndarray, block_size: int, sliding_window: int | None,
+                   threads: int) -> list[slice]:
     """Consecutive groups of decode sequences (sorted by context length) whose padded keys
-    (group size x the longest's blocks) stay within DECODE_PART_KEYS."""
+    (group size x the longest's blocks) stay within DECODE_PART_KEYS, and within an even share
+    of all keys per thread, so that a small batch still gives every thread a group."""
     keys = -(-context_lens.astype(np.int64) // block_size) * block_size
     if sliding_window is not None:
         keys = np.minimum(keys, sliding_window + 2 * block_size)
+    limit = min(DECODE_PART_KEYS, -(-int(keys.sum()) // threads))
     groups: list[slice] = []
     start = 0
     for end in range(1, keys.size + 1):
-        if end == keys.size or (end + 1 - start) * keys[end] > DECODE_PART_KEYS:
+        if end == keys.size or (end + 1 - start) * keys[end] > limit:
             groups.append(slice(start, end))
             start = end
     return groups
