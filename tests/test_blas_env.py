@@ -12,7 +12,7 @@ _SHOW = "import os; print(os.environ.get('OPENBLAS_THREAD_TIMEOUT'))"
 
 
 @pytest.mark.parametrize("preset,first,expected", [
-    (None, "import kvcore", "4"),
+    (None, "import kvcore", "18"),
     ("9", "import kvcore", "9"),  # a value the user set wins
     (None, "import numpy, kvcore", "None"),  # too late: OpenBLAS has read its environment
 ])
