@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import functools
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-import kvcore.kernels as kernels
-from kvcore.kernels.cuda_ops import CudaOps
 from kvcore.model import load_model
 from kvcore.model.gpu_runner import load_half_model
 
@@ -19,7 +15,7 @@ pytest.importorskip("cupy", reason="cupy's CCCL headers provide <nv/target> for 
 if shutil.which("g++") is None:
     pytest.skip("the emulation harness needs g++", allow_module_level=True)
 
-from cuda_emu import EmuBackend  # noqa: E402
+from graph_helpers import route_kernels_through_emulation  # noqa: E402
 from kernel_problems import greedy  # noqa: E402
 
 
@@ -27,12 +23,7 @@ from kernel_problems import greedy  # noqa: E402
 def test_half_model_through_emulated_kernels(tiny_model_dir: Path, cache_dtype: str,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     want_tokens, want_logits = greedy(load_model(tiny_model_dir), tiny_model_dir, "fp32", 8)
-    ops = CudaOps(EmuBackend())
-    emulated = SimpleNamespace(**{name: getattr(ops, name) for name in (
-        "reshape_and_cache", "copy_blocks", "rms_norm", "silu_and_mul", "rope")})
-    emulated.paged_attention = functools.partial(ops.paged_attention, host_metadata=False)
-    monkeypatch.setattr(kernels, "_on_gpu", lambda array: True)
-    monkeypatch.setattr(kernels, "_cuda", lambda: emulated)
+    route_kernels_through_emulation(monkeypatch)
     model = load_half_model(tiny_model_dir, device="cpu")  # NumPy fp16 stands in for CuPy
     assert model.layers[0].qkv.dtype == np.float16 and model.embed.dtype == np.float16
     tokens, logits = greedy(model, tiny_model_dir, cache_dtype, 8)

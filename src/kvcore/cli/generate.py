@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 
@@ -64,8 +63,8 @@ def _generate(args: argparse.Namespace, model: str | None, prompt: str) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, seed=args.seed)
         model_dir = resolve_model(model)
-        config = engine_config(str(model_dir), device=args.device, max_num_seqs=1)
-        engine = Engine(dataclasses.replace(config, enforce_eager=args.enforce_eager))
+        engine = Engine(engine_config(str(model_dir), device=args.device, max_num_seqs=1,
+                                      enforce_eager=args.enforce_eager))
         if args.chat:
             prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
         engine.add_request("cli", prompt, params)

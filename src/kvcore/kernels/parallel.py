@@ -69,7 +69,7 @@ def run_parallel(fn: Callable[[T], None], items: Sequence[T]) -> None:
     While the pool works, BLAS runs one thread per call: each pool thread already holds a
     core, and BLAS's own threads on top would oversubscribe them (and pay a thread hand-off
     on every small GEMM). The caller takes an item itself rather than wait idle: one thread
-    hand-off fewer (about 60 us each on a 2-core VM, measured)."""
+    hand-off fewer (a submit and its wait: about 100 us on a 2-core VM, measured)."""
     if len(items) <= 1 or getattr(_inside, "active", False) or \
             threading.current_thread().name.startswith("kvcore-kernel"):
         for item in items:

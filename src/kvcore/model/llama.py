@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -38,11 +38,6 @@ class LayerWeights:
     post_norm: Any  # (hidden,)
     gate_up: Any  # (2 I, hidden): gate and up fused into one matmul
     down: Any  # (hidden, I)
-
-
-# the BatchInput fields a step reads on the device, in DeviceBatch order
-DEVICE_FIELDS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "context_lens",
-                 "block_tables", "logits_indices")
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +135,8 @@ class LlamaModel:
             return np.zeros((0, self.config.vocab_size), np.float32)  # (L, vocab): an empty step
         self.ensure_rope(int(batch.positions.max()))
         xp = self.xp
-        device_batch = DeviceBatch(*(xp.asarray(getattr(batch, name)) for name in DEVICE_FIELDS))
+        device_batch = DeviceBatch(**{f.name: xp.asarray(getattr(batch, f.name))
+                                      for f in fields(DeviceBatch)})
         logits = to_numpy(self.run(device_batch, kv_cache))  # (L, vocab)
         return np.ascontiguousarray(logits, dtype=np.float32)
 
@@ -182,16 +178,15 @@ class LlamaModel:
             x = kernels.rms_norm(h, layer.post_norm, c.rms_norm_eps)
             h += _linear(kernels.silu_and_mul(_linear(x, layer.gate_up)), layer.down)
         h = kernels.rms_norm(h[batch.logits_indices], self.norm, c.rms_norm_eps)
-        if h.shape[0] > _FEW_ROWS_LM_HEAD:
-            return h @ self.lm_head.T  # (L, vocab): row-major, no transposing copy after it
-        return _linear(h, self.lm_head)  # (L, vocab)
+        return _linear(h, self.lm_head, few_rows=_FEW_ROWS_LM_HEAD)  # (L, vocab)
 
 
-def _linear(x: Any, weight: Any) -> Any:
-    """x (T, in) @ weight (out, in).T -> (T, out). On the CPU a few rows run faster as
-    weight @ x.T (OpenBLAS then streams the weight as its left operand), a column-major result;
-    one row, many rows and CuPy arrays (cuBLAS; the CUDA kernels want row-major) as x @ W.T."""
-    if 1 < x.shape[0] <= _FEW_ROWS and not kernels.uses_cuda_kernels(x):
+def _linear(x: Any, weight: Any, few_rows: int = _FEW_ROWS) -> Any:
+    """x (T, in) @ weight (out, in).T -> (T, out). On the CPU a few rows (2 to few_rows) run
+    faster as weight @ x.T (OpenBLAS then streams the weight as its left operand), a
+    column-major result; one row, many rows and CuPy arrays (cuBLAS; the CUDA kernels want
+    row-major) as x @ W.T."""
+    if 1 < x.shape[0] <= few_rows and not kernels.uses_cuda_kernels(x):
         return (weight @ x.T).T
     return x @ weight.T
 
