@@ -146,6 +146,36 @@ def test_reshape_and_cache_writes_exact_slots() -> None:
         reference.reshape_and_cache(key[:1], value[:1], k_cache, v_cache, np.array([12]))
 
 
+@pytest.mark.parametrize("contiguous_cache", [True, False])
+@pytest.mark.parametrize("pad", [False, True])
+def test_reshape_and_cache_paths_agree(contiguous_cache: bool, pad: bool) -> None:
+    """Every slot valid (flat-row path) or some padding, contiguous caches or strided views of
+    a larger array, token-strided keys (a slice of the fused qkv): same bytes as a loop."""
+    rng = np.random.default_rng(12)
+    qkv = rng.standard_normal((6, 3, 2, 4)).astype(np.float32)
+    key, value = qkv[:, 1], qkv[:, 2]  # (6, 2, 4) views, token stride 3 x 2 x 4
+    slots = rng.permutation(20)[:6]
+    if pad:
+        slots[[0, 3]] = -1
+    base = rng.standard_normal((5, 4, 2, 2, 4)).astype(np.float32)
+    if contiguous_cache:
+        k_cache, v_cache = base[:, :, :, 0].copy(), base[:, :, :, 1].copy()
+    else:
+        k_cache, v_cache = base[:, :, :, 0], base[:, :, :, 1]  # (5, 4, 2, 4) strided views
+    expected_k, expected_v = k_cache.copy(), v_cache.copy()
+    for t, slot in enumerate(slots):
+        if slot >= 0:
+            expected_k[slot // 4, slot % 4], expected_v[slot // 4, slot % 4] = key[t], value[t]
+    reference.reshape_and_cache(key, value, k_cache, v_cache, slots)
+    np.testing.assert_array_equal(k_cache, expected_k)
+    np.testing.assert_array_equal(v_cache, expected_v)
+    reference.reshape_and_cache(key, value, k_cache, v_cache, np.full(6, -1))  # all padding
+    reference.reshape_and_cache(key[:0], value[:0], k_cache, v_cache, slots[:0])  # no tokens
+    np.testing.assert_array_equal(k_cache, expected_k)
+    if not contiguous_cache:
+        np.testing.assert_array_equal(base[:, :, :, 0], expected_k)  # written through the view
+
+
 def test_copy_blocks_all_layers() -> None:
     rng = np.random.default_rng(5)
     ks = [rng.standard_normal((6, 4, 2, 3)).astype(np.float32) for _ in range(3)]
@@ -238,9 +268,9 @@ def test_large_decode_batch_split_over_threads(monkeypatch: pytest.MonkeyPatch, 
 @pytest.mark.parametrize("logit_scale", [0.3, 40.0])
 def test_prefill_softmax_with_large_scores(monkeypatch: pytest.MonkeyPatch,
                                            logit_scale: float) -> None:
-    """Prefill tiles skip the shift by the row maximum only while every row's maximum is within
+    """Softmax skips the shift by the row maximum only while every row's maximum is within
     +-60; scores far outside that (scale 40: |score| in the hundreds) take the shifted path and
-    must neither overflow nor underflow to 0/0 (beside decode tokens, which always shift)."""
+    must neither overflow nor underflow to 0/0, in prefill tiles and decode tokens alike."""
     monkeypatch.setattr(attention, "TILE_ELEMENTS", 64)  # 16-row tiles
     rng = np.random.default_rng(33)
     context_lens, q_lens = [45, 30, 21, 9], [45, 12, 1, 1]
@@ -276,6 +306,30 @@ def test_plan_reuse_follows_in_place_changes() -> None:
     out = reference.paged_attention(query, k_cache, v_cache, tables, ctx, qsl, 0.3)
     np.testing.assert_allclose(out[1:], _dense_attention(query[1:], keys[1][:13], values[1][:13],
                                                          13, 0.3, None), rtol=1e-4, atol=1e-5)
+
+
+def test_plan_checks_batch_values_on_every_new_plan() -> None:
+    """The value checks run when a plan is built: a bad batch after a good one (same shapes,
+    whose plan is cached) still raises, and a rejected batch leaves no plan behind."""
+    rng = np.random.default_rng(9)
+    context_lens = [9, 14]
+    k_cache, v_cache, tables, _, _ = _scatter_sequences(
+        rng, context_lens, 4, 2, 8, np.dtype(np.float32))
+    ctx = np.array(context_lens, np.int32)
+    qsl = np.array([0, 1, 2], np.int32)
+    query = rng.standard_normal((2, 4, 8)).astype(np.float32)
+    good = reference.paged_attention(query, k_cache, v_cache, tables, ctx, qsl, 0.3)
+    too_long = ctx.copy()
+    too_long[1] = tables.shape[1] * 4 + 1  # one token beyond the table's blocks
+    for _ in range(2):
+        with pytest.raises(ValueError, match="context_lens exceed the blocks"):
+            reference.paged_attention(query, k_cache, v_cache, tables, too_long, qsl, 0.3)
+    query3 = rng.standard_normal((4, 4, 8)).astype(np.float32)
+    with pytest.raises(ValueError, match="more query tokens than its context_lens"):
+        reference.paged_attention(query3, k_cache, v_cache, tables, np.array([9, 2], np.int32),
+                                  np.array([0, 1, 4], np.int32), 0.3)
+    np.testing.assert_array_equal(
+        reference.paged_attention(query, k_cache, v_cache, tables, ctx, qsl, 0.3), good)
 
 
 def test_large_inputs_split_by_rows_give_the_same_values(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -58,7 +58,8 @@ class AttentionPlan:
 def plan(block_tables: np.ndarray, context_lens: np.ndarray, query_start_loc: np.ndarray,
          block_size: int, sliding_window: int | None) -> AttentionPlan:
     """The index work of one step's attention, shared by all layers: the last plan (per thread)
-    is reused while the batch arrays hold the same values."""
+    is reused while the batch arrays hold the same values. The values are checked here, once
+    per new plan (query lengths within the context, context within the block table)."""
     key = (*[(a.shape, a.dtype.str, a.tobytes())
              for a in (block_tables, context_lens, query_start_loc)],
            block_size, sliding_window, num_threads())
@@ -66,6 +67,10 @@ def plan(block_tables: np.ndarray, context_lens: np.ndarray, query_start_loc: np
     if cached is not None and cached[0] == key:
         return cached[1]  # type: ignore[no-any-return]
     q_lens = np.diff(query_start_loc).astype(np.int64)
+    if np.any(q_lens > context_lens):
+        raise ValueError("a sequence has more query tokens than its context_lens")
+    if np.any(-(-context_lens.astype(np.int64) // block_size) > block_tables.shape[1]):
+        raise ValueError("context_lens exceed the blocks that block_tables can hold")
     decode = np.flatnonzero(q_lens == 1)
     # by context length, so that the sequences of a group pad to about the same width
     decode = decode[np.argsort(context_lens[decode], kind="stable")]
@@ -264,9 +269,9 @@ def _mask_tile(scores: np.ndarray, first_query: int, first_key: int,
 
 def _softmax_weighted(scores: np.ndarray, values: np.ndarray) -> np.ndarray:
     """softmax(scores) @ values, in place on scores; masked scores are -inf and every row keeps
-    at least one key. Normalizes the (small) output rather than the (large) probabilities."""
-    scores -= scores.max(axis=-1, keepdims=True)
-    np.exp(scores, out=scores)
+    at least one key. Normalizes the (small) output rather than the (large) probabilities, and
+    skips the shift by the row maximum (a pass over the scores) when no row needs it."""
+    _exp_shifted(scores)
     denominator = scores.sum(axis=-1, keepdims=True)
     out = scores @ values
     out /= denominator
@@ -277,14 +282,21 @@ def _softmax_weighted_ones(scores: np.ndarray, values: np.ndarray) -> np.ndarray
     """softmax(scores) @ values[..., :-1] where values' last column is ones, in place on scores:
     the GEMM yields the denominator too, and the shift by the row maximum (one more pass over
     the scores) is skipped when no row needs it."""
-    row_max = scores.max(axis=-1, keepdims=True)
-    if not (row_max.min() > -_EXP_SAFE and row_max.max() < _EXP_SAFE):
-        scores -= row_max
-    np.exp(scores, out=scores)
+    _exp_shifted(scores)
     weighted = scores @ values  # (..., rows, D + 1)
     out = weighted[..., :-1]
     out /= weighted[..., -1:]
     return out
+
+
+def _exp_shifted(scores: np.ndarray) -> None:
+    """exp(scores - c) in place, c constant per row: the row maximum, or 0 while every row's
+    maximum lies within +-_EXP_SAFE (softmax is unchanged by c; exp neither overflows nor
+    underflows a whole row to zero)."""
+    row_max = scores.max(axis=-1, keepdims=True)
+    if not (row_max.min() > -_EXP_SAFE and row_max.max() < _EXP_SAFE):
+        scores -= row_max
+    np.exp(scores, out=scores)
 
 
 def _workspace(name: str, size: int) -> np.ndarray:

@@ -35,19 +35,29 @@ def reshape_and_cache(key: np.ndarray, value: np.ndarray, k_cache: np.ndarray, v
                          f"({num_kv_heads}, {head_dim}) heads")
     if slot_mapping.shape != (num_tokens,):
         raise ValueError(f"slot_mapping shape {slot_mapping.shape} != ({num_tokens},)")
+    if num_tokens == 0:
+        return
     block_size = k_cache.shape[1]
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid]
-    if slots.size and int(slots.max()) >= k_cache.shape[0] * block_size:
-        raise ValueError(f"slot {int(slots.max())} is outside a cache of "
+    if int(slot_mapping.min()) < 0:  # padding slots: keep only the real ones
+        valid = slot_mapping >= 0
+        slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
+        if slot_mapping.size == 0:
+            return
+    if int(slot_mapping.max()) >= k_cache.shape[0] * block_size:
+        raise ValueError(f"slot {int(slot_mapping.max())} is outside a cache of "
                          f"{k_cache.shape[0]} blocks x {block_size}")
-    block_ids, offsets = slots // block_size, slots % block_size
-    k_cache[block_ids, offsets] = _store(key[valid], k_cache.dtype, k_scale)
-    v_cache[block_ids, offsets] = _store(value[valid], v_cache.dtype, v_scale)
+    for cache, rows, scale in ((k_cache, key, k_scale), (v_cache, value, v_scale)):
+        if cache.flags.c_contiguous:  # slot = row of the (blocks * block_size, Hkv, D) view
+            cache.reshape(-1, *cache.shape[2:])[slot_mapping] = _store(rows, cache.dtype, scale)
+        else:
+            cache[slot_mapping // block_size, slot_mapping % block_size] = _store(
+                rows, cache.dtype, scale)
 
 
-def _check_attention_args(query: np.ndarray, k_cache: np.ndarray, block_tables: np.ndarray,
-                          context_lens: np.ndarray, query_start_loc: np.ndarray) -> None:
+def _check_attention_shapes(query: np.ndarray, k_cache: np.ndarray, block_tables: np.ndarray,
+                            context_lens: np.ndarray, query_start_loc: np.ndarray) -> None:
+    """The per-call checks (shapes only, no pass over the arrays); attention.plan checks the
+    values of the batch arrays once per new plan."""
     num_seqs = context_lens.shape[0]
     if query.ndim != 3 or k_cache.ndim != 4 or query.shape[2] != k_cache.shape[3]:
         raise ValueError(f"query {query.shape} and cache {k_cache.shape} shapes do not match")
@@ -60,11 +70,6 @@ def _check_attention_args(query: np.ndarray, k_cache: np.ndarray, block_tables: 
     if int(query_start_loc[-1]) != query.shape[0]:
         raise ValueError(f"query_start_loc ends at {int(query_start_loc[-1])}, "
                          f"query has {query.shape[0]} rows")
-    q_lens = np.diff(query_start_loc)
-    if np.any(q_lens > context_lens):
-        raise ValueError("a sequence has more query tokens than its context_lens")
-    if np.any(-(-context_lens.astype(np.int64) // k_cache.shape[1]) > block_tables.shape[1]):
-        raise ValueError("context_lens exceed the blocks that block_tables can hold")
 
 
 def paged_attention(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
@@ -76,7 +81,7 @@ def paged_attention(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     Query i of sequence s (q_len = qsl[s+1] - qsl[s]) sits at position context_lens[s] - q_len + i
     and attends the keys at positions p' <= p (and p' > p - sliding_window). Returns (T, H, D).
     """
-    _check_attention_args(query, k_cache, block_tables, context_lens, query_start_loc)
+    _check_attention_shapes(query, k_cache, block_tables, context_lens, query_start_loc)
     step = attention.plan(block_tables, context_lens, query_start_loc, k_cache.shape[1],
                           sliding_window)
     out = attention.attend(query, k_cache, v_cache, step, scale, sliding_window, k_scale,

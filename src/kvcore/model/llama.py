@@ -157,17 +157,18 @@ class LlamaModel:
         for layer_id, layer in enumerate(self.layers):
             k_cache, v_cache, k_scale, v_scale = kv_cache.layer(layer_id)
             x = kernels.rms_norm(h, layer.input_norm, c.rms_norm_eps)
-            # contiguous: q/k/v below are views with dense (H, D) per token, as kernels want
+            # contiguous: q/k/v below are views with dense (H, D) per token, as rope wants
             qkv = xp.ascontiguousarray(_linear(x, layer.qkv))  # (T, (H + 2 Hkv) D)
             if layer.qkv_bias is not None:
                 qkv += layer.qkv_bias
-            q = qkv[:, :q_dim].reshape(num_tokens, c.num_heads, c.head_dim)
-            k = qkv[:, q_dim:q_dim + kv_dim].reshape(num_tokens, c.num_kv_heads, c.head_dim)
+            # q and k rotated in one call: (T, H + Hkv, D), then views of it
+            qk = kernels.rope(qkv[:, :q_dim + kv_dim].reshape(
+                num_tokens, c.num_heads + c.num_kv_heads, c.head_dim), positions, cos, sin)
+            q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
             v = qkv[:, q_dim + kv_dim:].reshape(num_tokens, c.num_kv_heads, c.head_dim)
-            q = kernels.rope(q, positions, cos, sin)
-            k = kernels.rope(k, positions, cos, sin)
-            kernels.reshape_and_cache(k, xp.ascontiguousarray(v), k_cache, v_cache, slot_mapping,
-                                      k_scale, v_scale)
+            if kernels.uses_cuda_kernels(qk):  # the CUDA kernels want dense q, k and v
+                q, k, v = xp.ascontiguousarray(q), xp.ascontiguousarray(k), xp.ascontiguousarray(v)
+            kernels.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
             attn = kernels.paged_attention(q, k_cache, v_cache, batch.block_tables,
                                            batch.context_lens, batch.query_start_loc, self.scale,
                                            c.sliding_window, k_scale, v_scale)  # (T, H, D)
