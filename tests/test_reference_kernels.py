@@ -287,15 +287,20 @@ def test_prefill_softmax_with_large_scores(monkeypatch: pytest.MonkeyPatch,
         np.testing.assert_allclose(out[qsl[s]:qsl[s + 1]], expected, rtol=1e-4, atol=1e-4)
 
 
+def _two_decode_sequences(seed: int) -> tuple:
+    """Two sequences of 9 and 14 tokens in a shuffled 4-token-block cache, one decode query
+    each: (k_cache, v_cache, tables, keys, values, context_lens, query_start_loc, query)."""
+    rng = np.random.default_rng(seed)
+    k_cache, v_cache, tables, keys, values = _scatter_sequences(
+        rng, [9, 14], 4, 2, 8, np.dtype(np.float32))
+    query = rng.standard_normal((2, 4, 8)).astype(np.float32)
+    return (k_cache, v_cache, tables, keys, values, np.array([9, 14], np.int32),
+            np.array([0, 1, 2], np.int32), query)
+
+
 def test_plan_reuse_follows_in_place_changes() -> None:
     """Layers of one step share an attention plan; arrays changed in place get a new one."""
-    rng = np.random.default_rng(8)
-    context_lens = [9, 14]
-    k_cache, v_cache, tables, keys, values = _scatter_sequences(
-        rng, context_lens, 4, 2, 8, np.dtype(np.float32))
-    ctx = np.array(context_lens, np.int32)
-    qsl = np.array([0, 1, 2], np.int32)
-    query = rng.standard_normal((2, 4, 8)).astype(np.float32)
+    k_cache, v_cache, tables, keys, values, ctx, qsl, query = _two_decode_sequences(8)
     reference.paged_attention(query, k_cache, v_cache, tables, ctx, qsl, 0.3)
     # move sequence 1 to other blocks and drop its last token, in the same arrays
     spare = np.setdiff1d(np.arange(k_cache.shape[0]), tables[tables >= 0])[:3]
@@ -311,13 +316,8 @@ def test_plan_reuse_follows_in_place_changes() -> None:
 def test_plan_checks_batch_values_on_every_new_plan() -> None:
     """The value checks run when a plan is built: a bad batch after a good one (same shapes,
     whose plan is cached) still raises, and a rejected batch leaves no plan behind."""
-    rng = np.random.default_rng(9)
-    context_lens = [9, 14]
-    k_cache, v_cache, tables, _, _ = _scatter_sequences(
-        rng, context_lens, 4, 2, 8, np.dtype(np.float32))
-    ctx = np.array(context_lens, np.int32)
-    qsl = np.array([0, 1, 2], np.int32)
-    query = rng.standard_normal((2, 4, 8)).astype(np.float32)
+    k_cache, v_cache, tables, _, _, ctx, qsl, query = _two_decode_sequences(9)
+    rng = np.random.default_rng(10)
     good = reference.paged_attention(query, k_cache, v_cache, tables, ctx, qsl, 0.3)
     too_long = ctx.copy()
     too_long[1] = tables.shape[1] * 4 + 1  # one token beyond the table's blocks

@@ -4,7 +4,11 @@ Decode batches of one token per sequence (uniform and mixed context lengths, shu
 and one long prefill chunk, at the default model's head shapes (9 query heads, 3 KV heads,
 head_dim 64, blocks of 16), fp32, on fresh random data. Prints the median time per layer call.
 
-    .venv/bin/python tools/bench_attention.py [--threads N] [--repeats 5]
+    .venv/bin/python tools/bench_attention.py [--threads N] [--repeats 5] [--gather]
+
+`--gather` adds what bounds decode attention: the rate at which one step's K/V blocks are
+gathered (np.take, as the kernel does) from 30 layers' caches (cold, as in a forward pass), with
+the blocks shuffled as a long-running pool leaves them and consecutive, beside a plain read.
 """
 
 from __future__ import annotations
@@ -51,11 +55,37 @@ def prefill_case(rng: np.random.Generator, length: int) -> tuple:
             np.array([length], np.int32), np.array([0, length], np.int32))
 
 
+def gather_rates(rng: np.random.Generator, repeats: int, num_seqs: int = 64,
+                 context: int = 128, layers: int = 30) -> dict[str, float]:
+    """GB/s read by gathering num_seqs x context tokens of K and V from each of `layers` caches,
+    through shuffled and consecutive block tables, and by summing the same bytes in place."""
+    per_seq = context // BLOCK_SIZE
+    num_blocks = num_seqs * per_seq
+    shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    caches = [rng.standard_normal(shape, dtype=np.float32) for _ in range(2 * layers)]
+    out = np.empty((num_seqs, per_seq, *shape[1:]), np.float32)  # (S, nb, bs, Hkv, D)
+    tables = {"shuffled blocks": rng.permutation(num_blocks).reshape(num_seqs, per_seq),
+              "consecutive blocks": np.arange(num_blocks).reshape(num_seqs, per_seq)}
+    runs = {name: (lambda t=t: [np.take(c, t, axis=0, out=out, mode="clip") for c in caches])
+            for name, t in tables.items()}
+    runs["plain read (sum)"] = lambda: [c.sum() for c in caches]
+    total_bytes = sum(c.nbytes for c in caches)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for i in range(repeats + 1):
+        for name, fn in runs.items():  # taking turns, so drifting load hits all alike
+            start = time.perf_counter()
+            fn()
+            if i:
+                times[name].append(time.perf_counter() - start)
+    return {name: total_bytes / statistics.median(t) / 1e9 for name, t in times.items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=None,
                    help="kvcore's kernel threads (default: $KVCORE_NUM_THREADS or all cores)")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--gather", action="store_true", help="also the K/V gather rates")
     args = p.parse_args()
     if args.threads is not None:
         os.environ["KVCORE_NUM_THREADS"] = str(args.threads)
@@ -78,6 +108,10 @@ def main() -> None:
             reference.paged_attention(*case, 0.125)
             times.append(time.perf_counter() - start)
         print(f"  {name:36s} {statistics.median(times) * 1e3:8.2f} ms")
+    if args.gather:
+        print("K/V gather of a 64 x 128 decode step over 30 layers' caches, GB/s read")
+        for name, rate in gather_rates(rng, args.repeats).items():
+            print(f"  {name:36s} {rate:8.1f} GB/s")
 
 
 if __name__ == "__main__":
