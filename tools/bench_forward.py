@@ -2,9 +2,11 @@
 
 Prefill tokens/s for single prompts, decode step time for batches at a realistic context, and
 the fraction of NumPy's own matmul rate (MLP shapes, batch 64) that the batch-64 decode step
-reaches. `--record` writes the results into docs/benchmarks.md, section `## Forward pass (CPU)`.
+reaches. `--breakdown` adds where the batch-64 step's time goes, kernel by kernel, and what that
+leaves attention for 60% of the matmul rate. `--record` writes the results into
+docs/benchmarks.md, section `## Forward pass (CPU)`.
 
-    .venv/bin/python tools/bench_forward.py [--model DIR] [--threads N] [--record]
+    .venv/bin/python tools/bench_forward.py [--model DIR] [--threads N] [--breakdown] [--record]
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--context", type=int, default=128, help="decode context length per sequence")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (median)")
     p.add_argument("--no-transformers", action="store_true", help="skip the baseline")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time each kernel of the batch-64 decode step")
     p.add_argument("--record", action="store_true", help="write docs/benchmarks.md's section")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="cpu: process CPU time, which other processes' load does not inflate "
@@ -140,6 +144,51 @@ def decode_flops(model: LlamaModel, batch: int, context: int) -> float:
     return float(batch * (2 * weights + attention))
 
 
+# the step's kernels as LlamaModel.run calls them (module attributes, so a wrapper sees each call)
+BREAKDOWN = (("weight GEMMs", "kvcore.model.llama", "_linear"),
+             ("paged attention", "kvcore.kernels", "paged_attention"),
+             ("reshape_and_cache", "kvcore.kernels", "reshape_and_cache"),
+             ("rms_norm", "kvcore.kernels", "rms_norm"),
+             ("rope", "kvcore.kernels", "rope"),
+             ("silu_and_mul", "kvcore.kernels", "silu_and_mul"))
+
+
+def step_breakdown(step: Callable[[], object], repeats: int) -> tuple[float, dict[str, float]]:
+    """Mean wall time of `step` and of each BREAKDOWN kernel within it, over `repeats` runs
+    after a warm-up: every call of a kernel is timed around (attention's own threads included,
+    as the caller waits for them); "other" is the rest (embedding, batch arrays, residual adds)."""
+    import importlib
+
+    spent = {label: 0.0 for label, _, _ in BREAKDOWN}
+    originals = []
+    for label, module_name, name in BREAKDOWN:
+        module = importlib.import_module(module_name)
+        original = getattr(module, name)
+        originals.append((module, name, original))
+
+        def timed(*args: object, _f: Callable[..., object] = original, _label: str = label,
+                  **kwargs: object) -> object:
+            t = time.perf_counter()
+            try:
+                return _f(*args, **kwargs)
+            finally:
+                spent[_label] += time.perf_counter() - t
+        setattr(module, name, timed)
+    try:
+        step()
+        spent.update({label: 0.0 for label in spent})
+        t = time.perf_counter()
+        for _ in range(repeats):
+            step()
+        total = (time.perf_counter() - t) / repeats
+    finally:
+        for module, name, original in originals:
+            setattr(module, name, original)
+    parts = {label: v / repeats for label, v in spent.items()}
+    parts["other"] = total - sum(parts.values())
+    return total, parts
+
+
 class Transformers:
     """The baseline: transformers' own forward on the same checkpoint, fp32, sdpa attention."""
 
@@ -243,14 +292,36 @@ def main() -> int:
                   f"reaches **{achieved / hot:.0%}**; {streamed / 1e9:.1f} GFLOP/s with every "
                   f"layer's in turn (streamed from memory, as the step reads them) -> "
                   f"**{achieved / streamed:.0%}**."]
+        if ARGS.breakdown:
+            lines += breakdown_lines(model, streamed)
     lines += ["", "Command: `.venv/bin/python tools/bench_forward.py"
               + (f" --model {ARGS.model}" if ARGS.model else "") + f" --threads {ARGS.threads}"
-              + (" --clock cpu" if ARGS.clock == "cpu" else "") + "`"]
+              + (" --clock cpu" if ARGS.clock == "cpu" else "")
+              + (" --breakdown" if ARGS.breakdown else "") + "`"]
     text = "\n".join(lines)
     print(text)
     if ARGS.record:
         record(text)
     return 0
+
+
+def breakdown_lines(model: LlamaModel, streamed: float) -> list[str]:
+    """Where a batch-64 step goes (wall time, its own runs), and the attention time that 60% of
+    the streamed matmul rate would leave once everything else is counted."""
+    total, parts = step_breakdown(ours_decode(model, 64, ARGS.context, np.random.default_rng(2)),
+                                  ARGS.repeats)
+    lines = ["", f"Where a batch-64 decode step goes ({ARGS.repeats} more runs, wall time, "
+             f"{total * 1e3:.1f} ms per step with a timer around every kernel call):", "",
+             "| part | ms per step | share |", "|---|---|---|"]
+    for label, seconds in sorted(parts.items(), key=lambda kv: -kv[1]):
+        lines.append(f"| {label} | {seconds * 1e3:.1f} | {seconds / total:.0%} |")
+    budget = decode_flops(model, 64, ARGS.context) / (0.6 * streamed)
+    rest = total - parts["paged attention"]
+    lines += ["", f"60% of the streamed rate means a step of at most {budget * 1e3:.1f} ms; "
+              f"everything but attention takes {rest * 1e3:.1f} ms of this one, which leaves "
+              f"attention **{max(budget - rest, 0.0) * 1e3:.1f} ms** (it took "
+              f"{parts['paged attention'] * 1e3:.1f} ms)."]
+    return lines
 
 
 def record(body: str) -> None:
