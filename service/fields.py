@@ -31,7 +31,13 @@ def as_int(value: Any, name: str, lo: int = INT64_MIN, hi: int = INT64_MAX) -> i
     if isinstance(value, bool) or not isinstance(value, int):
         raise bad_request(f"{name} must be an integer, got {_type_name(value)}", name)
     if not lo <= value <= hi:
-        raise bad_request(f"{name} must be in [{lo}, {hi}], got {value}", name)
+        if hi == INT64_MAX:
+            bound = f">= {lo}" if lo > INT64_MIN else "a 64-bit integer"
+        elif lo == INT64_MIN:
+            bound = f"<= {hi}"
+        else:
+            bound = f"in [{lo}, {hi}]"
+        raise bad_request(f"{name} must be {bound}, got {value}", name)
     return value
 
 

@@ -112,6 +112,15 @@ def test_completion_bad_values_name_their_param(body: dict, param: str) -> None:
     assert _err(parse_completion, body).param == param
 
 
+@pytest.mark.parametrize(("body", "message"), [
+    ({"prompt": "a", "max_tokens": -3}, "max_tokens must be >= 1, got -3"),  # no upper bound
+    ({"prompt": "a", "n": 0}, "n must be in [1, "),  # both bounds
+    ({"prompt": "a", "seed": 2**70}, "seed must be a 64-bit integer, got "),  # only int64's
+])
+def test_integer_range_errors_say_the_bounds_that_apply(body: dict, message: str) -> None:
+    assert _err(parse_completion, body).message.startswith(message)
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"messages": []}, "messages"),
     ({"messages": "hi"}, "messages"),
