@@ -12,6 +12,7 @@ docs/benchmarks.md, section `## Forward pass (CPU)`.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import platform
 import statistics
@@ -157,8 +158,6 @@ def step_breakdown(step: Callable[[], object], repeats: int) -> tuple[float, dic
     """Mean wall time of `step` and of each BREAKDOWN kernel within it, over `repeats` runs
     after a warm-up: every call of a kernel is timed around (attention's own threads included,
     as the caller waits for them); "other" is the rest (embedding, batch arrays, residual adds)."""
-    import importlib
-
     spent = {label: 0.0 for label, _, _ in BREAKDOWN}
     originals = []
     for label, module_name, name in BREAKDOWN:
