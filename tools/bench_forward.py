@@ -293,10 +293,10 @@ def main() -> int:
                   f"**{achieved / streamed:.0%}**."]
         if ARGS.breakdown:
             lines += breakdown_lines(model, streamed)
-    lines += ["", "Command: `.venv/bin/python tools/bench_forward.py"
-              + (f" --model {ARGS.model}" if ARGS.model else "") + f" --threads {ARGS.threads}"
-              + (" --clock cpu" if ARGS.clock == "cpu" else "")
-              + (" --breakdown" if ARGS.breakdown else "") + "`"]
+    given = [a for a in sys.argv[1:] if a != "--record"]  # as run, every option it was given
+    if not any(a.startswith("--threads") for a in given):
+        given.insert(0, f"--threads {ARGS.threads}")
+    lines += ["", f"Command: `.venv/bin/python tools/bench_forward.py {' '.join(given)}`"]
     text = "\n".join(lines)
     print(text)
     if ARGS.record:
