@@ -155,7 +155,7 @@ BREAKDOWN = (("weight GEMMs", "kvcore.model.llama", "_linear"),
 
 
 def step_breakdown(step: Callable[[], object], repeats: int) -> tuple[float, dict[str, float]]:
-    """Mean wall time of `step` and of each BREAKDOWN kernel within it, over `repeats` runs
+    """Mean time (CLOCK) of `step` and of each BREAKDOWN kernel within it, over `repeats` runs
     after a warm-up: every call of a kernel is timed around (attention's own threads included,
     as the caller waits for them); "other" is the rest (embedding, batch arrays, residual adds)."""
     spent = {label: 0.0 for label, _, _ in BREAKDOWN}
@@ -167,19 +167,19 @@ def step_breakdown(step: Callable[[], object], repeats: int) -> tuple[float, dic
 
         def timed(*args: object, _f: Callable[..., object] = original, _label: str = label,
                   **kwargs: object) -> object:
-            t = time.perf_counter()
+            t = CLOCK()
             try:
                 return _f(*args, **kwargs)
             finally:
-                spent[_label] += time.perf_counter() - t
+                spent[_label] += CLOCK() - t
         setattr(module, name, timed)
     try:
         step()
         spent.update({label: 0.0 for label in spent})
-        t = time.perf_counter()
+        t = CLOCK()
         for _ in range(repeats):
             step()
-        total = (time.perf_counter() - t) / repeats
+        total = (CLOCK() - t) / repeats
     finally:
         for module, name, original in originals:
             setattr(module, name, original)
@@ -305,11 +305,12 @@ def main() -> int:
 
 
 def breakdown_lines(model: LlamaModel, streamed: float) -> list[str]:
-    """Where a batch-64 step goes (wall time, its own runs), and the attention time that 60% of
-    the streamed matmul rate would leave once everything else is counted."""
+    """Where a batch-64 step goes (its own runs, on the run's clock), and the attention time
+    that 60% of the streamed matmul rate would leave once everything else is counted."""
     total, parts = step_breakdown(ours_decode(model, 64, ARGS.context, np.random.default_rng(2)),
                                   ARGS.repeats)
-    lines = ["", f"Where a batch-64 decode step goes ({ARGS.repeats} more runs, wall time, "
+    clock = "process CPU time" if ARGS.clock == "cpu" else "wall time"
+    lines = ["", f"Where a batch-64 decode step goes ({ARGS.repeats} more runs, {clock}, "
              f"{total * 1e3:.1f} ms per step with a timer around every kernel call):", "",
              "| part | ms per step | share |", "|---|---|---|"]
     for label, seconds in sorted(parts.items(), key=lambda kv: -kv[1]):
