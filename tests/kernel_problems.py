@@ -10,7 +10,7 @@ import numpy as np
 
 from kvcore.cache.kv_cache import KVCache
 from kvcore.config import ModelConfig
-from kvcore.kernels import reference
+from kvcore.kernels import cpu as reference
 from kvcore.model import BatchInput
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)

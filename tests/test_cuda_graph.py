@@ -22,7 +22,7 @@ from structlog.testing import capture_logs
 from kvcore.cache.kv_cache import KVCache
 from kvcore.model import BatchInput
 from kvcore.model.cuda_graph import capture_sizes, is_pure_decode
-from kvcore.model.gpu_runner import HalfLlamaModel, load_half_model
+from kvcore.model.half_llama import HalfLlamaModel, load_half_model
 
 pytest.importorskip("cupy", reason="cupy's CCCL headers provide <nv/target> for cuda_fp16.h")
 if shutil.which("g++") is None:

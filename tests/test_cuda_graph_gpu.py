@@ -29,7 +29,7 @@ def decode_run(model_dir: Path, graphed: bool, cache_dtype: str, prompts: list[l
     """Greedy decoding of all prompts together with HalfLlamaModel on cuda; the first sequence
     stops half-way so the decode batch changes size (and capture bucket). Returns (tokens per
     prompt, logits of every step, the model). `after_step(i)` runs after decode step i."""
-    from kvcore.model.gpu_runner import load_half_model
+    from kvcore.model.half_llama import load_half_model
 
     model = load_half_model(model_dir, "cuda")
     if graphed:

@@ -12,13 +12,13 @@ from structlog.testing import capture_logs
 
 import kvcore.device
 import kvcore.engine.setup as setup
-import kvcore.model.gpu_runner as gpu_runner
+import kvcore.model.half_llama as half_llama
 from kvcore.cli import main
 from kvcore.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvcore.device import resolve_device
 from kvcore.engine import Engine
 from kvcore.engine.setup import engine_cache_dtype, load_engine_model
-from kvcore.model.gpu_runner import HalfLlamaModel, load_half_model
+from kvcore.model.half_llama import HalfLlamaModel, load_half_model
 from kvcore.model.llama import LlamaModel
 from kvcore.sampling import SamplingParams
 
@@ -44,7 +44,7 @@ def fake_gpu(monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path) -> list[tupl
 
     monkeypatch.setattr(kvcore.device, "cuda_available", lambda: True)
     monkeypatch.setattr(setup, "load_half_model", load)
-    monkeypatch.setattr(gpu_runner, "CudaGraphCapturer", StandInCapturer)
+    monkeypatch.setattr(half_llama, "CudaGraphCapturer", StandInCapturer)
     return calls
 
 

@@ -12,7 +12,7 @@ import shutil
 import numpy as np
 import pytest
 
-from kvcore.kernels import reference
+from kvcore.kernels import cpu as reference
 from kvcore.kernels.cuda_ops import CudaOps
 
 pytest.importorskip("cupy", reason="cupy's CCCL headers provide <nv/target> for cuda_fp16.h")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kvcore.device import cuda_available
-from kvcore.kernels import reference
+from kvcore.kernels import cpu as reference
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not cuda_available(), reason="needs a CUDA device")]
@@ -141,7 +141,7 @@ def test_tiny_model_greedy_gpu_equals_cpu(tiny_model_dir: Path) -> None:
 def test_half_model_greedy_on_gpu(tiny_model_dir: Path, cache_dtype: str) -> None:
     from kernel_problems import greedy
     from kvcore.model import load_model
-    from kvcore.model.gpu_runner import load_half_model
+    from kvcore.model.half_llama import load_half_model
 
     want_tokens, want_logits = greedy(load_model(tiny_model_dir), tiny_model_dir, "fp32", 8)
     tokens, logits = greedy(load_half_model(tiny_model_dir), tiny_model_dir, cache_dtype, 8,

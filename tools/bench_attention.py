@@ -1,4 +1,4 @@
-"""CPU paged attention alone (`kvcore.kernels.reference.paged_attention`), per layer.
+"""CPU paged attention alone (`kvcore.kernels.cpu.paged_attention`), per layer.
 
 Decode batches of one token per sequence (uniform and mixed context lengths, shuffled blocks)
 and one long prefill chunk, at the default model's head shapes (9 query heads, 3 KV heads,
@@ -89,7 +89,7 @@ def main() -> None:
     args = p.parse_args()
     if args.threads is not None:
         os.environ["KVCORE_NUM_THREADS"] = str(args.threads)
-    from kvcore.kernels import reference
+    from kvcore.kernels import cpu as reference
     from kvcore.kernels.parallel import num_threads
 
     rng = np.random.default_rng(0)

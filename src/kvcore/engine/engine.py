@@ -23,7 +23,7 @@ from kvcore.engine.setup import (
     load_engine_model,
     pool_size,
 )
-from kvcore.model.gpu_runner import HalfLlamaModel
+from kvcore.model.half_llama import HalfLlamaModel
 from kvcore.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvcore.request import Request, RequestOutput
 from kvcore.sampling import (

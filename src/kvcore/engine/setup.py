@@ -11,7 +11,7 @@ from kvcore.cache import KVCacheManager
 from kvcore.cache.kv_cache import KVCache
 from kvcore.config import EngineConfig, ModelConfig
 from kvcore.model import BatchInput, load_model
-from kvcore.model.gpu_runner import HALF_CACHE_DTYPES, load_half_model
+from kvcore.model.half_llama import HALF_CACHE_DTYPES, load_half_model
 from kvcore.planner import bytes_per_token, num_blocks_for_memory
 from kvcore.sampling import BeamSearchParams, SamplingParams
 

@@ -1,4 +1,4 @@
-"""Kernels dispatched by array type: NumPy arrays -> `reference`, CuPy arrays -> `cuda`.
+"""Kernels dispatched by array type: NumPy arrays -> `cpu`, CuPy arrays -> `cuda`.
 
 `kvcore.kernels.cuda` is imported lazily, only when an argument is a CuPy array, so the CPU path
 never imports cupy. The element-wise ops (rms_norm, silu_and_mul, rope) are written against the
@@ -11,7 +11,7 @@ from types import ModuleType
 from typing import Any
 
 from kvcore.device import array_module
-from kvcore.kernels import reference
+from kvcore.kernels import cpu
 
 
 def _on_gpu(array: Any) -> bool:
@@ -32,27 +32,27 @@ def _cuda() -> ModuleType:
 
 def reshape_and_cache(key: Any, value: Any, k_cache: Any, v_cache: Any, slot_mapping: Any,
                       k_scale: float = 1.0, v_scale: float = 1.0) -> None:
-    impl = _cuda() if _on_gpu(key) else reference
+    impl = _cuda() if _on_gpu(key) else cpu
     impl.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_attention(query: Any, k_cache: Any, v_cache: Any, block_tables: Any, context_lens: Any,
                     query_start_loc: Any, scale: float, sliding_window: int | None = None,
                     k_scale: float = 1.0, v_scale: float = 1.0) -> Any:
-    impl = _cuda() if _on_gpu(query) else reference
+    impl = _cuda() if _on_gpu(query) else cpu
     return impl.paged_attention(query, k_cache, v_cache, block_tables, context_lens,
                                 query_start_loc, scale, sliding_window, k_scale, v_scale)
 
 
 def copy_blocks(k_caches: list[Any], v_caches: list[Any], block_mapping: Any) -> None:
-    impl = _cuda() if k_caches and _on_gpu(k_caches[0]) else reference
+    impl = _cuda() if k_caches and _on_gpu(k_caches[0]) else cpu
     impl.copy_blocks(k_caches, v_caches, block_mapping)
 
 
 def _elementwise(name: str, array: Any) -> Any:
     if _on_gpu(array):
-        return getattr(_cuda(), name, getattr(reference, name))
-    return getattr(reference, name)
+        return getattr(_cuda(), name, getattr(cpu, name))
+    return getattr(cpu, name)
 
 
 def rms_norm(x: Any, weight: Any, eps: float) -> Any:

@@ -23,7 +23,7 @@ from kvcore.kernels.cuda_launch import (
 
 
 class CudaOps:
-    """The kernels' wrappers over one backend; methods mirror kvcore.kernels.reference."""
+    """The kernels' wrappers over one backend; methods mirror kvcore.kernels.cpu."""
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend

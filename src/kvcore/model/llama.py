@@ -15,7 +15,7 @@ from kvcore import kernels
 from kvcore.cache.kv_cache import KVCache
 from kvcore.config import ModelConfig
 from kvcore.device import get_xp, resolve_device, to_numpy
-from kvcore.kernels import reference
+from kvcore.kernels import cpu
 from kvcore.model.batch import BatchInput
 from kvcore.model.weights import Checkpoint, iter_weights
 
@@ -72,7 +72,7 @@ class LlamaModel:
             lm_head)  # (vocab, hidden)
         self.layers = [self._layer(weights, f"model.layers.{i}.") for i in range(c.num_layers)]
         self.scale = 1.0 / math.sqrt(c.head_dim)
-        self._inv_freq = reference.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+        self._inv_freq = cpu.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
         self._cos: Any = self.xp.empty((0, c.head_dim // 2), np.float32)
         self._sin: Any = self._cos
 
@@ -107,7 +107,7 @@ class LlamaModel:
         """cos/sin up to max_position, grown by doubling so steps never recompute them."""
         if max_position >= self._cos.shape[0]:
             size = max(2 * self._cos.shape[0], max_position + 1, 256)
-            cos, sin = reference.rope_cos_sin(self._inv_freq, size)  # (size, D/2) each
+            cos, sin = cpu.rope_cos_sin(self._inv_freq, size)  # (size, D/2) each
             self._cos, self._sin = self.xp.asarray(cos), self.xp.asarray(sin)
         return self._cos, self._sin
 

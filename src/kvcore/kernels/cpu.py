@@ -1,4 +1,4 @@
-"""NumPy reference kernels: the CPU path of the forward pass and the oracle for the CUDA kernels."""
+"""CPU kernels (NumPy, threaded): the CPU forward pass; the float64 oracles live in tests."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvcore.model import load_model
-from kvcore.model.gpu_runner import load_half_model
+from kvcore.model.half_llama import load_half_model
 
 pytest.importorskip("cupy", reason="cupy's CCCL headers provide <nv/target> for cuda_fp16.h")
 if shutil.which("g++") is None:
