@@ -19,6 +19,7 @@ from kvcore.service.errors import APIError
 from kvcore.service.metrics import ServiceMetrics
 from kvcore.service.openai_routes import chat_completions, completions
 from kvcore.service.state import (
+    DEFAULT_MAX_SEQUENCES_PER_REQUEST,
     DRAINING,
     FAILED,
     LOADING,
@@ -31,6 +32,8 @@ from kvcore.service.state import (
 log = structlog.get_logger("kvcore.service")
 
 DEFAULT_MAX_BODY_SIZE = 4 << 20  # bytes; a request body past it is a 413
+DEFAULT_BODY_TIMEOUT_S = 30.0  # a request body must arrive within this (408)
+ABORT_GRACE_S = 5.0  # after a drain's aborts, how long streams get to write their last chunk
 
 
 @web.middleware
@@ -92,22 +95,29 @@ async def _engine_lifetime(app: web.Application) -> AsyncIterator[None]:
     await drain(app, timeout=0.0)
     if state.engine is not None:
         await state.engine.stop()
+    state.cpu_pool.shutdown(wait=False, cancel_futures=True)
 
 
 async def drain(app: web.Application, timeout: float) -> int:
     """Stop admitting (503), let in-flight requests finish for up to `timeout` seconds, then
-    cancel the rest (which aborts their engine requests). Returns how many were cancelled."""
+    abort the rest: their streams end well-formed (finish_reason "abort", then [DONE]). Handlers
+    still running a moment later are cancelled. Returns how many calls were aborted."""
     state = app[STATE_KEY]
     if state.status in (READY, LOADING):
         state.status = DRAINING
     if state.in_flight and timeout > 0:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(state.idle.wait(), timeout)
-    left = list(state.in_flight)
-    for task in left:
-        task.cancel()
+    left = list(state.in_flight.items())
+    for _, generation in left:
+        await generation.abort()
     if left:
-        await asyncio.gather(*left, return_exceptions=True)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(state.idle.wait(), ABORT_GRACE_S)
+    for task in list(state.in_flight):
+        task.cancel()
+    if state.in_flight:
+        await asyncio.gather(*state.in_flight, return_exceptions=True)
     return len(left)
 
 
@@ -115,18 +125,28 @@ def make_app(engine: AsyncEngine | Callable[[], AsyncEngine], *,
              api_keys: Mapping[str, str] | Iterable[str] | None = None,
              served_model_name: str | Sequence[str] | None = None,
              max_body_size: int = DEFAULT_MAX_BODY_SIZE, max_waiting: int | None = None,
-             cache_salt_secret: bytes | None = None) -> web.Application:
+             cache_salt_secret: bytes | None = None,
+             max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+             body_timeout: float | None = DEFAULT_BODY_TIMEOUT_S) -> web.Application:
     """The OpenAI-compatible application around an AsyncEngine.
 
     `engine` is a ready AsyncEngine, or a callable that builds one (it runs in a worker thread at
     startup while /health answers 503). `api_keys`: keys (each its own tenant) or a mapping
     key -> tenant; None or empty: no auth, one tenant. The app's cleanup_ctx starts the engine and
     stops it at cleanup, so mount it (`root.add_subapp("/llm", app)`) or run it as is.
+    `max_waiting` counts sequences (n > 1 and batched prompts count each); a call is admitted
+    whole or answered 429. `max_sequences_per_request` bounds prompts x n of one call (400);
+    `body_timeout`: seconds for a request body to arrive (408), None for no limit.
     """
     if max_body_size <= 0:
         raise ValueError(f"max_body_size must be > 0, got {max_body_size}")
     if max_waiting is not None and max_waiting < 0:
         raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
+    if max_sequences_per_request < 1:
+        raise ValueError(f"max_sequences_per_request must be >= 1, "
+                         f"got {max_sequences_per_request}")
+    if body_timeout is not None and body_timeout <= 0:
+        raise ValueError(f"body_timeout must be > 0, got {body_timeout}")
     keys = (dict(api_keys) if isinstance(api_keys, Mapping)
             else keys_from_list(api_keys) if api_keys is not None else {})
     if isinstance(served_model_name, str):
@@ -142,7 +162,8 @@ def make_app(engine: AsyncEngine | Callable[[], AsyncEngine], *,
         engine_factory=None if isinstance(engine, AsyncEngine) else engine,
         auth=auth, served_model_names=names, max_body_size=max_body_size,
         max_waiting=max_waiting, metrics=None,  # type: ignore[arg-type]
-        created=int(time.time()), engine=engine if isinstance(engine, AsyncEngine) else None)
+        created=int(time.time()), engine=engine if isinstance(engine, AsyncEngine) else None,
+        max_sequences_per_request=max_sequences_per_request, body_timeout=body_timeout)
     state.metrics = ServiceMetrics(
         names[0], lambda: state.engine.engine.stats() if state.engine is not None else None)
     state.idle.set()

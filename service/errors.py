@@ -10,9 +10,11 @@ ERROR_TYPES: dict[int, str] = {
     401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
     413: "RequestEntityTooLargeError",
     415: "UnsupportedMediaTypeError",
     429: "RateLimitError",
+    431: "RequestHeaderFieldsTooLargeError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }

@@ -11,6 +11,8 @@ from typing import Any
 
 from aiohttp import web
 
+from kvcore.config import ParamError
+from kvcore.engine import RequestFailed
 from kvcore.request import RequestOutput
 from kvcore.sampling.params import BeamSearchParams, SamplingParams, TokenLogprob
 from kvcore.service.errors import APIError, bad_request
@@ -84,9 +86,8 @@ def build_params(req: GenerationRequest, num_prompt_tokens: int,
                                     stop_token_ids=req.sampling["stop_token_ids"])
         return SamplingParams(n=req.n, max_tokens=max_tokens, logprobs=req.logprobs,
                               **req.sampling)
-    except ValueError as e:
-        # the parameters' own messages start with the parameter's name
-        raise bad_request(str(e), str(e).split(" ")[0].split("[")[0]) from None
+    except ParamError as e:
+        raise bad_request(str(e), e.param) from None
 
 
 class Generation:
@@ -126,10 +127,13 @@ class Generation:
             job, output, error = await self._queue.get()
             if output is None:
                 remaining -= 1
-                # refusals come before any output; a step that fails later is the server's fault
+                # refusals come before any output; a failure later is the server's fault
                 if isinstance(error, ValueError) and job.last_output is None:
-                    raise bad_request(str(error), "messages" if self.req.kind == "chat"
-                                      else "prompt")
+                    param = getattr(error, "param", None) or (
+                        "messages" if self.req.kind == "chat" else "prompt")
+                    raise bad_request(str(error), param)
+                if isinstance(error, RequestFailed):
+                    raise APIError(500, f"generation failed: {error}")
                 if error is not None:
                     raise error
                 continue
@@ -167,6 +171,12 @@ class Generation:
                 self._on_token_gap(now - job.last_token_time)
             job.last_token_time = now
         return deltas
+
+    async def abort(self) -> None:
+        """Abort every unfinished request: each stream ends with finish_reason "abort"."""
+        for job in self.jobs:
+            if not job.finished:
+                await self.engine.abort(job.request_id)
 
     async def close(self) -> None:
         """Cancel the pumps (which aborts their requests) and abort what is still running."""
@@ -208,7 +218,13 @@ async def cancel_on_disconnect(request: web.Request) -> AsyncIterator[None]:
         watcher.cancel()
 
 
-def raise_if_busy(engine: Any, max_waiting: int | None) -> None:
-    if max_waiting is not None and engine.num_waiting >= max_waiting:
-        raise APIError(429, f"the server's waiting queue is full ({max_waiting} requests); "
-                       f"retry later", headers={"Retry-After": "1"})
+def raise_if_busy(engine: Any, max_waiting: int | None, num_seqs: int) -> None:
+    """429 unless the call's `num_seqs` sequences fit the waiting queue whole. A call bigger
+    than the whole queue is let into an empty one (else it could never run)."""
+    if max_waiting is None:
+        return
+    waiting = engine.num_waiting
+    if waiting + num_seqs > max_waiting and (waiting > 0 or max_waiting == 0):
+        raise APIError(429, f"the server's waiting queue is full ({waiting} of {max_waiting} "
+                       f"sequences wait; this call brings {num_seqs}); retry later",
+                       headers={"Retry-After": "1"})

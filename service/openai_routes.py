@@ -11,6 +11,8 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from kvcore.engine import RequestFailed
+from kvcore.model.tokenizer import Tokenizer
 from kvcore.service.auth import ANONYMOUS_TENANT
 from kvcore.service.errors import APIError, bad_request
 from kvcore.service.generation import (
@@ -21,7 +23,12 @@ from kvcore.service.generation import (
     cancel_on_disconnect,
     raise_if_busy,
 )
-from kvcore.service.protocol import GenerationRequest, parse_chat, parse_completion
+from kvcore.service.protocol import (
+    GenerationRequest,
+    check_prompt_chars,
+    parse_chat,
+    parse_completion,
+)
 from kvcore.service.state import STATE_KEY, TENANT_KEY, ServiceState, read_json
 from kvcore.service.streaming import (
     MSGPACK_TYPE,
@@ -36,12 +43,23 @@ log = structlog.get_logger("kvcore.service")
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE_KEY]
-    body = await read_json(request, state.max_body_size)
+    body = await read_json(request, state.max_body_size, state.body_timeout)
     engine = state.ready_engine().engine
     req = parse_completion(body, engine.model_config.vocab_size)
     name = state.model_name(req.model)
-    tokenizer = engine.tokenizer
+    state.check_num_seqs(len(req.prompts) * req.n)
     call_id = f"cmpl-{uuid.uuid4().hex}"
+    for prompt in req.prompts:
+        check_prompt_chars(prompt, engine.max_model_len, engine.tokenizer.max_token_chars,
+                           "prompt")
+    # tokenizing is request-sized CPU work: off the event loop
+    jobs = await state.offload(_completion_jobs, req, engine.tokenizer, engine.max_model_len,
+                               call_id)
+    return await _respond(request, state, req, jobs, call_id, name)
+
+
+def _completion_jobs(req: GenerationRequest, tokenizer: Tokenizer, max_model_len: int,
+                     call_id: str) -> list[Job]:
     jobs = []
     for i, prompt in enumerate(req.prompts):
         if isinstance(prompt, str):
@@ -51,18 +69,27 @@ async def completions(request: web.Request) -> web.StreamResponse:
             ids, text = prompt, tokenizer.decode(prompt, skip_special_tokens=False)
         if not ids:
             raise bad_request("prompt encodes to no tokens", "prompt")
-        params = build_params(req, len(ids), engine.max_model_len)
+        params = build_params(req, len(ids), max_model_len)
         jobs.append(Job(i, f"{call_id}-{i}", ids, text, params))
-    return await _respond(request, state, req, jobs, call_id, name)
+    return jobs
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE_KEY]
-    body = await read_json(request, state.max_body_size)
+    body = await read_json(request, state.max_body_size, state.body_timeout)
     engine = state.ready_engine().engine
     req = parse_chat(body, engine.model_config.vocab_size)
     name = state.model_name(req.model)
-    tokenizer = engine.tokenizer
+    state.check_num_seqs(req.n)
+    check_prompt_chars("".join(m["content"] for m in req.messages), engine.max_model_len,
+                       engine.tokenizer.max_token_chars, "messages")
+    call_id = f"chatcmpl-{uuid.uuid4().hex}"
+    job = await state.offload(_chat_job, req, engine.tokenizer, engine.max_model_len, call_id)
+    return await _respond(request, state, req, [job], call_id, name)
+
+
+def _chat_job(req: GenerationRequest, tokenizer: Tokenizer, max_model_len: int,
+              call_id: str) -> Job:
     try:
         text = tokenizer.apply_chat_template(req.messages,
                                              add_generation_prompt=req.add_generation_prompt)
@@ -71,10 +98,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     ids = tokenizer.encode(text, add_special_tokens=False)
     if not ids:
         raise bad_request("messages encode to no tokens", "messages")
-    call_id = f"chatcmpl-{uuid.uuid4().hex}"
-    params = build_params(req, len(ids), engine.max_model_len)
-    return await _respond(request, state, req, [Job(0, f"{call_id}-0", ids, text, params)],
-                          call_id, name)
+    params = build_params(req, len(ids), max_model_len)
+    return Job(0, f"{call_id}-0", ids, text, params)
 
 
 class _Formatter:
@@ -163,7 +188,6 @@ class _Formatter:
 async def _respond(request: web.Request, state: ServiceState, req: GenerationRequest,
                    jobs: list[Job], call_id: str, model: str) -> web.StreamResponse:
     async_engine = state.ready_engine()
-    raise_if_busy(async_engine, state.max_waiting)
     tenant = request.get(TENANT_KEY, ANONYMOUS_TENANT)
     gen = Generation(async_engine, req, jobs, state.auth.cache_salt(tenant, req.cache_salt),
                      state.metrics.observe_token_gap)
@@ -171,31 +195,42 @@ async def _respond(request: web.Request, state: ServiceState, req: GenerationReq
     binary = MSGPACK_TYPE in request.headers.get("Accept", "")
     task = asyncio.current_task()
     assert task is not None
-    state.track(task)
     outcome = "ok"
+    tracked = False
     try:
+        raise_if_busy(async_engine, state.max_waiting, len(jobs) * req.n)
+        state.track(task, gen)
+        tracked = True
         async with cancel_on_disconnect(request):
             gen.start()
             if not (req.stream or binary):
                 async for _ in gen.deltas():
                     pass
                 return web.json_response(fmt.final(), headers={"X-Request-Id": call_id})
-            return await _stream(request, req, gen, fmt, binary)
+            response, outcome = await _stream(request, req, gen, fmt, binary)
+            return response
     except asyncio.CancelledError:
         outcome = "cancelled"
         raise
     except APIError as e:
         outcome = f"error {e.status}"
         raise
+    except Exception as e:
+        outcome = f"error 500 {type(e).__name__}"
+        raise
     finally:
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.shield(gen.close())
-        state.untrack(task)
+        if tracked:
+            state.untrack(task)
         _account(state, gen, call_id, tenant, req, outcome)
 
 
 async def _stream(request: web.Request, req: GenerationRequest, gen: Generation, fmt: _Formatter,
-                  binary: bool) -> web.StreamResponse:
+                  binary: bool) -> tuple[web.StreamResponse, str]:
+    """Stream the call; returns the response and its outcome. After the headers every failure
+    travels in the stream (one error event, then the stream's normal end), never as a second
+    HTTP response."""
     stream = gen.deltas()
     # the first output comes before the headers, so a request the engine refuses is still a 400
     first = await anext(stream, None)
@@ -211,6 +246,7 @@ async def _stream(request: web.Request, req: GenerationRequest, gen: Generation,
                                   "text": delta.text, "finish_reason": delta.finish_reason})
         return sse_event(fmt.chunk(delta))
 
+    outcome = "ok"
     try:
         if req.kind == "chat" and not binary:
             await response.write(b"".join(sse_event(c) for c in fmt.role_chunks()))
@@ -221,18 +257,23 @@ async def _stream(request: web.Request, req: GenerationRequest, gen: Generation,
         if not binary:
             tail = sse_event(fmt.usage_chunk()) if req.include_usage else b""
             await response.write(tail + SSE_DONE)
-    except (APIError, RuntimeError, ValueError) as e:
-        # after the headers an error can only travel in the stream
-        error = e if isinstance(e, APIError) else APIError(500, f"generation failed: {e}")
-        log.error("stream failed", request_id=fmt.call_id, error=error.message)
-        await response.write(msgpack_frame(error.body()) if binary
-                             else sse_event(error.body()) + SSE_DONE)
     except ConnectionError:  # the client went away mid-write: close() aborts the requests
-        return response
+        return response, "disconnected"
+    except Exception as e:
+        # after the headers an error can only travel in the stream
+        error = e if isinstance(e, APIError) else APIError(500, "generation failed: "
+                                                           f"{type(e).__name__}: {e}")
+        if not isinstance(e, APIError | RequestFailed):
+            log.exception("stream failed", request_id=fmt.call_id)
+        outcome = f"error {error.status}"
+        with contextlib.suppress(ConnectionError):
+            await response.write(msgpack_frame(error.body()) if binary
+                                 else sse_event(error.body()) + SSE_DONE)
     finally:
         await stream.aclose()
-    await response.write_eof()
-    return response
+    with contextlib.suppress(ConnectionError):
+        await response.write_eof()
+    return response, outcome
 
 
 def _account(state: ServiceState, gen: Generation, call_id: str, tenant: str,

@@ -5,7 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kvcore.sampling.params import MAX_LOGPROBS, MAX_N, MAX_TEMPERATURE
+from kvcore.sampling.params import (
+    LENGTH_PENALTY_RANGE,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_TEMPERATURE,
+    REPETITION_PENALTY_RANGE,
+)
 from kvcore.service.errors import bad_request
 from kvcore.service.fields import (
     as_int,
@@ -21,6 +27,16 @@ from kvcore.service.fields import (
 
 MAX_PROMPTS = 256  # prompts of one batched completions request
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+# OpenAI (and vLLM) fields kvcore does not implement: refused by name rather than ignored, so a
+# client never gets a different behaviour than it asked for. A value equal to the default passes.
+UNSUPPORTED: dict[str, Any] = {
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+    "function_call": (None, "none"), "parallel_tool_calls": (None,), "suffix": (None, ""),
+    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
+    "web_search_options": (None,), "prompt_logprobs": (None,), "guided_json": (None,),
+    "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "structured_outputs": (None,),
+}
 
 Prompt = str | list[int]
 
@@ -89,7 +105,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         if not isinstance(message, dict):
             raise bad_request("each message must be an object", "messages")
         role = message.get("role")
-        if role not in CHAT_ROLES:
+        if not isinstance(role, str) or role not in CHAT_ROLES:
             raise bad_request(f"message role must be one of {sorted(CHAT_ROLES)}, got {role!r}",
                               "messages")
         content = message.get("content")
@@ -120,8 +136,8 @@ def _sampling(body: dict[str, Any], vocab_size: int) -> dict[str, Any]:
         "seed": get_int(body, "seed", None),
         "presence_penalty": get_float(body, "presence_penalty", 0.0, -2.0, 2.0),
         "frequency_penalty": get_float(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        "repetition_penalty": get_float(body, "repetition_penalty", 1.0, 0.0, 2.0**31,
-                                        lo_open=True),
+        "repetition_penalty": get_float(body, "repetition_penalty", 1.0,
+                                        *REPETITION_PENALTY_RANGE),
         "logit_bias": get_logit_bias(body, vocab_size),
         "stop": get_stop(body),
         "stop_token_ids": get_token_ids(body, "stop_token_ids", vocab_size),
@@ -137,6 +153,26 @@ def _early_stopping(body: dict[str, Any]) -> bool | Literal["never"]:
     if body.get("early_stopping") == "never":
         return "never"
     return get_bool(body, "early_stopping", False)
+
+
+def _refuse_unsupported(body: dict[str, Any], n: int) -> None:
+    for name, allowed in UNSUPPORTED.items():
+        if name in body and body[name] not in allowed:
+            raise bad_request(f"{name} is not supported by this server", name)
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != n:
+        raise bad_request(f"best_of must equal n ({n}) when set: kvcore returns every sequence "
+                          f"it generates, got {best_of!r}", "best_of")
+
+
+def check_prompt_chars(prompt: str | list[int], max_model_len: int, max_token_chars: int,
+                       param: str) -> None:
+    """A cheap bound before tokenizing: no token stands for more than `max_token_chars`
+    characters, so a text longer than max_model_len of them can never fit (400)."""
+    if isinstance(prompt, str) and len(prompt) > max_model_len * max_token_chars:
+        raise bad_request(f"This model's maximum context length is {max_model_len} tokens; "
+                          f"the {param} has {len(prompt)} characters, more than any "
+                          f"{max_model_len} tokens can hold", param)
 
 
 def _common(body: dict[str, Any], kind: Literal["completion", "chat"], vocab_size: int,
@@ -156,6 +192,7 @@ def _common(body: dict[str, Any], kind: Literal["completion", "chat"], vocab_siz
         raise bad_request("only the text response_format is supported", "response_format")
     n = get_int(body, "n", 1, 1, MAX_N)
     assert n is not None
+    _refuse_unsupported(body, n)
     return GenerationRequest(
         kind=kind,
         model=get_str(body, "model"),
@@ -166,7 +203,7 @@ def _common(body: dict[str, Any], kind: Literal["completion", "chat"], vocab_siz
         max_tokens=max_tokens,
         sampling=sampling,
         use_beam_search=get_bool(body, "use_beam_search", False),
-        length_penalty=get_float(body, "length_penalty", 1.0),
+        length_penalty=get_float(body, "length_penalty", 1.0, *LENGTH_PENALTY_RANGE),
         early_stopping=_early_stopping(body),
         stream=stream,
         include_usage=include_usage,

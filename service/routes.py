@@ -5,10 +5,11 @@ from __future__ import annotations
 from aiohttp import web
 
 import kvcore
+from kvcore.model.tokenizer import Tokenizer
 from kvcore.service.errors import bad_request
 from kvcore.service.fields import as_int, get_bool
 from kvcore.service.openapi import openapi_document
-from kvcore.service.protocol import parse_chat
+from kvcore.service.protocol import GenerationRequest, parse_chat
 from kvcore.service.state import READY, STATE_KEY, read_json
 
 
@@ -30,42 +31,50 @@ async def models(request: web.Request) -> web.Response:
 
 async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
-    body = await read_json(request, state.max_body_size)
+    body = await read_json(request, state.max_body_size, state.body_timeout)
     engine = state.ready_engine().engine
-    tokenizer = engine.tokenizer
     if body.get("model") is not None:
         state.model_name(body["model"] if isinstance(body["model"], str) else str(body["model"]))
+    messages = None
     if "messages" in body:
-        req = parse_chat({"messages": body["messages"],
-                          "add_generation_prompt": body.get("add_generation_prompt")},
-                         engine.model_config.vocab_size)
-        try:
-            text = tokenizer.apply_chat_template(req.messages,
-                                                 add_generation_prompt=req.add_generation_prompt)
-        except ValueError as e:
-            raise bad_request(f"chat template: {e}", "messages") from None
+        messages = parse_chat({"messages": body["messages"],
+                               "add_generation_prompt": body.get("add_generation_prompt")},
+                              engine.model_config.vocab_size)
         add_special = get_bool(body, "add_special_tokens", False)
     else:
-        text = body.get("prompt")
-        if not isinstance(text, str):
+        if not isinstance(body.get("prompt"), str):
             raise bad_request("prompt must be a string (or send messages)", "prompt")
         add_special = get_bool(body, "add_special_tokens", True)
-    tokens = tokenizer.encode(text, add_special_tokens=add_special)
-    strs = ([tokenizer.id_to_token(t) for t in tokens]
-            if get_bool(body, "return_token_strs", False) else None)
+    token_strs = get_bool(body, "return_token_strs", False)
+    # request-sized CPU work (a 4 MB prompt takes seconds): off the event loop
+    tokens, strs = await state.offload(_tokenize, engine.tokenizer, body.get("prompt"),
+                                       messages, add_special, token_strs)
     return web.json_response({"count": len(tokens), "max_model_len": engine.max_model_len,
                               "tokens": tokens, "token_strs": strs})
 
 
+def _tokenize(tokenizer: Tokenizer, prompt: str | None, chat: GenerationRequest | None,
+              add_special: bool, token_strs: bool) -> tuple[list[int], list[str] | None]:
+    if chat is not None:
+        try:
+            prompt = tokenizer.apply_chat_template(
+                chat.messages, add_generation_prompt=chat.add_generation_prompt)
+        except ValueError as e:
+            raise bad_request(f"chat template: {e}", "messages") from None
+    assert prompt is not None
+    tokens = tokenizer.encode(prompt, add_special_tokens=add_special)
+    return tokens, [tokenizer.id_to_token(t) for t in tokens] if token_strs else None
+
+
 async def detokenize(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
-    body = await read_json(request, state.max_body_size)
+    body = await read_json(request, state.max_body_size, state.body_timeout)
     engine = state.ready_engine().engine
     raw = body.get("tokens")
     if not isinstance(raw, list):
         raise bad_request("tokens must be an array of token ids", "tokens")
     tokens = [as_int(t, "tokens", 0, engine.model_config.vocab_size - 1) for t in raw]
-    return web.json_response({"prompt": engine.tokenizer.decode(tokens)})
+    return web.json_response({"prompt": await state.offload(engine.tokenizer.decode, tokens)})
 
 
 async def metrics(request: web.Request) -> web.Response:

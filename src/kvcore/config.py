@@ -19,6 +19,15 @@ class ConfigError(ValueError):
     """A config.json that kvcore cannot serve: unsupported, missing or invalid field."""
 
 
+class ParamError(ValueError):
+    """A request parameter out of range: `param` names it as data (the service's 400 carries it
+    without parsing the message)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
     rope_type: str  # "linear" or "llama3"

@@ -22,6 +22,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"  # EOS, a stop token id or a stop string
     FINISHED_LENGTH = "length"  # max_tokens or max_model_len reached
     FINISHED_ABORTED = "abort"  # aborted by the caller (or the client went away)
+    FINISHED_ERROR = "error"  # failed inside the engine (its sampling, stop checks, forward...)
 
     @property
     def finished(self) -> bool:
@@ -33,7 +34,7 @@ class RequestStatus(enum.Enum):
 
 
 _FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-             RequestStatus.FINISHED_ABORTED}
+             RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR}
 
 
 @dataclass(slots=True)
@@ -69,6 +70,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     metrics: RequestMetrics
+    error: str | None = None  # set (and finished) when the engine failed this request
 
 
 @dataclass(eq=False, slots=True)
@@ -91,6 +93,9 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     group_id: str | None = None  # the user request this sequence belongs to (None: itself)
     index: int = 0  # choice index within its group
+    # sequences this request will still fork (n - 1 before an n > 1 request's first token;
+    # beam_width - 1 before a beam search's first step): counted toward max_num_seqs
+    num_pending_forks: int = 0
     generator: np.random.Generator | None = None  # per-request RNG for seeded sampling
     detokenizer: IncrementalDetokenizer | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -141,6 +146,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences this request runs at once when admitted: itself and its pending forks."""
+        return 1 + self.num_pending_forks
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import structlog
 
 from kvcore.cache import Admission, CopyOp, KVCacheManager
+from kvcore.config import ParamError
 from kvcore.request import Request, RequestStatus
 
 log = structlog.get_logger(__name__)
@@ -53,6 +54,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.waiting: list[Request] = []  # sorted by (priority, arrival_seq)
         self.num_preemptions = 0
+        # forks still to come of running requests (n > 1 before its fork, a beam search's first
+        # beam): they count toward max_num_seqs from admission on, so forks never exceed it
+        self.num_pending_forks = 0
         self._finished_ids: list[str] = []
         self._arrivals = 0
         self._step = 0
@@ -65,10 +69,14 @@ class Scheduler:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         worst = request.num_tokens + request.max_tokens - request.num_output_tokens
         if worst > self.max_model_len:
-            raise ValueError(f"request {request.request_id!r} needs {worst} tokens "
+            raise ParamError("max_tokens", f"request {request.request_id!r} needs {worst} tokens "
                              f"(prompt + max_tokens), more than max_model_len={self.max_model_len}")
+        if request.num_seqs > self.max_num_seqs:
+            raise ParamError("n", f"request {request.request_id!r} runs {request.num_seqs} "
+                             f"sequences at once, more than max_num_seqs={self.max_num_seqs}")
         if self.kv.admission(worst) is Admission.NEVER:
-            raise ValueError(f"request {request.request_id!r} needs {worst} tokens of KV cache, "
+            raise ParamError("max_tokens", f"request {request.request_id!r} needs {worst} tokens "
+                             f"of KV cache, "
                              f"more than the whole pool ({self.kv.num_blocks} blocks of "
                              f"{self.kv.block_size})")
         self._arrivals += 1
@@ -81,6 +89,9 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.kv.fork(parent.request_id, request.request_id)
+        if parent.num_pending_forks > 0:
+            parent.num_pending_forks -= 1
+            self.num_pending_forks -= 1
         request.arrival_seq = parent.arrival_seq
         request.num_computed_tokens = parent.num_computed_tokens
         request.status = RequestStatus.RUNNING
@@ -96,11 +107,13 @@ class Scheduler:
         self.finish(request, RequestStatus.FINISHED_ABORTED)
         return request
 
-    def finish(self, request: Request, status: RequestStatus) -> None:
+    def finish(self, request: Request, status: RequestStatus, uncache: bool = False) -> None:
+        """End a request and free its blocks (`uncache`: see KVCacheManager.free)."""
         assert status.finished
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-            self.kv.free(request.request_id)
+            self.num_pending_forks -= request.num_pending_forks
+            self.kv.free(request.request_id, uncache)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         request.status = status
@@ -208,8 +221,11 @@ class Scheduler:
                step: int) -> None:
         kv = self.kv
         waiting = self.waiting
-        while waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while waiting and budget > 0:
             request = waiting[0]
+            if (len(self.running) + self.num_pending_forks + 1 + request.num_pending_forks
+                    > self.max_num_seqs):
+                break
             num_cached = kv.allocate_prefix(request.request_id, request.all_token_ids,
                                             request.cache_salt)
             assert num_cached < request.num_tokens, "the last token is always recomputed"
@@ -227,6 +243,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.last_scheduled_step = step
             self.running.append(request)
+            self.num_pending_forks += request.num_pending_forks
             scheduled[request.request_id] = num_new
             if copies:
                 ops[request.request_id] = copies
@@ -234,6 +251,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        self.num_pending_forks -= request.num_pending_forks
         self.kv.free(request.request_id)
         num_computed = request.num_computed_tokens
         request.num_computed_tokens = 0

@@ -116,6 +116,13 @@ class BlockPool:
             self._append_free(block)
             self.num_free_blocks += 1
 
+    def uncache(self, block: Block) -> None:
+        """Take a block out of the prefix cache (its hash is forgotten; references stay)."""
+        if block.block_hash is not None:
+            del self.cached[block.block_hash]
+            block.block_hash = None
+            block.token_bytes = None
+
     def lookup(self, block_hash: BlockHash, token_bytes: bytes) -> Block | None:
         """The cached block with this chain hash, confirmed by comparing its token ids."""
         block = self.cached.get(block_hash)

@@ -153,15 +153,20 @@ class KVCacheManager:
                 block.ref_count += 1
         self._seqs[child_id] = child
 
-    def free(self, seq_id: str) -> None:
-        """Drop the sequence's references; an unknown seq_id raises KeyError."""
+    def free(self, seq_id: str, uncache: bool = False) -> None:
+        """Drop the sequence's references; an unknown seq_id raises KeyError. `uncache`: blocks
+        that no other sequence holds also leave the prefix cache (a failed forward pass may have
+        left them hashed but never written)."""
         seq = self._seqs.pop(seq_id)
-        free = self.pool.free
+        pool = self.pool
         # free in reverse so the tail block is evicted first: a later prompt sharing a prefix
         # needs the head blocks, and a hit on block i is useless without blocks 0..i-1
         for block in reversed(seq.blocks):
-            if block is not None:
-                free(block)
+            if block is None:
+                continue
+            if uncache and block.ref_count == 1:
+                pool.uncache(block)
+            pool.free(block)
 
     def release_outside_window(self, seq_id: str, num_computed_tokens: int) -> None:
         """Free the blocks whose every position is <= num_computed_tokens - sliding_window: the next

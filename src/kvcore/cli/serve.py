@@ -17,8 +17,10 @@ from kvcore.device import resolve_device
 from kvcore.engine import AsyncEngine
 from kvcore.planner import format_size, parse_size, plan_for_model
 from kvcore.service import STATE_KEY, drain, make_app
+from kvcore.service.app import DEFAULT_BODY_TIMEOUT_S
 from kvcore.service.auth import keys_from_list, load_keys_file
-from kvcore.service.state import FAILED, LOADING
+from kvcore.service.edge import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, Edge
+from kvcore.service.state import DEFAULT_MAX_SEQUENCES_PER_REQUEST, FAILED, LOADING
 
 log = structlog.get_logger("kvcore.serve")
 
@@ -54,7 +56,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                         action="store_false", help="turn the prefix cache off")
     parser.add_argument("--max-waiting", type=int, metavar="N",
-                        help="answer 429 once N requests wait (default: unbounded)")
+                        help="answer 429 to a call whose sequences would make more than N wait "
+                             "(default: unbounded)")
+    parser.add_argument("--max-sequences-per-request", type=int,
+                        default=DEFAULT_MAX_SEQUENCES_PER_REQUEST, metavar="N",
+                        help="400 for a call of more than N sequences, prompts x n (default "
+                             f"{DEFAULT_MAX_SEQUENCES_PER_REQUEST})")
+    parser.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                        metavar="N", help="503 and close beyond N open connections (default "
+                                          f"{DEFAULT_MAX_CONNECTIONS})")
+    parser.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                        metavar="SECONDS", help="close (408) a connection whose request header "
+                        f"takes longer (default {DEFAULT_HEADER_TIMEOUT_S:g})")
+    parser.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                        metavar="SECONDS", help="408 for a request body that takes longer "
+                        f"(default {DEFAULT_BODY_TIMEOUT_S:g})")
     parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                         help="on SIGTERM/SIGINT, let requests finish this long (default 30)")
     parser.add_argument("--max-body-size", default="4MiB", metavar="SIZE",
@@ -63,14 +79,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def configure_logging() -> None:
-    """JSON lines on stderr: one per request, one per preemption, and the server's own events."""
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    """JSON lines on stderr: one per request, one per preemption, and the server's own events.
+    Records of other libraries (aiohttp, asyncio) are JSON lines too; aiohttp's keep only the
+    exception's class, since their messages and tracebacks can quote request bytes."""
+    timestamper = structlog.processors.TimeStamper(fmt="iso", utc=True)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                    structlog.processors.JSONRenderer()],
+        foreign_pre_chain=[structlog.stdlib.add_logger_name, structlog.processors.add_log_level,
+                           timestamper, structlog.processors.format_exc_info]))
+    handler.addFilter(_scrub_aiohttp)
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
     structlog.configure(
-        processors=[structlog.processors.add_log_level,
-                    structlog.processors.TimeStamper(fmt="iso", utc=True),
+        processors=[structlog.processors.add_log_level, timestamper,
                     structlog.processors.format_exc_info, structlog.processors.JSONRenderer()],
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         cache_logger_on_first_use=True)
+
+
+def _scrub_aiohttp(record: logging.LogRecord) -> bool:
+    if record.name.startswith("aiohttp"):
+        if record.exc_info and record.exc_info[0] is not None:
+            record.msg = f"{record.msg} ({record.exc_info[0].__name__})"
+        record.exc_info = None
+        record.exc_text = None
+    return True
 
 
 def _config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
@@ -108,20 +144,20 @@ async def _exit_on_load_failure(app: web.Application, stop: asyncio.Event) -> No
         stop.set()
 
 
-async def serve(app: web.Application, host: str, port: int, drain_timeout: float) -> int:
+async def serve(app: web.Application, host: str, port: int, drain_timeout: float,
+                edge: Edge | None = None) -> int:
     """Run until SIGTERM/SIGINT, then drain: 503 to new requests, finish or abort the rest.
 
     Returns the exit status: 0 after a drain, 1 when the model failed to load.
     """
-    runner = web.AppRunner(app, handle_signals=False, access_log=None)
+    edge = edge or Edge()
+    edge.install(app)
+    runner = web.AppRunner(app, handle_signals=False, **edge.handler_args)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    # the bound port, when 0 asked for any free one
-    sockets = getattr(site._server, "sockets", None)
-    bound = sockets[0].getsockname()[1] if sockets else port
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    server = await loop.create_server(edge.protocol_factory(runner), host, port)
+    bound = server.sockets[0].getsockname()[1]  # the port, when 0 asked for any free one
+    stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     log.info("serving", url=f"http://{host}:{bound}", port=bound)
@@ -136,6 +172,7 @@ async def serve(app: web.Application, host: str, port: int, drain_timeout: float
         return 0
     finally:
         watcher.cancel()
+        server.close()
         await runner.cleanup()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
@@ -156,9 +193,15 @@ def run(args: argparse.Namespace) -> int:
         max_body = parse_size(args.max_body_size)
         if args.drain_timeout < 0:
             raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+        edge = Edge(args.max_connections, args.header_timeout)
     except (OSError, ValueError, RuntimeError) as e:
         raise CLIError(str(e)) from e
     names = args.served_model_name or [args.model if args.model else model_dir.name]
-    app = make_app(lambda: _build_engine(config), api_keys=keys, served_model_name=names,
-                   max_body_size=max_body, max_waiting=args.max_waiting)
-    return asyncio.run(serve(app, args.host, args.port, args.drain_timeout))
+    try:
+        app = make_app(lambda: _build_engine(config), api_keys=keys, served_model_name=names,
+                       max_body_size=max_body, max_waiting=args.max_waiting,
+                       max_sequences_per_request=args.max_sequences_per_request,
+                       body_timeout=args.body_timeout)
+    except ValueError as e:
+        raise CLIError(str(e)) from e
+    return asyncio.run(serve(app, args.host, args.port, args.drain_timeout, edge))

@@ -12,13 +12,18 @@ from types import TracebackType
 
 import structlog
 
-from kvcore.config import EngineConfig
+from kvcore.config import EngineConfig, ParamError
 from kvcore.engine.engine import Engine
 from kvcore.engine.setup import check_prompt
 from kvcore.request import RequestOutput
 from kvcore.sampling import BeamSearchParams, SamplingParams
 
 log = structlog.get_logger(__name__)
+
+
+class RequestFailed(RuntimeError):
+    """The engine failed this request (its sampling, output processing, or the forward pass of
+    its step); other requests go on. Raised by the stream of `AsyncEngine.generate`."""
 
 
 @dataclass(slots=True)
@@ -49,6 +54,9 @@ class AsyncEngine:
         self._executor: ThreadPoolExecutor | None = None
         self._task: asyncio.Task[None] | None = None
         self._wakeup: asyncio.Event | None = None
+        # sequences waiting in the scheduler, published by the driver after each step (the event
+        # loop never reads scheduler state while a step may be running)
+        self._num_waiting_seqs = 0
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
@@ -56,7 +64,9 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.engine.scheduler.waiting) + len(self._adds)
+        """Sequences waiting to run: the scheduler's (as of the last step) and those queued to
+        be added (n > 1 and beams count every sequence)."""
+        return self._num_waiting_seqs + sum(_num_seqs(add.params) for add in self._adds)
 
     @property
     def running(self) -> bool:
@@ -116,7 +126,7 @@ class AsyncEngine:
         check_prompt(prompt_ids, params, engine.max_model_len, engine.model_config.vocab_size,
                      engine.kv)
         if request_id in self._queues:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise ParamError("request_id", f"request_id {request_id!r} is already in use")
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
         self._adds.append(_Add(request_id, prompt if isinstance(prompt, str) else None,
@@ -130,6 +140,8 @@ class AsyncEngine:
                     finished = True
                     raise item
                 finished = item.finished
+                if item.error is not None:
+                    raise RequestFailed(item.error)
                 yield item
                 if finished:
                     return
@@ -160,12 +172,15 @@ class AsyncEngine:
                 continue
             try:
                 outputs = await loop.run_in_executor(self._executor, engine.step)
-            except Exception as e:  # a failed step fails its requests, not the driver
+            except Exception as e:
+                # Engine.step contains the failures it can attribute; one that escapes is a bug
+                # in shared state: end every request (and free its blocks) rather than go on
                 log.exception("engine step failed")
-                for queue in self._queues.values():
-                    queue.put_nowait(e)
-                self._aborts.extend(self._queues)
+                for request_id, queue in list(self._queues.items()):
+                    engine.abort_request(request_id)
+                    queue.put_nowait(RequestFailed(f"engine step failed: {type(e).__name__}"))
                 continue
+            self._num_waiting_seqs = sum(r.num_seqs for r in engine.scheduler.waiting)
             for output in outputs:
                 consumer = self._queues.get(output.request_id)
                 if consumer is not None:
@@ -183,6 +198,7 @@ class AsyncEngine:
                                         prompt_text=add.prompt)
             except ValueError as e:
                 add.queue.put_nowait(e)
+        self._num_waiting_seqs = sum(r.num_seqs for r in self.engine.scheduler.waiting)
 
     def _apply_aborts(self) -> None:
         aborts, self._aborts = self._aborts, []
@@ -191,3 +207,7 @@ class AsyncEngine:
             queue = self._queues.get(request_id)
             if output is not None and queue is not None:
                 queue.put_nowait(output)
+
+
+def _num_seqs(params: SamplingParams | BeamSearchParams) -> int:
+    return params.n if isinstance(params, SamplingParams) else params.beam_width

@@ -10,7 +10,7 @@ import structlog
 
 from kvcore.cache import KVCacheManager
 from kvcore.cache.kv_cache import KVCache
-from kvcore.config import EngineConfig, ModelConfig
+from kvcore.config import EngineConfig, ModelConfig, ParamError
 from kvcore.device import resolve_device
 from kvcore.engine.beam import beam_step
 from kvcore.engine.group import RequestGroup
@@ -25,16 +25,17 @@ from kvcore.engine.setup import (
 )
 from kvcore.model.half_llama import HalfLlamaModel
 from kvcore.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from kvcore.request import Request, RequestOutput
+from kvcore.request import Request, RequestOutput, RequestStatus
 from kvcore.sampling import (
     BeamSearch,
     BeamSearchParams,
     Sampler,
     SamplingParams,
     SamplingRow,
+    TokenLogprob,
     make_generator,
 )
-from kvcore.scheduler import Scheduler
+from kvcore.scheduler import Scheduler, SchedulerOutput
 
 log = structlog.get_logger(__name__)
 
@@ -101,17 +102,20 @@ class Engine:
         than max_model_len, prompt + max_tokens > max_model_len, more blocks than the pool holds,
         or a duplicate request_id. `prompt_text`: the text of a pre-tokenized `prompt`."""
         if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
+            raise ParamError("priority", f"priority must be an integer, got {priority!r}")
         if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError(f"cache_salt must be a string or None, got {cache_salt!r}")
+            raise ParamError("cache_salt", f"cache_salt must be a string or None, "
+                             f"got {cache_salt!r}")
         if request_id in self._groups or request_id in self.scheduler.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise ParamError("request_id", f"request_id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else prompt_text
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         max_tokens = check_prompt(prompt_ids, params, self.max_model_len,
                                   self.model_config.vocab_size, self.kv)
         first = self._new_request(request_id, text, prompt_ids, params, max_tokens, priority,
                                   cache_salt, request_id, 0)
+        first.num_pending_forks = (params.n if isinstance(params, SamplingParams)
+                                   else params.beam_width) - 1
         self.scheduler.add_request(first)  # admission control: ValueError, nothing allocated
         self._groups[request_id] = RequestGroup(
             first, BeamSearch(params, self.eos_token_ids)
@@ -151,24 +155,58 @@ class Engine:
     # --- one step ---
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns the outputs of the requests that progressed or finished."""
+        """Run one step; returns the outputs of the requests that progressed or finished.
+
+        A failure is contained where it happens: an exception in one request's sampling, beam
+        step, detokenization or stop checks fails that request only (its output carries the
+        error); an exception in the shared forward pass fails the requests of that step, and
+        the engine goes on with the others and the queue."""
         out = self.scheduler.schedule()
         for request_id in out.preempted_ids:
             group = self._groups.get(self.scheduler.requests[request_id].group_id or "")
             if group is not None:
                 group.pending.pop(request_id, None)  # a preempted beam recomputes its row
         if out.scheduled:
-            logits, sampling = self.runner.execute(out, self.scheduler.requests)
+            try:
+                logits, sampling = self.runner.execute(out, self.scheduler.requests)
+            except Exception as e:
+                return self._fail_step(out, e)
         else:
             logits, sampling = np.zeros((0, self.model_config.vocab_size), np.float32), []
         self.scheduler.advance(out)
         sampled, touched = self._sample(logits, sampling)
-        self.scheduler.append_tokens(sampled)
+        self._append_tokens(sampled, touched)
+        return self._outputs(touched)
+
+    def _outputs(self, touched: dict[str, RequestGroup]) -> list[RequestOutput]:
         outputs = [group.output() for group in touched.values()]
         for group in touched.values():
             if group.finished:
                 del self._groups[group.request_id]
         return outputs
+
+    def _fail(self, group: RequestGroup, error: BaseException, stage: str,
+              uncache: bool = False) -> None:
+        """Finish every sequence of `group` with an error (blocks freed at once)."""
+        log.error("request failed", request_id=group.request_id, stage=stage,
+                  error=f"{type(error).__name__}: {error}")
+        group.error = f"{stage} failed: {type(error).__name__}: {error}"
+        for member in group.members:
+            if member.request_id in self.scheduler.requests:
+                self.scheduler.finish(member, RequestStatus.FINISHED_ERROR, uncache)
+
+    def _fail_step(self, out: SchedulerOutput, error: BaseException) -> list[RequestOutput]:
+        """The forward pass failed: its requests fail; their blocks leave the prefix cache too,
+        since blocks hashed for this step may never have been written."""
+        log.exception("forward pass failed", num_requests=len(out.scheduled))
+        touched: dict[str, RequestGroup] = {}
+        for request_id, _ in out.scheduled:
+            request = self.scheduler.requests.get(request_id)
+            group = self._groups.get(request.group_id or request_id) if request else None
+            if group is not None and group.request_id not in touched:
+                touched[group.request_id] = group
+                self._fail(group, error, "forward pass", uncache=True)
+        return self._outputs(touched)
 
     def _sample(self, logits: np.ndarray, sampling: list[Request]
                 ) -> tuple[dict[str, int], dict[str, RequestGroup]]:
@@ -192,19 +230,58 @@ class Engine:
                 row_logits.append(i)
         sampled: dict[str, int] = {}
         if rows:
-            batch = logits[row_logits]  # (B, V) a copy: the processors write in place
-            result = self.sampler(batch, [_sampling_row(r) for r in rows])
-            for request, token_id, logprob in zip(rows, result.token_ids.tolist(),
-                                                  result.logprobs, strict=True):
+            for request, token_id, logprob in self._draw(logits, row_logits, rows, touched):
                 sampled[request.request_id] = token_id
                 if logprob is not None and request.logprobs is not None:
                     request.logprobs.append(logprob)
                     request.cumulative_logprob += logprob.logprob
         for group in touched.values():
-            if group.beam is not None:
-                beam_step(group, self.scheduler, self.tokenizer.decode)
+            if group.beam is not None and group.error is None:
+                try:
+                    beam_step(group, self.scheduler, self.tokenizer.decode)
+                except Exception as e:
+                    self._fail(group, e, "beam search")
         return sampled, {k: g for k, g in touched.items()
-                         if g.beam is None or g.beam_outputs is not None}
+                         if g.beam is None or g.beam_outputs is not None or g.error is not None}
+
+    def _draw(self, logits: np.ndarray, row_logits: list[int], rows: list[Request],
+              touched: dict[str, RequestGroup]) -> list[tuple[Request, int, TokenLogprob | None]]:
+        """Sample every row at once; if that fails, row by row from the same generator states,
+        so only the rows that fail on their own fail their requests."""
+        states = [r.generator.bit_generator.state if r.generator is not None else None
+                  for r in rows]
+        try:
+            batch = logits[row_logits]  # (B, V) a copy: the processors write in place
+            result = self.sampler(batch, [_sampling_row(r) for r in rows])
+            return list(zip(rows, result.token_ids.tolist(), result.logprobs, strict=True))
+        except Exception:
+            pass
+        drawn = []
+        for i, (request, state) in enumerate(zip(rows, states, strict=True)):
+            if request.generator is not None and state is not None:
+                request.generator.bit_generator.state = state
+            group = touched[request.group_id or request.request_id]
+            if group.error is not None:
+                continue
+            try:
+                one = self.sampler(logits[row_logits[i:i + 1]], [_sampling_row(request)])
+            except Exception as e:
+                self._fail(group, e, "sampling")
+                continue
+            drawn.append((request, int(one.token_ids[0]), one.logprobs[0]))
+        return drawn
+
+    def _append_tokens(self, sampled: dict[str, int], touched: dict[str, RequestGroup]) -> None:
+        """Append each sampled token (detokenize, stop checks); a request whose own processing
+        raises fails alone."""
+        requests = self.scheduler.requests
+        for request_id, token_id in sampled.items():
+            try:
+                self.scheduler.append_tokens({request_id: token_id})
+            except Exception as e:
+                request = requests.get(request_id)
+                if request is not None:
+                    self._fail(touched[request.group_id or request_id], e, "output processing")
 
     def _fork_choices(self, group: RequestGroup, parent: Request) -> None:
         """n > 1: the prompt was prefilled once; n - 1 more sequences share its blocks."""

@@ -27,11 +27,12 @@ class RequestGroup:
         self.beam_outputs: list[CompletionOutput] | None = None  # set when the search is done
         self.num_forks = 0  # beams forked so far: unique sequence ids
         self.aborted = False
+        self.error: str | None = None  # why the engine failed this request (finished)
         self.finished_time: float | None = None
 
     @property
     def finished(self) -> bool:
-        if self.aborted:
+        if self.aborted or self.error is not None:
             return True
         if self.beam is not None:
             return self.beam_outputs is not None
@@ -42,7 +43,7 @@ class RequestGroup:
         first = self.first
         if self.beam is not None and self.beam_outputs is not None:
             outputs = self.beam_outputs
-        elif self.beam is not None and not self.aborted:
+        elif self.beam is not None and not self.aborted and self.error is None:
             outputs = []  # a beam search reports once, when it is done
         else:  # the choices (or, aborted, the live beams as they were: reason "abort")
             outputs = [m.completion() for m in self.members]
@@ -59,4 +60,5 @@ class RequestGroup:
             num_cached_tokens=first.num_cached_tokens,
             metrics=RequestMetrics(metrics.arrival_time, metrics.first_scheduled_time,
                                    metrics.first_token_time, self.finished_time),
+            error=self.error,
         )

@@ -9,7 +9,7 @@ import numpy as np
 
 from kvcore.cache import KVCacheManager
 from kvcore.cache.kv_cache import KVCache
-from kvcore.config import EngineConfig, ModelConfig
+from kvcore.config import EngineConfig, ModelConfig, ParamError
 from kvcore.model import BatchInput, load_model
 from kvcore.model.half_llama import HALF_CACHE_DTYPES, load_half_model
 from kvcore.planner import bytes_per_token, num_blocks_for_memory
@@ -90,29 +90,32 @@ def pool_size(config: EngineConfig, model_config: ModelConfig, cache_dtype: str,
 
 def check_prompt(prompt_ids: Sequence[int], params: SamplingParams | BeamSearchParams,
                  max_model_len: int, vocab_size: int, kv: KVCacheManager) -> int:
-    """Validate a request before it is queued; returns its resolved max_tokens."""
+    """Validate a request before it is queued; returns its resolved max_tokens. ParamError
+    (a ValueError) names the parameter."""
     if not isinstance(params, SamplingParams | BeamSearchParams):
-        raise ValueError(f"params must be SamplingParams or BeamSearchParams, got {params!r}")
+        raise ParamError("params", f"params must be SamplingParams or BeamSearchParams, "
+                         f"got {params!r}")
     num_prompt = len(prompt_ids)
     if num_prompt == 0:
-        raise ValueError("prompt must not be empty")
+        raise ParamError("prompt", "prompt must not be empty")
     bad = [t for t in prompt_ids if not isinstance(t, int | np.integer) or not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})")
+        raise ParamError("prompt", f"prompt token id {bad[0]!r} is outside the vocabulary "
+                         f"[0, {vocab_size})")
     if num_prompt >= max_model_len:
-        raise ValueError(f"prompt has {num_prompt} tokens; max_model_len={max_model_len} leaves "
-                         "no room for output")
+        raise ParamError("prompt", f"prompt has {num_prompt} tokens; max_model_len="
+                         f"{max_model_len} leaves no room for output")
     max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - num_prompt
     if num_prompt + max_tokens > max_model_len:
-        raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds "
-                         f"max_model_len={max_model_len}")
+        raise ParamError("max_tokens", f"prompt ({num_prompt} tokens) + max_tokens "
+                         f"({max_tokens}) exceeds max_model_len={max_model_len}")
     num_seqs = params.n if isinstance(params, SamplingParams) else params.beam_width
     if num_seqs > 1:
         # the sequences of one request run together: all of them at full length must fit
         bs = kv.block_size
         num_blocks = -(-num_prompt // bs) + num_seqs * (-(-max_tokens // bs) + 1)
         if num_blocks > kv.num_blocks:
-            raise ValueError(f"{num_seqs} sequences of {num_prompt} + {max_tokens} tokens need "
-                             f"{num_blocks} KV blocks, more than the whole pool "
+            raise ParamError("n", f"{num_seqs} sequences of {num_prompt} + {max_tokens} tokens "
+                             f"need {num_blocks} KV blocks, more than the whole pool "
                              f"({kv.num_blocks})")
     return max_tokens

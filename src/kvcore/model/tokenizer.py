@@ -99,6 +99,11 @@ class Tokenizer:
                 token_id for token, token_id in tokenizer.get_vocab().items()
                 if _BYTE_PIECE.fullmatch(token))
         self._template: jinja2.Template | None = None
+        # the most characters of text one token stands for (its vocabulary string: byte-level
+        # and sentencepiece pieces hold at least one character per character of text), so a
+        # text longer than n x this cannot fit in n tokens: a bound checked before tokenizing
+        self.max_token_chars: int = max(
+            [len(token) for token in tokenizer.get_vocab(with_added_tokens=True)] or [1])
 
     def _special_id(self, name: str, generation_config: dict[str, Any]) -> int | None:
         text = self.special_tokens.get(name)

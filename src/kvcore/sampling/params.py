@@ -7,6 +7,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kvcore.config import ParamError
+
 MAX_N = 128
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
@@ -15,6 +17,12 @@ MAX_BEAM_WIDTH = 128
 # Temperatures below this are treated as greedy (vLLM's _SAMPLING_EPS): dividing logits by a
 # near-zero temperature only produces overflow, never a different argmax.
 GREEDY_TEMPERATURE_EPS = 1e-5
+# Ranges where the math stays finite in float32 (logits of a real model are within about +-1e3):
+# a repetition penalty divides positive logits by it (1e-38 overflowed them to inf and broke the
+# draw), and a beam's score divides by length ** length_penalty (1000 overflowed at any length;
+# +-5 keeps 131,072 ** 5 = 3.8e25 and its inverse inside float32's normal range).
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+LENGTH_PENALTY_RANGE = (-5.0, 5.0)
 
 
 def _is_int(value: Any) -> bool:
@@ -28,29 +36,32 @@ def _is_number(value: Any) -> bool:
 def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
     bound = f">= {low}" if high is None else f"in [{low}, {high}]"
     if not _is_int(value) or value < low or (high is not None and value > high):
-        raise ValueError(f"{name} must be an integer {bound}, got {value!r}")
+        raise ParamError(name, f"{name} must be an integer {bound}, got {value!r}")
 
 
 def _check_float(name: str, value: Any, low: float, high: float, *, open_low: bool = False) -> None:
-    ok = _is_number(value) and math.isfinite(value) and value <= high
+    try:  # an int too large for a float overflows in isfinite
+        ok = _is_number(value) and math.isfinite(value) and value <= high
+    except OverflowError:
+        ok = False
     ok = ok and (value > low if open_low else value >= low)
     if not ok:
         interval = f"({low}, {high}]" if open_low else f"[{low}, {high}]"
-        raise ValueError(f"{name} must be a finite number in {interval}, got {value!r}")
+        raise ParamError(name, f"{name} must be a finite number in {interval}, got {value!r}")
 
 
 def _check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be a bool, got {value!r}")
+        raise ParamError(name, f"{name} must be a bool, got {value!r}")
 
 
 def _token_ids(name: str, value: Any) -> tuple[int, ...]:
     if isinstance(value, str | bytes) or not isinstance(value, Iterable):
-        raise ValueError(f"{name} must be a sequence of token ids, got {value!r}")
+        raise ParamError(name, f"{name} must be a sequence of token ids, got {value!r}")
     ids = tuple(value)
     for token_id in ids:
         if not _is_int(token_id) or token_id < 0:
-            raise ValueError(f"{name} must hold token ids >= 0, got {token_id!r}")
+            raise ParamError(name, f"{name} must hold token ids >= 0, got {token_id!r}")
     return ids
 
 
@@ -81,7 +92,7 @@ class SamplingParams:
             _check_int("max_tokens", self.max_tokens, 1)
         _check_int("min_tokens", self.min_tokens, 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), "
+            raise ParamError("min_tokens", f"min_tokens must be <= max_tokens ({self.max_tokens}), "
                              f"got {self.min_tokens}")
         _check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
         _check_float("top_p", self.top_p, 0.0, 1.0, open_low=True)
@@ -92,15 +103,16 @@ class SamplingParams:
             _check_int("seed", self.seed, -(2**63), 2**64 - 1)
         _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        _check_float("repetition_penalty", self.repetition_penalty, 0.0, 2.0**31, open_low=True)
+        _check_float("repetition_penalty", self.repetition_penalty, *REPETITION_PENALTY_RANGE)
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, Mapping):
-                raise ValueError(f"logit_bias must be a mapping token id -> bias, "
+                raise ParamError("logit_bias", f"logit_bias must be a mapping token id -> bias, "
                                  f"got {self.logit_bias!r}")
             for token_id, bias in self.logit_bias.items():
                 if not _is_int(token_id) or token_id < 0:
-                    raise ValueError(f"logit_bias keys must be token ids >= 0, got {token_id!r}")
-                _check_float(f"logit_bias[{token_id}]", bias, -100.0, 100.0)
+                    raise ParamError("logit_bias", f"logit_bias keys must be token ids >= 0, "
+                                                   f"got {token_id!r}")
+                _check_float("logit_bias", bias, -100.0, 100.0)
             # a private copy, so a caller mutating its dict cannot change a running request
             object.__setattr__(self, "logit_bias", dict(self.logit_bias))
         object.__setattr__(self, "stop", _stop_strings(self.stop))
@@ -122,13 +134,14 @@ def _stop_strings(value: Any) -> tuple[str, ...]:
     # OpenAI accepts a single string as well as a list; a bare str must not be split into chars
     stops = (value,) if isinstance(value, str) else value
     if not isinstance(stops, Iterable):
-        raise ValueError(f"stop must be a sequence of strings, got {value!r}")
+        raise ParamError("stop", f"stop must be a sequence of strings, got {value!r}")
     stops = tuple(stops)
     if len(stops) > MAX_STOP_STRINGS:
-        raise ValueError(f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(stops)}")
+        raise ParamError("stop", f"stop must hold at most {MAX_STOP_STRINGS} strings, "
+                                 f"got {len(stops)}")
     for stop in stops:
         if not isinstance(stop, str) or not stop:
-            raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
+            raise ParamError("stop", f"stop strings must be non-empty strings, got {stop!r}")
     return stops
 
 
@@ -147,11 +160,10 @@ class BeamSearchParams:
     def __post_init__(self) -> None:
         _check_int("beam_width", self.beam_width, 1, MAX_BEAM_WIDTH)
         _check_int("max_tokens", self.max_tokens, 1)
-        if not _is_number(self.length_penalty) or not math.isfinite(self.length_penalty):
-            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        _check_float("length_penalty", self.length_penalty, *LENGTH_PENALTY_RANGE)
         if self.early_stopping not in (True, False, "never") or not isinstance(
                 self.early_stopping, bool | str):
-            raise ValueError(f"early_stopping must be True, False or 'never', "
+            raise ParamError("early_stopping", f"early_stopping must be True, False or 'never', "
                              f"got {self.early_stopping!r}")
         _check_bool("ignore_eos", self.ignore_eos)
         object.__setattr__(self, "stop_token_ids", _token_ids("stop_token_ids",
