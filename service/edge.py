@@ -21,6 +21,10 @@ log = structlog.get_logger("kvcore.service")
 DEFAULT_MAX_CONNECTIONS = 1024
 DEFAULT_HEADER_TIMEOUT_S = 30.0  # from a request's first byte to its complete header block
 KEEPALIVE_TIMEOUT_S = 75.0  # an idle keep-alive connection is closed after this
+# after an early answer (413, 408) aiohttp reads and drops the rest of the body for this long
+# before it closes (aiohttp's default is 10 s: a stalled client would keep the connection)
+LINGERING_TIME_S = 2.0
+REFUSE_LINGER_S = 0.5  # a refused connection (over the cap) is closed this long after its 503
 
 
 def _raw_response(status: int, message: str) -> bytes:
@@ -74,7 +78,9 @@ class _Connection(asyncio.Protocol):
             transport.write(_raw_response(503, f"the server holds its maximum of "
                                           f"{self.edge.max_connections} connections; retry "
                                           "later"))
-            transport.close()
+            # close a moment later: closing with the client's request unread would reset the
+            # connection and could drop the answer before the client reads it
+            asyncio.get_running_loop().call_later(REFUSE_LINGER_S, transport.close)
             return
         self.edge.connections[transport] = self
         self.handler.connection_made(transport)
@@ -90,7 +96,7 @@ class _Connection(asyncio.Protocol):
     def eof_received(self) -> bool | None:
         if self.handler is not None:
             self.handler.eof_received()
-        return None
+        return None  # the transport closes itself (a refused connection: at once)
 
     def pause_writing(self) -> None:
         if self.handler is not None:
@@ -149,7 +155,8 @@ class Edge:
         # RequestHandler's options: no access log (the app logs one line per request), bodies
         # are never decompressed (a Content-Encoding is refused with 415)
         self.handler_args: dict[str, Any] = {"access_log": None, "auto_decompress": False,
-                                             "keepalive_timeout": KEEPALIVE_TIMEOUT_S}
+                                             "keepalive_timeout": KEEPALIVE_TIMEOUT_S,
+                                             "lingering_time": LINGERING_TIME_S}
 
     def install(self, app: web.Application) -> None:
         """The middleware that tells a connection its request reached the application."""

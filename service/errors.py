@@ -37,7 +37,10 @@ class APIError(Exception):
                           "param": self.param, "code": self.code}}
 
     def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status, headers=self.headers)
+        response = web.json_response(self.body(), status=self.status, headers=self.headers)
+        if self.headers.get("Connection") == "close":
+            response.force_close()  # e.g. a stalled body: the connection is not reusable
+        return response
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

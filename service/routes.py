@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from aiohttp import web
 
 import kvcore
@@ -46,15 +48,14 @@ async def tokenize(request: web.Request) -> web.Response:
             raise bad_request("prompt must be a string (or send messages)", "prompt")
         add_special = get_bool(body, "add_special_tokens", True)
     token_strs = get_bool(body, "return_token_strs", False)
-    # request-sized CPU work (a 4 MB prompt takes seconds): off the event loop
-    tokens, strs = await state.offload(_tokenize, engine.tokenizer, body.get("prompt"),
-                                       messages, add_special, token_strs)
-    return web.json_response({"count": len(tokens), "max_model_len": engine.max_model_len,
-                              "tokens": tokens, "token_strs": strs})
+    # request-sized CPU work (a 4 MB prompt takes seconds, its answer's JSON too): off the loop
+    answer = await state.offload(_tokenize, engine.tokenizer, body.get("prompt"), messages,
+                                 add_special, token_strs, engine.max_model_len)
+    return web.Response(body=answer, content_type="application/json")
 
 
 def _tokenize(tokenizer: Tokenizer, prompt: str | None, chat: GenerationRequest | None,
-              add_special: bool, token_strs: bool) -> tuple[list[int], list[str] | None]:
+              add_special: bool, token_strs: bool, max_model_len: int) -> bytes:
     if chat is not None:
         try:
             prompt = tokenizer.apply_chat_template(
@@ -63,7 +64,9 @@ def _tokenize(tokenizer: Tokenizer, prompt: str | None, chat: GenerationRequest 
             raise bad_request(f"chat template: {e}", "messages") from None
     assert prompt is not None
     tokens = tokenizer.encode(prompt, add_special_tokens=add_special)
-    return tokens, [tokenizer.id_to_token(t) for t in tokens] if token_strs else None
+    strs = [tokenizer.id_to_token(t) for t in tokens] if token_strs else None
+    return json.dumps({"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens,
+                       "token_strs": strs}).encode()
 
 
 async def detokenize(request: web.Request) -> web.Response:

@@ -15,6 +15,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 _REPLACEMENT = "\ufffd"  # what a decoder writes for an incomplete UTF-8 sequence
+_GIL_FREE_CHARS = 8192  # longer inputs go through the *_batch calls, which release the GIL
 _BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # sentencepiece's byte-fallback pieces
 
 
@@ -135,14 +136,21 @@ class Tokenizer:
         """Token ids of `text`; special tokens written in the text become their ids."""
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
-        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        if len(text) < _GIL_FREE_CHARS:
+            return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        # `encode` holds the GIL throughout (seconds for megabytes, stalling every thread);
+        # `encode_batch` releases it and gives the same ids
+        batch = self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+        return list(batch[0].ids)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         ids = list(token_ids)
         if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
             bad = next(i for i in ids if not 0 <= i < self.vocab_size)
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        return str(self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+        if len(ids) < _GIL_FREE_CHARS:
+            return str(self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+        return str(self._tokenizer.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0])
 
     def id_to_token(self, token_id: int) -> str:
         token = self._tokenizer.id_to_token(token_id) if token_id >= 0 else None
