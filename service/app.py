@@ -154,7 +154,7 @@ def make_app(engine: AsyncEngine | Callable[[], AsyncEngine], *,
     elif served_model_name:
         names = list(served_model_name)
     elif isinstance(engine, AsyncEngine):
-        names = [Path(engine.engine.config.model).name]
+        names = [Path(engine.config.model).name]
     else:
         raise ValueError("served_model_name is required when the engine is built lazily")
     auth = TenantAuth(keys, cache_salt_secret)
@@ -165,7 +165,7 @@ def make_app(engine: AsyncEngine | Callable[[], AsyncEngine], *,
         created=int(time.time()), engine=engine if isinstance(engine, AsyncEngine) else None,
         max_sequences_per_request=max_sequences_per_request, body_timeout=body_timeout)
     state.metrics = ServiceMetrics(
-        names[0], lambda: state.engine.engine.stats() if state.engine is not None else None)
+        names[0], lambda: state.engine.stats() if state.engine is not None else None)
     state.idle.set()
     app = web.Application(middlewares=[_errors, _auth_middleware(auth)])
     app[STATE_KEY] = state

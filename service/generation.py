@@ -1,15 +1,12 @@
-"""The engine requests of one API call: merged outputs, choices, disconnects, abort."""
+"""The engine requests of one API call: merged outputs, choices, abort."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
-
-from aiohttp import web
 
 from kvcore.config import ParamError
 from kvcore.engine import RequestFailed
@@ -17,8 +14,6 @@ from kvcore.request import RequestOutput
 from kvcore.sampling.params import BeamSearchParams, SamplingParams, TokenLogprob
 from kvcore.service.errors import APIError, bad_request
 from kvcore.service.protocol import GenerationRequest
-
-DISCONNECT_POLL_S = 0.1  # how often a request checks its client is still there
 
 
 @dataclass(slots=True)
@@ -194,28 +189,6 @@ class Generation:
                 "completion_tokens": completion,
                 "prompt_tokens_details": {"cached_tokens": sum(j.num_cached_tokens
                                                                for j in self.jobs)}}
-
-
-async def _watch(request: web.Request, task: asyncio.Task[Any]) -> None:
-    while True:
-        await asyncio.sleep(DISCONNECT_POLL_S)
-        transport = request.transport
-        if transport is None or transport.is_closing():
-            task.cancel()
-            return
-
-
-@contextlib.asynccontextmanager
-async def cancel_on_disconnect(request: web.Request) -> AsyncIterator[None]:
-    """Cancel the handler when its client goes away, even while no byte is being written
-    (prefill, queueing, non-streaming requests): cancellation aborts the engine requests."""
-    task = asyncio.current_task()
-    assert task is not None
-    watcher = asyncio.create_task(_watch(request, task))
-    try:
-        yield
-    finally:
-        watcher.cancel()
 
 
 def raise_if_busy(engine: Any, max_waiting: int | None, num_seqs: int) -> None:

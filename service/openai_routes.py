@@ -20,7 +20,6 @@ from kvcore.service.generation import (
     Generation,
     Job,
     build_params,
-    cancel_on_disconnect,
     raise_if_busy,
 )
 from kvcore.service.protocol import (
@@ -44,7 +43,7 @@ log = structlog.get_logger("kvcore.service")
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE_KEY]
     body = await read_json(request, state.max_body_size, state.body_timeout)
-    engine = state.ready_engine().engine
+    engine = state.ready_engine()
     req = parse_completion(body, engine.model_config.vocab_size)
     name = state.model_name(req.model)
     state.check_num_seqs(len(req.prompts) * req.n)
@@ -77,7 +76,7 @@ def _completion_jobs(req: GenerationRequest, tokenizer: Tokenizer, max_model_len
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE_KEY]
     body = await read_json(request, state.max_body_size, state.body_timeout)
-    engine = state.ready_engine().engine
+    engine = state.ready_engine()
     req = parse_chat(body, engine.model_config.vocab_size)
     name = state.model_name(req.model)
     state.check_num_seqs(req.n)
@@ -191,7 +190,7 @@ async def _respond(request: web.Request, state: ServiceState, req: GenerationReq
     tenant = request.get(TENANT_KEY, ANONYMOUS_TENANT)
     gen = Generation(async_engine, req, jobs, state.auth.cache_salt(tenant, req.cache_salt),
                      state.metrics.observe_token_gap)
-    fmt = _Formatter(req, gen, call_id, model, LogprobFormatter(async_engine.engine.tokenizer))
+    fmt = _Formatter(req, gen, call_id, model, LogprobFormatter(async_engine.tokenizer))
     binary = MSGPACK_TYPE in request.headers.get("Accept", "")
     task = asyncio.current_task()
     assert task is not None
@@ -201,14 +200,15 @@ async def _respond(request: web.Request, state: ServiceState, req: GenerationReq
         raise_if_busy(async_engine, state.max_waiting, len(jobs) * req.n)
         state.track(task, gen)
         tracked = True
-        async with cancel_on_disconnect(request):
-            gen.start()
-            if not (req.stream or binary):
-                async for _ in gen.deltas():
-                    pass
-                return web.json_response(fmt.final(), headers={"X-Request-Id": call_id})
-            response, outcome = await _stream(request, req, gen, fmt, binary)
-            return response
+        # a client that goes away cancels this handler (aiohttp's handler_cancellation, which
+        # `kvcore serve` and aiohttp's test server turn on): the finally below aborts
+        gen.start()
+        if not (req.stream or binary):
+            async for _ in gen.deltas():
+                pass
+            return web.json_response(fmt.final(), headers={"X-Request-Id": call_id})
+        response, outcome = await _stream(request, req, gen, fmt, binary)
+        return response
     except asyncio.CancelledError:
         outcome = "cancelled"
         raise

@@ -24,7 +24,7 @@ async def health(request: web.Request) -> web.Response:
 
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
-    engine = state.ready_engine().engine
+    engine = state.ready_engine()
     data = [{"id": name, "object": "model", "created": state.created, "owned_by": "kvcore",
              "root": state.served_model_names[0], "parent": None,
              "max_model_len": engine.max_model_len} for name in state.served_model_names]
@@ -34,7 +34,7 @@ async def models(request: web.Request) -> web.Response:
 async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     body = await read_json(request, state.max_body_size, state.body_timeout)
-    engine = state.ready_engine().engine
+    engine = state.ready_engine()
     if body.get("model") is not None:
         state.model_name(body["model"] if isinstance(body["model"], str) else str(body["model"]))
     messages = None
@@ -72,7 +72,7 @@ def _tokenize(tokenizer: Tokenizer, prompt: str | None, chat: GenerationRequest 
 async def detokenize(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     body = await read_json(request, state.max_body_size, state.body_timeout)
-    engine = state.ready_engine().engine
+    engine = state.ready_engine()
     raw = body.get("tokens")
     if not isinstance(raw, list):
         raise bad_request("tokens must be an array of token ids", "tokens")

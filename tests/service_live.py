@@ -31,13 +31,11 @@ class LiveServer:
 
     async def _start(self) -> None:
         self.app = self._make()
-        self._runner = web.AppRunner(self.app, access_log=None)
+        self._runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
-        server = site._server
-        assert server is not None and server.sockets
-        self.port = server.sockets[0].getsockname()[1]
+        self.port = self._runner.addresses[0][1]
 
     @property
     def url(self) -> str:

@@ -15,3 +15,35 @@ __version__ = "0.1.0"
 # NumPy; a value already set wins.
 if "numpy" not in sys.modules:
     os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "18")
+
+# The public API, imported lazily: `import kvcore` stays light (and sets the BLAS variable above
+# before anything imports NumPy); `from kvcore import LLM` loads the engine on first use.
+_PUBLIC = {
+    "LLM": "kvcore.engine",
+    "AsyncEngine": "kvcore.engine",
+    "RequestFailed": "kvcore.engine",
+    "SamplingParams": "kvcore.sampling",
+    "BeamSearchParams": "kvcore.sampling",
+    "EngineConfig": "kvcore.config",
+    "CacheConfig": "kvcore.config",
+    "SchedulerConfig": "kvcore.config",
+    "ParamError": "kvcore.config",
+    "RequestOutput": "kvcore.request",
+    "CompletionOutput": "kvcore.request",
+}
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> object:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvcore' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # resolved once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PUBLIC])

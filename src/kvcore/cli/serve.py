@@ -152,7 +152,10 @@ async def serve(app: web.Application, host: str, port: int, drain_timeout: float
     """
     edge = edge or Edge()
     edge.install(app)
-    runner = web.AppRunner(app, handle_signals=False, **edge.handler_args)
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its
+    # engine requests at once (no polling)
+    runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True,
+                           **edge.handler_args)
     await runner.setup()
     loop = asyncio.get_running_loop()
     server = await loop.create_server(edge.protocol_factory(runner), host, port)

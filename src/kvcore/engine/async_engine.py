@@ -12,9 +12,10 @@ from types import TracebackType
 
 import structlog
 
-from kvcore.config import EngineConfig, ParamError
-from kvcore.engine.engine import Engine
+from kvcore.config import EngineConfig, ModelConfig, ParamError
+from kvcore.engine.engine import Engine, EngineStats
 from kvcore.engine.setup import check_prompt
+from kvcore.model.tokenizer import Tokenizer
 from kvcore.request import RequestOutput
 from kvcore.sampling import BeamSearchParams, SamplingParams
 
@@ -57,10 +58,33 @@ class AsyncEngine:
         # sequences waiting in the scheduler, published by the driver after each step (the event
         # loop never reads scheduler state while a step may be running)
         self._num_waiting_seqs = 0
+        self._stats: EngineStats = engine.stats()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
         return cls(Engine(config))
+
+    # --- the read-only surface (immutable after construction, safe from the event loop) ---
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.engine.model_config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def stats(self) -> EngineStats:
+        """The engine's counters as of the last step (published by the driver between steps)."""
+        return self._stats
 
     @property
     def num_waiting(self) -> int:
@@ -105,6 +129,7 @@ class AsyncEngine:
         self._adds.clear()
         self._aborts.extend(self._queues)
         self._apply_aborts()
+        self._publish()
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | BeamSearchParams,
                  request_id: str | None = None, *, priority: int = 0,
@@ -167,6 +192,7 @@ class AsyncEngine:
             self._wakeup.clear()
             self._apply_adds()
             self._apply_aborts()
+            self._publish()
             if not engine.has_unfinished_requests():
                 await self._wakeup.wait()
                 continue
@@ -180,7 +206,7 @@ class AsyncEngine:
                     engine.abort_request(request_id)
                     queue.put_nowait(RequestFailed(f"engine step failed: {type(e).__name__}"))
                 continue
-            self._num_waiting_seqs = sum(r.num_seqs for r in engine.scheduler.waiting)
+            self._publish()
             for output in outputs:
                 consumer = self._queues.get(output.request_id)
                 if consumer is not None:
@@ -198,7 +224,11 @@ class AsyncEngine:
                                         prompt_text=add.prompt)
             except ValueError as e:
                 add.queue.put_nowait(e)
+
+    def _publish(self) -> None:
+        """Between steps (the worker is idle): the figures the event loop may read."""
         self._num_waiting_seqs = sum(r.num_seqs for r in self.engine.scheduler.waiting)
+        self._stats = self.engine.stats()
 
     def _apply_aborts(self) -> None:
         aborts, self._aborts = self._aborts, []
