@@ -29,7 +29,7 @@ def run_all(engine: Engine, prompts: list[list[int]] | list[str],
             ) -> list[RequestOutput]:
     """Add every prompt, step until done; the final outputs in prompt order."""
     per = params if isinstance(params, list) else [params] * len(prompts)
-    base = len(engine.scheduler.requests) + id(prompts) % 100_000
+    base = len(engine.scheduler.seqs) + id(prompts) % 100_000
     ids = [f"r{base}-{i}" for i in range(len(prompts))]
     for request_id, prompt, p in zip(ids, prompts, per, strict=True):
         engine.add_request(request_id, prompt, p)

@@ -114,7 +114,7 @@ def test_admission_errors_leave_nothing_allocated(tiny_model_dir: Path) -> None:
     engine.add_request("a", [5] * 8, GREEDY)
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("a", [5] * 8, GREEDY)
-    assert list(engine.scheduler.requests) == ["a"]
+    assert list(engine.scheduler.seqs) == ["a"]
     engine.abort_request("a")
     assert_pool_empty(engine)
 

@@ -48,8 +48,8 @@ def test_n_choices_share_the_prompt_blocks(tiny_model_dir: Path) -> None:
     engine.add_request("n4", prompt, SamplingParams(n=4, max_tokens=2, temperature=1.0,
                                                     ignore_eos=True))
     engine.step()  # one prefill, then three forks that share all 4 blocks
-    members = [engine.scheduler.requests[i] for i in ("n4", "n4#n1", "n4#n2", "n4#n3")]
-    tables = [engine.kv.block_table(m.request_id) for m in members]
+    members = [engine.scheduler.seqs[i] for i in ("n4", "n4#n1", "n4#n2", "n4#n3")]
+    tables = [engine.kv.block_table(m.seq_id) for m in members]
     assert all(t == tables[0] for t in tables) and len(tables[0]) == 4
     assert [engine.kv.pool.blocks[b].ref_count for b in tables[0]] == [4, 4, 4, 4]
     assert engine.kv.num_blocks - engine.kv.num_free_blocks == 4

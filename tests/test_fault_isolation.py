@@ -69,43 +69,43 @@ def baseline(tiny_model_dir: Path) -> dict[str, list[tuple[list[int], str]]]:
 
 
 def _sampler_fault(engine: Engine) -> None:
-    real = engine.sampler
+    real = engine.core.sampler
 
     def sampler(logits: Any, rows: Any) -> Any:
         if any(r.params.seed == 666 for r in rows):
             raise Boom("sampler")
         return real(logits, rows)
 
-    engine.sampler = sampler  # type: ignore[assignment]
+    engine.core.sampler = sampler  # type: ignore[assignment]
 
 
 def _detokenizer_fault(engine: Engine) -> None:
-    request = engine.scheduler.requests["bad"]
-    assert request.detokenizer is not None
-    real = request.detokenizer.add
+    choice = engine.output_processor._requests["bad"].choices[0]
+    real = choice.detokenizer.add
 
     def add(token_id: int) -> str:
-        if len(request.output_token_ids) >= 3:
+        if len(choice.token_ids) >= 3:
             raise Boom("detokenizer")
         return real(token_id)
 
-    request.detokenizer.add = add  # type: ignore[method-assign]
+    choice.detokenizer.add = add  # type: ignore[method-assign]
 
 
 def _stop_check_fault(engine: Engine) -> None:
-    checker = engine.scheduler.requests["bad"].stop_checker
-    assert checker is not None
+    choice = engine.output_processor._requests["bad"].choices[0]
+    assert choice.stop_window  # "bad" has stop strings: its text is searched every token
 
-    def check(*args: Any) -> Any:
-        raise Boom("stop check")
+    class Poisoned(str):
+        def __add__(self, other: str) -> str:
+            raise Boom("stop check")
 
-    checker.check = check  # type: ignore[method-assign]
+    choice.tail = Poisoned("")
 
 
 def _beam_fault(engine: Engine) -> None:
-    group = engine._groups["bad"]
-    assert group.beam is not None
-    real = group.beam.step
+    policy = engine.core._groups["bad"].policy
+    assert policy is not None
+    real = policy.search.step
     calls = []
 
     def step(logprobs: Any) -> Any:
@@ -114,7 +114,7 @@ def _beam_fault(engine: Engine) -> None:
             raise Boom("beam step")
         return real(logprobs)
 
-    group.beam.step = step  # type: ignore[method-assign]
+    policy.search.step = step  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize(("stage", "params", "inject"), [
@@ -141,7 +141,7 @@ def test_a_per_request_fault_fails_that_request_alone(
 def test_a_failed_forward_pass_fails_its_step_and_the_queue_goes_on(
         tiny_model_dir: Path, baseline: dict[str, Any]) -> None:
     engine = make_engine(tiny_model_dir, max_num_seqs=2)
-    model = engine.runner.model
+    model = engine.core.runner.model
     real = model.forward
     calls = []
 
@@ -170,7 +170,7 @@ def test_blocks_of_a_failed_forward_pass_never_serve_a_prefix_hit(tiny_model_dir
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     expected = _run(make_engine(tiny_model_dir), [("p", FAULTY, greedy)])["p"]
     engine = make_engine(tiny_model_dir)
-    real = engine.runner.model.forward
+    real = engine.core.runner.model.forward
     calls = []
 
     def forward(batch: Any, kv_cache: Any) -> Any:
@@ -179,7 +179,7 @@ def test_blocks_of_a_failed_forward_pass_never_serve_a_prefix_hit(tiny_model_dir
             raise Boom("forward")
         return real(batch, kv_cache)
 
-    engine.runner.model.forward = forward  # type: ignore[method-assign]
+    engine.core.runner.model.forward = forward  # type: ignore[method-assign]
     assert _run(engine, [("first", FAULTY, greedy)])["first"].error is not None
     again = _run(engine, [("again", FAULTY, greedy)])["again"]
     assert again.num_cached_tokens == 0

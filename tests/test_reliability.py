@@ -99,14 +99,14 @@ async def test_d1_bad_sampling_values_are_400(client, body: dict, param: str) ->
 
 def _fail_sampling_of_seed(app: Any, seed: int) -> None:
     engine = engine_of(app)
-    real = engine.sampler
+    real = engine.core.sampler
 
     def sampler(logits: Any, rows: Any) -> Any:
         if any(r.params.seed == seed for r in rows):
             raise RuntimeError("injected")
         return real(logits, rows)
 
-    engine.sampler = sampler  # type: ignore[assignment]
+    engine.core.sampler = sampler  # type: ignore[assignment]
 
 
 @pytest.mark.asyncio
@@ -266,7 +266,7 @@ async def test_d8_waiting_sequences_are_counted_and_429s_are_logged(aiohttp_clie
                                                                     tiny_model_dir) -> None:
     app = tiny_app(tiny_model_dir, max_waiting=4, engine_kwargs={"max_num_seqs": 3})
     client = await aiohttp_client(app)
-    model = engine_of(app).runner.model
+    model = engine_of(app).core.runner.model
     real = model.forward
 
     def slow_forward(*args: Any) -> Any:  # so the calls below meet a busy engine

@@ -1,31 +1,49 @@
-"""Stop conditions: token stops, lengths, stop strings across token boundaries, stream hold-back."""
+"""Stop conditions: token stops and lengths (the core's Sequence), stop strings across token
+boundaries and the stream hold-back (the output processor's choices)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from kvcore.sampling import SamplingParams, StopChecker, find_stop_string, num_holdback_chars
+from kvcore.engine.core import SeqOutput
+from kvcore.engine.output import _Choice
+from kvcore.request import Sequence, SequenceStatus
+from kvcore.sampling import SamplingParams, find_stop_string, num_holdback_chars
 
-EOS = (2,)
+EOS = frozenset({2})
+
+
+class _Pieces:
+    """A detokenizer stand-in: token 100 + i decodes to pieces[i]."""
+
+    def __init__(self, pieces: list[str]) -> None:
+        self.pieces = pieces
+
+    def add(self, token_id: int) -> str:
+        return self.pieces[token_id - 100]
+
+    def flush(self) -> str:
+        return ""
 
 
 def stream(pieces: list[str], stops: tuple[str, ...], include: bool = False
            ) -> tuple[list[str], str, str | None]:
-    """Feed `pieces` (one per token) through a StopChecker as an engine would; returns what was
-    streamed at each step, the final text and the stop string."""
-    checker = StopChecker(SamplingParams(stop=stops, include_stop_str_in_output=include,
-                                         max_tokens=None), EOS)
-    text, streamed = "", []
-    for i, piece in enumerate(pieces):
-        text += piece
-        result = checker.check(100 + i, i + 1, i + 11, text, len(piece))
-        if result is not None:
-            streamed.append(result.text)
-            assert isinstance(result.stop_reason, str)
-            return streamed, result.text, result.stop_reason
-        streamed.append(text[:len(text) - checker.holdback(text)])
-    return streamed, text, None
+    """Feed `pieces` (one per token) through a choice of the output processor as the engine
+    would; returns what was streamed so far after each token, the final text and the stop."""
+    choice = _Choice(0, SamplingParams(stop=stops, include_stop_str_in_output=include,
+                                       max_tokens=None), None)  # type: ignore[arg-type]
+    choice.detokenizer = _Pieces(pieces)  # type: ignore[assignment]
+    streamed, so_far = [], ""
+    for i in range(len(pieces)):
+        stopped = choice.add(SeqOutput("s", "r", 0, [100 + i], None, None, None, 0, None))
+        so_far += choice.delta(False).delta_text
+        streamed.append(so_far)
+        if stopped:
+            final = choice.delta(True)
+            assert final.finish_reason == "stop" and final.text == so_far
+            return streamed, final.text, choice.stop_reason  # type: ignore[return-value]
+    return streamed, "".join(pieces), None
 
 
 def test_stop_string_across_token_boundaries() -> None:
@@ -85,28 +103,45 @@ def test_random_streams_against_reference(seed: int) -> None:
     assert all(len(a) <= len(b) for a, b in zip(streamed, streamed[1:], strict=False))
 
 
+def _seq(params: SamplingParams, max_tokens: int) -> Sequence:
+    eos = frozenset() if params.ignore_eos else EOS
+    return Sequence(seq_id="s", request_id="s", prompt_token_ids=[5] * 10, params=params,
+                    max_tokens=max_tokens, stop_token_ids=eos | frozenset(params.stop_token_ids),
+                    eos_token_ids=eos)
+
+
 def test_token_stops_and_lengths() -> None:
-    check = StopChecker(SamplingParams(max_tokens=5, stop_token_ids=(9,)), EOS, max_model_len=20)
-    assert check.check(4, 1, 11, "x", 1) is None
-    eos = check.check(2, 2, 12, "x", 0)
-    assert eos is not None and (eos.finish_reason, eos.stop_reason) == ("stop", None)
-    stop_id = check.check(9, 2, 12, "x", 0)
-    assert stop_id is not None and (stop_id.finish_reason, stop_id.stop_reason) == ("stop", 9)
-    length = check.check(4, 5, 15, "xxxxx", 1)
-    assert length is not None and (length.finish_reason, length.stop_reason) == ("length", None)
-    model_len = check.check(4, 3, 20, "xxx", 1)
-    assert model_len is not None and model_len.finish_reason == "length"
-    assert check.check(2, 5, 15, "x", 0).finish_reason == "stop"  # type: ignore[union-attr]
+    params = SamplingParams(max_tokens=5, stop_token_ids=(9,))
+    seq = _seq(params, 5)
+    assert seq.append_token(4) is None
+    assert seq.append_token(2) is SequenceStatus.FINISHED_STOPPED and seq.stop_reason is None
+    seq = _seq(params, 5)
+    assert seq.append_token(9) is SequenceStatus.FINISHED_STOPPED and seq.stop_reason == 9
+    seq = _seq(params, 5)
+    assert [seq.append_token(4) for _ in range(5)][-1] is SequenceStatus.FINISHED_LENGTH
+    seq = _seq(params, 3)  # max_model_len left room for 3 tokens: the resolved max_tokens
+    assert [seq.append_token(4) for _ in range(3)][-1] is SequenceStatus.FINISHED_LENGTH
+    seq = _seq(params, 5)
+    for _ in range(4):
+        seq.append_token(4)
+    assert seq.append_token(2) is SequenceStatus.FINISHED_STOPPED  # a stop beats the length
 
 
 def test_ignore_eos_min_tokens_and_stop_string_over_length() -> None:
-    ignore = StopChecker(SamplingParams(ignore_eos=True, max_tokens=None), EOS)
-    assert ignore.check(2, 1, 5, "", 0) is None
-    gated = StopChecker(SamplingParams(min_tokens=3, stop=("z",), stop_token_ids=(9,)), EOS)
-    assert gated.check(2, 2, 5, "z", 1) is None
-    assert gated.check(9, 2, 5, "z", 1) is None
-    assert gated.check(9, 3, 5, "z", 0).stop_reason == 9  # type: ignore[union-attr]
-    both = StopChecker(SamplingParams(max_tokens=2, stop=("end",)), EOS)
-    result = both.check(7, 2, 9, "the end.", 5)
-    assert result is not None and (result.finish_reason, result.stop_reason,
-                                   result.text) == ("stop", "end", "the ")
+    ignore = _seq(SamplingParams(ignore_eos=True, max_tokens=None), 50)
+    assert ignore.append_token(2) is None
+    gated = _seq(SamplingParams(min_tokens=3, stop=("z",), stop_token_ids=(9,)), 16)
+    assert gated.append_token(2) is None and gated.append_token(9) is None
+    assert gated.append_token(9) is SequenceStatus.FINISHED_STOPPED and gated.stop_reason == 9
+    # a stop string completed by the last token wins over the length that token reached
+    choice = _Choice(0, SamplingParams(max_tokens=2, stop=("end",)), None)  # type: ignore
+    choice.detokenizer = _Pieces(["the e", "nd."])  # type: ignore[assignment]
+    assert not choice.add(SeqOutput("s", "r", 0, [100], None, None, None, 0, None))
+    assert choice.add(SeqOutput("s", "r", 0, [101], None, "length", None, 0, None))
+    final = choice.delta(True)
+    assert (final.finish_reason, final.stop_reason, final.text) == ("stop", "end", "the ")
+    # min_tokens gates stop strings too
+    gated_text = _Choice(0, SamplingParams(min_tokens=2, stop=("z",)), None)  # type: ignore
+    gated_text.detokenizer = _Pieces(["z", "z"])  # type: ignore[assignment]
+    assert not gated_text.add(SeqOutput("s", "r", 0, [100], None, None, None, 0, None))
+    assert gated_text.add(SeqOutput("s", "r", 0, [101], None, None, None, 0, None))

@@ -5,45 +5,52 @@ from __future__ import annotations
 import pytest
 import structlog
 
-from kvcore.request import RequestStatus
-from scheduler_helpers import block_refcounts, make_request, make_scheduler, run_step
+from kvcore.request import SequenceStatus
+from scheduler_helpers import (
+    append,
+    block_refcounts,
+    counts,
+    make_request,
+    make_scheduler,
+    run_step,
+)
 
 
 def test_chunked_prefill_then_decode() -> None:
     s = make_scheduler(budget=8)
-    s.add_request(make_request("a", 20, max_tokens=3))
-    chunks = [run_step(s).scheduled for _ in range(6)]
+    s.add(make_request("a", 20, max_tokens=3))
+    chunks = [counts(run_step(s)) for _ in range(6)]
     assert chunks == [(("a", 8),), (("a", 8),), (("a", 4),), (("a", 1),), (("a", 1),), ()]
-    assert not s.has_unfinished_requests()
+    assert not s.has_unfinished()
     assert s.kv.usage() == 0.0 and set(block_refcounts(s.kv)) == {0}
 
 
 def test_decode_never_waits_behind_a_long_prompt() -> None:
     s = make_scheduler(budget=10)
-    s.add_request(make_request("a", 3, max_tokens=50))
+    s.add(make_request("a", 3, max_tokens=50))
     run_step(s)  # a: prefill (3) and its first token
-    s.add_request(make_request("b", 100, max_tokens=2))
+    s.add(make_request("b", 100, max_tokens=2))
     for _ in range(5):
         out = run_step(s)
-        assert out.scheduled[0] == ("a", 1)  # the decode first, the prompt gets what is left
-        assert out.scheduled[1] == ("b", 9)
+        assert counts(out)[0] == ("a", 1)  # the decode first, the prompt gets what is left
+        assert counts(out)[1] == ("b", 9)
         assert out.num_batched_tokens == 10
 
 
 def test_running_prefill_first_then_waiting_fcfs_within_priority() -> None:
     s = make_scheduler(budget=4, max_num_seqs=8)
-    s.add_request(make_request("low", 4, priority=1, max_tokens=1))
-    s.add_request(make_request("hi1", 4, priority=0, max_tokens=1))
-    s.add_request(make_request("hi2", 4, priority=0, max_tokens=1))
-    order = [run_step(s).scheduled[0][0] for _ in range(3)]
+    s.add(make_request("low", 4, priority=1, max_tokens=1))
+    s.add(make_request("hi1", 4, priority=0, max_tokens=1))
+    s.add(make_request("hi2", 4, priority=0, max_tokens=1))
+    order = [counts(run_step(s))[0][0] for _ in range(3)]
     assert order == ["hi1", "hi2", "low"]
 
 
 def test_max_num_seqs_and_budget_are_never_exceeded() -> None:
     s = make_scheduler(budget=6, max_num_seqs=3)
     for i in range(5):
-        s.add_request(make_request(f"r{i}", 2, max_tokens=3))
-    while s.has_unfinished_requests():
+        s.add(make_request(f"r{i}", 2, max_tokens=3))
+    while s.has_unfinished():
         out = run_step(s)
         assert len(s.running) <= 3 and out.num_batched_tokens <= 6
     assert s.kv.usage() == 0.0
@@ -52,40 +59,40 @@ def test_max_num_seqs_and_budget_are_never_exceeded() -> None:
 def test_prefix_hit_skips_computed_tokens_and_recomputes_the_last() -> None:
     s = make_scheduler(budget=64, block_size=4)
     prompt = list(range(1, 13))  # 12 tokens = 3 full blocks
-    s.add_request(make_request("a", prompt, max_tokens=1))
+    s.add(make_request("a", prompt, max_tokens=1))
     run_step(s)
-    s.add_request(make_request("b", prompt, max_tokens=1))
+    s.add(make_request("b", prompt, max_tokens=1))
     out = run_step(s)
     # blocks 0 and 1 hit; the third is full too but the last token is recomputed for its logits
-    assert out.scheduled == (("b", 4),)
+    assert counts(out) == (("b", 4),)
     assert s.kv.num_prefix_hits == 8
-    s.add_request(make_request("c", prompt, max_tokens=1, salt="tenant"))
-    assert run_step(s).scheduled == (("c", 12),)  # another tenant's salt: no hit
+    s.add(make_request("c", prompt, max_tokens=1, salt="tenant"))
+    assert counts(run_step(s)) == (("c", 12),)  # another tenant's salt: no hit
 
 
 def test_admission_control_rejects_what_can_never_run() -> None:
     s = make_scheduler(num_blocks=8, block_size=4, max_model_len=64)
     with pytest.raises(ValueError, match="max_model_len"):
-        s.add_request(make_request("long", 60, max_tokens=5))
+        s.add(make_request("long", 60, max_tokens=5))
     with pytest.raises(ValueError, match="whole pool"):
-        s.add_request(make_request("big", 30, max_tokens=3))  # 33 tokens > 8 blocks of 4
-    s.add_request(make_request("ok", 29, max_tokens=3))  # 32 tokens: exactly the pool
+        s.add(make_request("big", 30, max_tokens=3))  # 33 tokens > 8 blocks of 4
+    s.add(make_request("ok", 29, max_tokens=3))  # 32 tokens: exactly the pool
     with pytest.raises(ValueError, match="already in use"):
-        s.add_request(make_request("ok", 3))
-    assert list(s.requests) == ["ok"]
-    while s.has_unfinished_requests():
+        s.add(make_request("ok", 3))
+    assert list(s.seqs) == ["ok"]
+    while s.has_unfinished():
         run_step(s)
     assert s.kv.usage() == 0.0
 
 
 def test_preemption_victim_is_lowest_priority_then_latest_and_goes_to_the_front() -> None:
     s = make_scheduler(num_blocks=6, block_size=4, budget=64, max_num_seqs=2)
-    s.add_request(make_request("old", 7, max_tokens=9))
-    s.add_request(make_request("new", 7, max_tokens=9))
-    s.add_request(make_request("later", 3, max_tokens=1))
+    s.add(make_request("old", 7, max_tokens=9))
+    s.add(make_request("new", 7, max_tokens=9))
+    s.add(make_request("later", 3, max_tokens=1))
     run_step(s)  # old and new take 2 blocks each; later waits for a seat
-    assert [r.request_id for r in s.running] == ["old", "new"]
-    assert [r.request_id for r in s.waiting] == ["later"]
+    assert [r.seq_id for r in s.running] == ["old", "new"]
+    assert [r.seq_id for r in s.waiting] == ["later"]
     with structlog.testing.capture_logs() as logs:
         for _ in range(10):  # both grow a block every 4 tokens until 6 blocks run out
             out = run_step(s)
@@ -94,10 +101,10 @@ def test_preemption_victim_is_lowest_priority_then_latest_and_goes_to_the_front(
     assert out.preempted_ids == ("new",)
     assert s.num_preemptions == 1
     assert [e["request_id"] for e in logs if e["event"] == "preempted"] == ["new"]
-    new = s.requests["new"]
-    assert new.status is RequestStatus.WAITING and new.num_computed_tokens == 0
-    assert [r.request_id for r in s.waiting] == ["new", "later"]  # the front: it came first
-    while s.has_unfinished_requests():
+    new = s.seqs["new"]
+    assert new.status is SequenceStatus.WAITING and new.num_computed_tokens == 0
+    assert [r.seq_id for r in s.waiting] == ["new", "later"]  # the front: it came first
+    while s.has_unfinished():
         run_step(s)
     assert s.kv.usage() == 0.0 and set(block_refcounts(s.kv)) == {0}
 
@@ -107,11 +114,11 @@ def test_preempted_request_recomputes_to_the_same_tokens() -> None:
         s = make_scheduler(num_blocks=num_blocks, block_size=4, budget=32)
         requests = [make_request(f"r{i}", 5 + 3 * i, max_tokens=12) for i in range(4)]
         for request in requests:
-            s.add_request(request)
-        while s.has_unfinished_requests():
+            s.add(request)
+        while s.has_unfinished():
             run_step(s)
         assert s.kv.usage() == 0.0
-        return {r.request_id: r.output_token_ids for r in requests}, s.num_preemptions
+        return {r.seq_id: r.output_token_ids for r in requests}, s.num_preemptions
 
     roomy, none = outputs(64)
     tight, some = outputs(8)
@@ -121,25 +128,25 @@ def test_preempted_request_recomputes_to_the_same_tokens() -> None:
 
 def test_priority_victim_over_arrival() -> None:
     s = make_scheduler(num_blocks=4, block_size=4, budget=64)
-    s.add_request(make_request("vip", 3, max_tokens=9, priority=0))
-    s.add_request(make_request("bulk", 3, max_tokens=9, priority=5))
-    s.requests["bulk"].arrival_seq = 0  # even an older request goes first when less important
+    s.add(make_request("vip", 3, max_tokens=9, priority=0))
+    s.add(make_request("bulk", 3, max_tokens=9, priority=5))
+    s.seqs["bulk"].arrival_seq = 0  # even an older request goes first when less important
     preempted = []
-    while s.has_unfinished_requests():
+    while s.has_unfinished():
         preempted += run_step(s).preempted_ids
     assert preempted and set(preempted) == {"bulk"}
 
 
 def test_abort_frees_blocks_at_once_and_reports_finished() -> None:
     s = make_scheduler(budget=4)
-    s.add_request(make_request("a", 10, max_tokens=5))
-    s.add_request(make_request("b", 2, max_tokens=5))
+    s.add(make_request("a", 10, max_tokens=5))
+    s.add(make_request("b", 2, max_tokens=5))
     run_step(s)  # a mid-prefill
     assert s.kv.usage() > 0
-    aborted = s.abort_request("a")
-    assert aborted is not None and aborted.status is RequestStatus.FINISHED_ABORTED
-    assert s.abort_request("unknown") is None
-    assert s.abort_request("b") is not None  # still waiting: never held blocks
+    aborted = s.abort("a")
+    assert aborted is not None and aborted.status is SequenceStatus.FINISHED_ABORTED
+    assert s.abort("unknown") is None
+    assert s.abort("b") is not None  # still waiting: never held blocks
     assert s.kv.usage() == 0.0 and set(block_refcounts(s.kv)) == {0}
     assert s.schedule().finished_ids == ("a", "b")
 
@@ -147,20 +154,20 @@ def test_abort_frees_blocks_at_once_and_reports_finished() -> None:
 def test_eos_finishes_unless_ignored() -> None:
     s = make_scheduler()
     request = make_request("a", 3, max_tokens=10, ignore_eos=False)
-    s.add_request(request)
+    s.add(request)
     s.advance(s.schedule())
-    s.append_tokens({"a": 7})
-    assert request.status is RequestStatus.RUNNING
+    append(s, "a", 7)
+    assert request.status is SequenceStatus.RUNNING
     s.advance(s.schedule())
-    s.append_tokens({"a": 0})  # EOS
-    assert request.status is RequestStatus.FINISHED_STOPPED and not s.requests
+    append(s, "a", 0)  # EOS
+    assert request.status is SequenceStatus.FINISHED_STOPPED and not s.seqs
     assert request.output_token_ids == [7, 0]
     assert s.kv.usage() == 0.0
 
-    s.add_request(make_request("b", 3, max_tokens=2, ignore_eos=True))
+    s.add(make_request("b", 3, max_tokens=2, ignore_eos=True))
     s.advance(s.schedule())
-    s.append_tokens({"b": 0})
-    assert s.requests["b"].status is RequestStatus.RUNNING
+    append(s, "b", 0)
+    assert s.seqs["b"].status is SequenceStatus.RUNNING
     s.advance(s.schedule())
-    s.append_tokens({"b": 0})
-    assert not s.requests  # max_tokens: length
+    append(s, "b", 0)
+    assert not s.seqs  # max_tokens: length

@@ -23,8 +23,9 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvcore.request import RequestStatus
+from kvcore.request import SequenceStatus
 from scheduler_helpers import EOS, make_request, make_scheduler, stub_token
+from scheduler_helpers import counts as scheduled_counts
 
 MAX_NUM_SEQS = 4
 NUM_BLOCKS = 24
@@ -55,10 +56,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         worst = prompt_len + max_tokens
         fits = worst <= MAX_MODEL_LEN and -(-worst // BLOCK_SIZE) <= NUM_BLOCKS
         try:
-            self.s.add_request(request)
+            self.s.add(request)
         except ValueError:
             assert not fits
-            assert request_id not in self.s.requests
+            assert request_id not in self.s.seqs
             return request_id
         assert fits
         self.added_at[request_id] = self.step_no
@@ -67,43 +68,48 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(request_id=consumes(requests))
     def abort(self, request_id: str) -> None:
-        request = self.s.requests.get(request_id)
-        aborted = self.s.abort_request(request_id)
+        request = self.s.seqs.get(request_id)
+        aborted = self.s.abort(request_id)
         assert (aborted is None) == (request is None)
         if aborted is not None:
-            assert aborted.status is RequestStatus.FINISHED_ABORTED
+            assert aborted.status is SequenceStatus.FINISHED_ABORTED
             assert request_id not in self.s.kv
         self.added_at.pop(request_id, None)
 
-    @precondition(lambda self: self.s.has_unfinished_requests())
+    @precondition(lambda self: self.s.has_unfinished())
     @rule(budget=st.integers(MAX_NUM_SEQS, 4 * MAX_NUM_SEQS))
     def step(self, budget: int) -> None:
         s = self.s
-        running_before = {r.request_id for r in s.running}
+        running_before = {r.seq_id for r in s.running}
         out = s.schedule(budget)
         self.step_no += 1
-        counts = dict(out.scheduled)
+        counts = dict(scheduled_counts(out))
         assert len(counts) == len(out.scheduled)
         assert 0 <= out.num_batched_tokens == sum(counts.values()) <= budget
         assert all(n >= 1 for n in counts.values())
         assert len(s.running) <= MAX_NUM_SEQS
         # decode-first with budget >= max_num_seqs: every running request progresses
-        for request_id in running_before - set(out.preempted_ids):
-            if request_id in s.requests:
-                assert request_id in counts, f"{request_id} got no tokens"
-        for request_id, n in out.scheduled:
-            request = s.requests[request_id]
-            assert request.num_computed_tokens + n <= request.num_tokens
-            assert s.kv.num_tokens(request_id) == request.num_computed_tokens + n
+        for seq_id in running_before - set(out.preempted_ids):
+            if seq_id in s.seqs:
+                assert seq_id in counts, f"{seq_id} got no tokens"
+        for item in out.scheduled:
+            seq = s.seqs[item.seq_id]
+            n = len(item.token_ids)
+            assert item.start == seq.num_computed_tokens
+            assert item.token_ids == seq.token_ids[item.start:item.start + n]
+            assert item.sample == (seq.num_computed_tokens + n == seq.num_tokens)
+            assert item.block_ids == s.kv.block_table(item.seq_id)
+            assert seq.num_computed_tokens + n <= seq.num_tokens
+            assert s.kv.num_tokens(item.seq_id) == seq.num_computed_tokens + n
         s.advance(out)
-        sampled = {}
-        for request_id, _ in out.scheduled:
-            request = s.requests[request_id]
-            if request.num_computed_tokens == request.num_tokens:
-                sampled[request_id] = EOS if request.num_tokens % 7 == 0 else stub_token(request)
-        for request in s.append_tokens(sampled):
-            if request.finished:
-                self.added_at.pop(request.request_id, None)
+        for item in out.scheduled:
+            seq = s.seqs[item.seq_id]
+            if item.sample:
+                token = EOS if seq.num_tokens % 7 == 0 else stub_token(seq)
+                status = seq.append_token(token)
+                if status is not None:
+                    s.finish(seq, status)
+                    self.added_at.pop(seq.seq_id, None)
 
     @invariant()
     def no_starvation(self) -> None:
@@ -121,16 +127,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         for block in kv.pool.blocks:
             assert block.ref_count == held.get(block.block_id, 0)
         assert kv.num_free_blocks == sum(1 for b in kv.pool.blocks if b.ref_count == 0)
-        assert set(kv.seq_ids()) == {r.request_id for r in self.s.running}
-        assert {r.request_id for r in self.s.waiting} | set(kv.seq_ids()) == set(self.s.requests)
+        assert set(kv.seq_ids()) == {r.seq_id for r in self.s.running}
+        assert {r.seq_id for r in self.s.waiting} | set(kv.seq_ids()) == set(self.s.seqs)
 
     def teardown(self) -> None:
         s = self.s
         for _ in range(10 * (self.total_work + 1) * (1 + s.num_preemptions)):
-            if not s.has_unfinished_requests():
+            if not s.has_unfinished():
                 break
             self.step(budget=3 * MAX_NUM_SEQS)
-        assert not s.has_unfinished_requests()
+        assert not s.has_unfinished()
         assert s.kv.usage() == 0.0
         assert all(block.ref_count == 0 for block in s.kv.pool.blocks)
 

@@ -1,4 +1,4 @@
-"""Request state (tokens, `num_computed_tokens` catching up with them) and engine outputs."""
+"""A sequence as the scheduler and the engine core see it, and the user-facing outputs."""
 
 from __future__ import annotations
 
@@ -8,21 +8,18 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvcore.sampling.params import BeamSearchParams, SamplingParams, TokenLogprob
-from kvcore.sampling.stop import StopChecker
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from kvcore.model.tokenizer import IncrementalDetokenizer
 
-
-class RequestStatus(enum.Enum):
+class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # in the waiting queue (new, or preempted and to be recomputed)
     RUNNING = "running"  # holds blocks; scheduled every step it has tokens to compute
     FINISHED_STOPPED = "stop"  # EOS, a stop token id or a stop string
     FINISHED_LENGTH = "length"  # max_tokens or max_model_len reached
     FINISHED_ABORTED = "abort"  # aborted by the caller (or the client went away)
-    FINISHED_ERROR = "error"  # failed inside the engine (its sampling, stop checks, forward...)
+    FINISHED_ERROR = "error"  # failed inside the engine (its sampling, output processing...)
 
     @property
     def finished(self) -> bool:
@@ -33,8 +30,8 @@ class RequestStatus(enum.Enum):
         return self.value if self in _FINISHED else None
 
 
-_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-             RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR}
+_FINISHED = {SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
+             SequenceStatus.FINISHED_ABORTED, SequenceStatus.FINISHED_ERROR}
 
 
 @dataclass(slots=True)
@@ -49,15 +46,19 @@ class RequestMetrics:
 
 @dataclass(slots=True)
 class CompletionOutput:
+    """One choice of a request. Streaming outputs carry what is new in the delta fields; the
+    cumulative `text`, `token_ids` and `logprobs` are filled in the final output (finished)
+    and in beam results, so a step never copies what came before."""
+
     index: int
-    text: str  # cumulative
-    token_ids: list[int]  # cumulative
+    text: str  # cumulative, in the final output
+    token_ids: list[int]  # cumulative, in the final output
     delta_text: str  # new since the previous output of this request
     delta_token_ids: list[int]
-    logprobs: list[TokenLogprob] | None  # cumulative, when asked for
+    logprobs: list[TokenLogprob] | None  # cumulative in the final output, when asked for
     delta_logprobs: list[TokenLogprob] | None
     cumulative_logprob: float | None
-    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    finish_reason: str | None  # "stop", "length", "abort", "error" or None while running
     stop_reason: int | str | None  # the stop token id or stop string that ended it
 
 
@@ -65,7 +66,7 @@ class CompletionOutput:
 class RequestOutput:
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # the request's own list (not a copy): do not modify
     outputs: list[CompletionOutput]  # n choices (or the beams, best first, when finished)
     finished: bool
     num_cached_tokens: int  # prompt tokens served from the prefix cache
@@ -74,146 +75,89 @@ class RequestOutput:
 
 
 @dataclass(eq=False, slots=True)
-class Request:
-    """One sequence the scheduler runs: its tokens and how many of them have K/V in the cache.
+class Sequence:
+    """One sequence of tokens and how many of them have K/V in the cache.
 
-    The scheduler knows no prefill or decode phase: each step it gives a request up to
-    `num_tokens - num_computed_tokens` tokens of the budget. `request_id` is also the sequence id
-    in the KVCacheManager. The n choices of one user request (and the beams of a beam search) are
-    separate Requests that share `group_id` and fork each other's blocks.
+    The scheduler knows no prefill or decode phase: each step it gives a sequence up to
+    `num_tokens - num_computed_tokens` tokens of the budget. `seq_id` is also its id in the
+    KVCacheManager. The n choices of one user request (and the beams of a beam search) are
+    separate sequences with the same `request_id`; forks share their parent's blocks.
+    Token-level stop conditions (stop token ids, length) are checked here; stop strings are the
+    output processor's (it aborts the sequence when one appears).
     """
 
-    request_id: str
-    prompt_token_ids: list[int]
+    seq_id: str
+    request_id: str  # the user request it belongs to
+    prompt_token_ids: list[int]  # shared by every sequence of the request; never modified
     params: SamplingParams | BeamSearchParams
     max_tokens: int  # resolved: params.max_tokens, or what max_model_len leaves
-    prompt: str | None = None
+    index: int = 0  # choice index (n > 1) or beam number within its request
     priority: int = 0  # lower runs first (as vLLM)
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
-    group_id: str | None = None  # the user request this sequence belongs to (None: itself)
-    index: int = 0  # choice index within its group
-    # sequences this request will still fork (n - 1 before an n > 1 request's first token;
+    stop_token_ids: frozenset[int] = frozenset()  # end it (after min_tokens): EOS, stop ids
+    eos_token_ids: frozenset[int] = frozenset()  # of those, EOS (reported as stop_reason None)
+    generator: np.random.Generator | None = None  # per-sequence RNG of random sampling
+    # sequences this one will still fork (n - 1 before an n > 1 request's first token;
     # beam_width - 1 before a beam search's first step): counted toward max_num_seqs
     num_pending_forks: int = 0
-    generator: np.random.Generator | None = None  # per-request RNG for seeded sampling
-    detokenizer: IncrementalDetokenizer | None = None
-    eos_token_ids: tuple[int, ...] = ()
     # mutable state
-    output_token_ids: list[int] = field(default_factory=list)
-    all_token_ids: list[int] = field(default_factory=list)  # prompt + outputs, kept in step
+    token_ids: list[int] = field(default_factory=list)  # prompt + outputs
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     num_preemptions: int = 0
-    status: RequestStatus = RequestStatus.WAITING
+    status: SequenceStatus = SequenceStatus.WAITING
     arrival_seq: int = 0  # admission order tie-break, set by the scheduler
     last_scheduled_step: int = -1  # fairness: least recently served goes first
-    text: str = ""  # detokenized output, including a held-back possible stop-string prefix
-    num_text_visible: int = 0  # chars of `text` that may be streamed (the rest may be a stop)
-    num_text_emitted: int = 0  # chars of `text` already handed out
-    num_tokens_emitted: int = 0
-    logprobs: list[TokenLogprob] | None = None
-    cumulative_logprob: float = 0.0
+    first_scheduled_time: float | None = None
     stop_reason: int | str | None = None
-    metrics: RequestMetrics = field(init=False)
-    stop_checker: StopChecker | None = field(init=False)  # None for beams (the group decides)
-    # what can end the request, so most tokens skip the full check: stop ids (EOS included unless
-    # ignored), whether there are stop strings, and the total length that ends it
-    _stop_ids: frozenset[int] = field(init=False)
-    _stop_strings: bool = field(init=False)
-    _length_limit: int = field(init=False)
+    num_prompt_tokens: int = field(init=False)
+    length_limit: int = field(init=False)  # total tokens at which it ends ("length")
+    min_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
-            raise ValueError(f"prompt of request {self.request_id!r} must not be empty")
+            raise ValueError(f"prompt of sequence {self.seq_id!r} must not be empty")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not self.all_token_ids:
-            self.all_token_ids = list(self.prompt_token_ids) + self.output_token_ids
-        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
-        # the resolved max_tokens becomes a total-length limit, so one check covers both
-        # params.max_tokens and max_model_len
-        self.stop_checker = None
-        self._stop_ids = frozenset()
-        self._stop_strings = False
-        self._length_limit = self.num_prompt_tokens + self.max_tokens
-        if isinstance(self.params, SamplingParams):
-            checker = StopChecker(self.params, self.eos_token_ids, self._length_limit)
-            self.stop_checker = checker
-            self._stop_ids = checker.eos_token_ids | checker.stop_token_ids
-            self._stop_strings = bool(self.params.stop)
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.length_limit = self.num_prompt_tokens + self.max_tokens
+        self.min_tokens = (self.params.min_tokens if isinstance(self.params, SamplingParams)
+                           else 0)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.all_token_ids)
-
-    @property
-    def num_seqs(self) -> int:
-        """Sequences this request runs at once when admitted: itself and its pending forks."""
-        return 1 + self.num_pending_forks
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        return len(self.token_ids)
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences this one runs at once when admitted: itself and its pending forks."""
+        return 1 + self.num_pending_forks
 
     @property
     def finished(self) -> bool:
         return self.status in _FINISHED
 
-    def append_token(self, token_id: int) -> RequestStatus | None:
-        """Append a generated token, detokenize it and check the stop conditions; returns the
-        finished status (stop_reason set) or None while the request goes on."""
-        self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
-        num_new_chars = 0
-        if self.detokenizer is not None:
-            piece = self.detokenizer.add(token_id)
-            self.text += piece
-            num_new_chars = len(piece)
-        checker = self.stop_checker
-        if checker is None:
-            self.num_text_visible = len(self.text)
-            return None
-        if (not self._stop_strings and token_id not in self._stop_ids
-                and len(self.all_token_ids) < self._length_limit):
-            self.num_text_visible = len(self.text)  # nothing can end it with this token
-            return None
-        result = checker.check(token_id, len(self.output_token_ids), len(self.all_token_ids),
-                               self.text, num_new_chars)
-        if result is None:
-            held = checker.holdback(self.text) if checker.params.stop else 0
-            self.num_text_visible = len(self.text) - held
-            return None
-        self.text = result.text
-        if self.detokenizer is not None and not isinstance(result.stop_reason, str):
-            self.text += self.detokenizer.flush()  # an incomplete character left at the end
-        self.num_text_visible = len(self.text)
-        self.stop_reason = result.stop_reason
-        if result.finish_reason == "stop":
-            return RequestStatus.FINISHED_STOPPED
-        return RequestStatus.FINISHED_LENGTH
-
-    def completion(self) -> CompletionOutput:
-        """This sequence's output so far, with the delta since the previous call. Text held back
-        as a possible stop-string prefix goes out once it cannot be one (or at the end)."""
-        text = self.text if self.finished else self.text[:self.num_text_visible]
-        start_text, start_tok = self.num_text_emitted, self.num_tokens_emitted
-        self.num_text_emitted = max(len(text), start_text)
-        self.num_tokens_emitted = len(self.output_token_ids)
-        logprobs = self.logprobs
-        return CompletionOutput(
-            index=self.index,
-            text=text,
-            token_ids=list(self.output_token_ids),
-            delta_text=text[start_text:],
-            delta_token_ids=self.output_token_ids[start_tok:],
-            logprobs=None if logprobs is None else list(logprobs),
-            delta_logprobs=None if logprobs is None else logprobs[start_tok:],
-            cumulative_logprob=self.cumulative_logprob if logprobs is not None else None,
-            finish_reason=self.status.finish_reason,
-            stop_reason=self.stop_reason,
-        )
+    def append_token(self, token_id: int) -> SequenceStatus | None:
+        """Append a generated token; returns the finished status (stop_reason set) when a stop
+        token id (after min_tokens) or the length limit ends the sequence, else None."""
+        token_ids = self.token_ids
+        token_ids.append(token_id)
+        if token_id in self.stop_token_ids and len(token_ids) - self.num_prompt_tokens >= (
+                self.min_tokens):
+            if token_id not in self.eos_token_ids:
+                self.stop_reason = token_id
+            return SequenceStatus.FINISHED_STOPPED
+        if len(token_ids) >= self.length_limit:
+            return SequenceStatus.FINISHED_LENGTH
+        return None

@@ -227,8 +227,8 @@ class AsyncEngine:
 
     def _publish(self) -> None:
         """Between steps (the worker is idle): the figures the event loop may read."""
-        self._num_waiting_seqs = sum(r.num_seqs for r in self.engine.scheduler.waiting)
         self._stats = self.engine.stats()
+        self._num_waiting_seqs = self._stats.num_waiting
 
     def _apply_aborts(self) -> None:
         aborts, self._aborts = self._aborts, []

@@ -1,19 +1,19 @@
-"""The engine: schedule -> copy blocks -> forward -> sample -> update, one step at a time."""
+"""The engine: requests in (validated once), one step at a time, RequestOutputs out."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-import numpy as np
 import structlog
 
 from kvcore.cache import KVCacheManager
 from kvcore.cache.kv_cache import KVCache
 from kvcore.config import EngineConfig, ModelConfig, ParamError
 from kvcore.device import resolve_device
-from kvcore.engine.beam import beam_step
-from kvcore.engine.group import RequestGroup
+from kvcore.engine.beam import BeamPolicy
+from kvcore.engine.core import EngineCore
+from kvcore.engine.output import OutputProcessor
 from kvcore.engine.runner import ModelRunner
 from kvcore.engine.setup import (
     EngineModel,
@@ -24,18 +24,10 @@ from kvcore.engine.setup import (
     pool_size,
 )
 from kvcore.model.half_llama import HalfLlamaModel
-from kvcore.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from kvcore.request import Request, RequestOutput, RequestStatus
-from kvcore.sampling import (
-    BeamSearch,
-    BeamSearchParams,
-    Sampler,
-    SamplingParams,
-    SamplingRow,
-    TokenLogprob,
-    make_generator,
-)
-from kvcore.scheduler import Scheduler, SchedulerOutput
+from kvcore.model.tokenizer import Tokenizer
+from kvcore.request import RequestOutput, Sequence, SequenceStatus
+from kvcore.sampling import BeamSearch, BeamSearchParams, Sampler, SamplingParams
+from kvcore.scheduler import Scheduler
 
 log = structlog.get_logger(__name__)
 
@@ -43,7 +35,7 @@ log = structlog.get_logger(__name__)
 @dataclass(frozen=True, slots=True)
 class EngineStats:
     num_running: int  # sequences holding blocks
-    num_waiting: int
+    num_waiting: int  # sequences waiting (a request's pending forks count too)
     kv_cache_usage: float  # fraction of blocks referenced, 0-1
     num_free_blocks: int
     num_blocks: int
@@ -55,7 +47,8 @@ class EngineStats:
 
 
 class Engine:
-    """Continuous batching over one model and one paged KV cache; see DESIGN.md."""
+    """Continuous batching over one model and one paged KV cache (see DESIGN.md): the engine
+    core runs the sequences, the output processor turns their tokens into request outputs."""
 
     def __init__(self, config: EngineConfig, model: EngineModel | None = None,
                  tokenizer: Tokenizer | None = None) -> None:
@@ -79,78 +72,72 @@ class Engine:
                                  mc.sliding_window)
         self.kv_cache = KVCache(mc.num_layers, num_blocks, block_size, mc.num_kv_heads,
                                 mc.head_dim, self.cache_dtype, device)
-        self.scheduler = Scheduler(self.kv, config.scheduler.max_num_batched_tokens,
-                                   config.scheduler.max_num_seqs, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.kv)
         eos = mc.eos_token_ids or ((self.tokenizer.eos_token_id,)
                                    if self.tokenizer.eos_token_id is not None else ())
         self.eos_token_ids: tuple[int, ...] = tuple(eos)
-        self.sampler = Sampler(self.eos_token_ids)
-        self._seeds = np.random.SeedSequence(config.seed)
-        self._groups: dict[str, RequestGroup] = {}
+        scheduler = Scheduler(self.kv, config.scheduler.max_num_batched_tokens,
+                              config.scheduler.max_num_seqs, self.max_model_len)
+        self.core = EngineCore(scheduler, ModelRunner(self.model, self.kv_cache, block_size),
+                               Sampler(self.eos_token_ids), mc.vocab_size, config.seed)
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
         log.info("kv cache pool", device=device, num_blocks=num_blocks, block_size=block_size,
                  cache_dtype=self.cache_dtype, bytes=self.kv_cache.num_bytes,
-                 max_model_len=self.max_model_len,
-                 max_concurrency=round(num_blocks * block_size / self.max_model_len, 2))
+                 max_model_len=self.max_model_len)
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
 
     # --- requests ---
 
-    def add_request(self, request_id: str, prompt: str | Sequence[int],
+    def add_request(self, request_id: str, prompt: str | Seq[int],
                     params: SamplingParams | BeamSearchParams, *, priority: int = 0,
                     cache_salt: str | None = None, prompt_text: str | None = None) -> None:
-        """Queue a request. ValueError (nothing left allocated) for an empty prompt, one longer
-        than max_model_len, prompt + max_tokens > max_model_len, more blocks than the pool holds,
-        or a duplicate request_id. `prompt_text`: the text of a pre-tokenized `prompt`."""
+        """Queue a request; every check of a request happens here, once. ParamError (a
+        ValueError naming the parameter; nothing left allocated) for an empty prompt, one
+        longer than max_model_len, prompt + max_tokens > max_model_len, more sequences than
+        max_num_seqs or blocks than the pool holds, or a duplicate request_id. `prompt_text`:
+        the text of a pre-tokenized `prompt`."""
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ParamError("priority", f"priority must be an integer, got {priority!r}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ParamError("cache_salt", f"cache_salt must be a string or None, "
                              f"got {cache_salt!r}")
-        if request_id in self._groups or request_id in self.scheduler.requests:
+        if request_id in self.output_processor:
             raise ParamError("request_id", f"request_id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else prompt_text
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         max_tokens = check_prompt(prompt_ids, params, self.max_model_len,
                                   self.model_config.vocab_size, self.kv)
-        first = self._new_request(request_id, text, prompt_ids, params, max_tokens, priority,
-                                  cache_salt, request_id, 0)
-        first.num_pending_forks = (params.n if isinstance(params, SamplingParams)
-                                   else params.beam_width) - 1
-        self.scheduler.add_request(first)  # admission control: ValueError, nothing allocated
-        self._groups[request_id] = RequestGroup(
-            first, BeamSearch(params, self.eos_token_ids)
-            if isinstance(params, BeamSearchParams) else None)
-
-    def _new_request(self, request_id: str, prompt: str | None, prompt_ids: list[int],
-                     params: SamplingParams | BeamSearchParams, max_tokens: int, priority: int,
-                     cache_salt: str | None, group_id: str, index: int) -> Request:
-        if isinstance(params, BeamSearchParams):
-            return Request(request_id=request_id, prompt=prompt, prompt_token_ids=prompt_ids,
-                           params=params, max_tokens=max_tokens, priority=priority,
-                           cache_salt=cache_salt, group_id=group_id, index=index,
-                           eos_token_ids=self.eos_token_ids)
-        seed = None if params.seed is None else params.seed + index
-        return Request(
-            request_id=request_id, prompt=prompt, prompt_token_ids=prompt_ids, params=params,
-            max_tokens=max_tokens, priority=priority, cache_salt=cache_salt,
-            group_id=group_id, index=index, eos_token_ids=self.eos_token_ids,
-            generator=None if params.greedy else make_generator(seed, self._seeds),
-            detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
-            logprobs=[] if params.logprobs is not None else None)
+        eos = frozenset(self.eos_token_ids)
+        policy = None
+        if isinstance(params, SamplingParams):
+            eos_ids = frozenset() if params.ignore_eos else eos
+            stop_ids = eos_ids | frozenset(params.stop_token_ids)
+            num_seqs = params.n
+        else:  # beams end by their policy, not by a stop id
+            eos_ids = stop_ids = frozenset()
+            num_seqs = params.beam_width
+            policy = BeamPolicy(BeamSearch(params, self.eos_token_ids))
+        seq = Sequence(seq_id=request_id, request_id=request_id, prompt_token_ids=prompt_ids,
+                       params=params, max_tokens=max_tokens, priority=priority,
+                       cache_salt=cache_salt, stop_token_ids=stop_ids, eos_token_ids=eos_ids,
+                       num_pending_forks=num_seqs - 1)
+        self.output_processor.add(request_id, text, prompt_ids, params)
+        try:
+            self.core.add(seq, policy)  # admission control: nothing allocated on refusal
+        except Exception:
+            self.output_processor.discard(request_id)
+            raise
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a request now (its blocks return to the pool); unknown id: None. Returns its
         final output (finish_reason "abort") for callers that stream it."""
-        group = self._groups.pop(request_id, None)
-        if group is None:
-            return None
-        for member in group.members:
-            self.scheduler.abort_request(member.request_id)
-        group.aborted = True
-        return group.output()
+        live = self.core.abort(request_id)
+        return self.output_processor.abort(request_id, live)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups)
+        return len(self.output_processor) > 0
 
     # --- one step ---
 
@@ -161,149 +148,20 @@ class Engine:
         step, detokenization or stop checks fails that request only (its output carries the
         error); an exception in the shared forward pass fails the requests of that step, and
         the engine goes on with the others and the queue."""
-        out = self.scheduler.schedule()
-        for request_id in out.preempted_ids:
-            group = self._groups.get(self.scheduler.requests[request_id].group_id or "")
-            if group is not None:
-                group.pending.pop(request_id, None)  # a preempted beam recomputes its row
-        if out.scheduled:
-            try:
-                logits, sampling = self.runner.execute(out, self.scheduler.requests)
-            except Exception as e:
-                return self._fail_step(out, e)
-        else:
-            logits, sampling = np.zeros((0, self.model_config.vocab_size), np.float32), []
-        self.scheduler.advance(out)
-        sampled, touched = self._sample(logits, sampling)
-        self._append_tokens(sampled, touched)
-        return self._outputs(touched)
-
-    def _outputs(self, touched: dict[str, RequestGroup]) -> list[RequestOutput]:
-        outputs = [group.output() for group in touched.values()]
-        for group in touched.values():
-            if group.finished:
-                del self._groups[group.request_id]
-        return outputs
-
-    def _fail(self, group: RequestGroup, error: BaseException, stage: str,
-              uncache: bool = False) -> None:
-        """Finish every sequence of `group` with an error (blocks freed at once)."""
-        log.error("request failed", request_id=group.request_id, stage=stage,
-                  error=f"{type(error).__name__}: {error}")
-        group.error = f"{stage} failed: {type(error).__name__}: {error}"
-        for member in group.members:
-            if member.request_id in self.scheduler.requests:
-                self.scheduler.finish(member, RequestStatus.FINISHED_ERROR, uncache)
-
-    def _fail_step(self, out: SchedulerOutput, error: BaseException) -> list[RequestOutput]:
-        """The forward pass failed: its requests fail; their blocks leave the prefix cache too,
-        since blocks hashed for this step may never have been written."""
-        log.exception("forward pass failed", num_requests=len(out.scheduled))
-        touched: dict[str, RequestGroup] = {}
-        for request_id, _ in out.scheduled:
-            request = self.scheduler.requests.get(request_id)
-            group = self._groups.get(request.group_id or request_id) if request else None
-            if group is not None and group.request_id not in touched:
-                touched[group.request_id] = group
-                self._fail(group, error, "forward pass", uncache=True)
-        return self._outputs(touched)
-
-    def _sample(self, logits: np.ndarray, sampling: list[Request]
-                ) -> tuple[dict[str, int], dict[str, RequestGroup]]:
-        """Sample the rows of plain requests (forking n > 1 choices after their prefill) and
-        collect the rows of beams, stepping each search whose live beams are all in."""
-        touched: dict[str, RequestGroup] = {}
-        rows: list[Request] = []
-        row_logits: list[int] = []
-        for i, request in enumerate(sampling):
-            group = self._groups[request.group_id or request.request_id]
-            touched[group.request_id] = group
-            if group.beam is not None:
-                group.pending[request.request_id] = logits[i]
-                continue
-            if not group.forked:
-                self._fork_choices(group, request)
-                rows.extend(group.members)
-                row_logits.extend([i] * group.num_choices)
-            else:
-                rows.append(request)
-                row_logits.append(i)
-        sampled: dict[str, int] = {}
-        if rows:
-            for request, token_id, logprob in self._draw(logits, row_logits, rows, touched):
-                sampled[request.request_id] = token_id
-                if logprob is not None and request.logprobs is not None:
-                    request.logprobs.append(logprob)
-                    request.cumulative_logprob += logprob.logprob
-        for group in touched.values():
-            if group.beam is not None and group.error is None:
-                try:
-                    beam_step(group, self.scheduler, self.tokenizer.decode)
-                except Exception as e:
-                    self._fail(group, e, "beam search")
-        return sampled, {k: g for k, g in touched.items()
-                         if g.beam is None or g.beam_outputs is not None or g.error is not None}
-
-    def _draw(self, logits: np.ndarray, row_logits: list[int], rows: list[Request],
-              touched: dict[str, RequestGroup]) -> list[tuple[Request, int, TokenLogprob | None]]:
-        """Sample every row at once; if that fails, row by row from the same generator states,
-        so only the rows that fail on their own fail their requests."""
-        states = [r.generator.bit_generator.state if r.generator is not None else None
-                  for r in rows]
-        try:
-            batch = logits[row_logits]  # (B, V) a copy: the processors write in place
-            result = self.sampler(batch, [_sampling_row(r) for r in rows])
-            return list(zip(rows, result.token_ids.tolist(), result.logprobs, strict=True))
-        except Exception:
-            pass
-        drawn = []
-        for i, (request, state) in enumerate(zip(rows, states, strict=True)):
-            if request.generator is not None and state is not None:
-                request.generator.bit_generator.state = state
-            group = touched[request.group_id or request.request_id]
-            if group.error is not None:
-                continue
-            try:
-                one = self.sampler(logits[row_logits[i:i + 1]], [_sampling_row(request)])
-            except Exception as e:
-                self._fail(group, e, "sampling")
-                continue
-            drawn.append((request, int(one.token_ids[0]), one.logprobs[0]))
-        return drawn
-
-    def _append_tokens(self, sampled: dict[str, int], touched: dict[str, RequestGroup]) -> None:
-        """Append each sampled token (detokenize, stop checks); a request whose own processing
-        raises fails alone."""
-        requests = self.scheduler.requests
-        for request_id, token_id in sampled.items():
-            try:
-                self.scheduler.append_tokens({request_id: token_id})
-            except Exception as e:
-                request = requests.get(request_id)
-                if request is not None:
-                    self._fail(touched[request.group_id or request_id], e, "output processing")
-
-    def _fork_choices(self, group: RequestGroup, parent: Request) -> None:
-        """n > 1: the prompt was prefilled once; n - 1 more sequences share its blocks."""
-        for index in range(1, group.num_choices):
-            child = self._new_request(f"{group.request_id}#n{index}", parent.prompt,
-                                      parent.prompt_token_ids, parent.params, parent.max_tokens,
-                                      parent.priority, parent.cache_salt, group.request_id, index)
-            self.scheduler.add_running(child, parent)
-            group.members.append(child)
-        group.forked = True
+        core = self.core
+        return self.output_processor.process(
+            core.step(),
+            stop_seq=lambda seq_id: core.finish_seq(seq_id, SequenceStatus.FINISHED_STOPPED),
+            fail_request=lambda request_id: core.abort(request_id,
+                                                       SequenceStatus.FINISHED_ERROR))
 
     def stats(self) -> EngineStats:
         kv = self.kv
+        scheduler = self.scheduler
         return EngineStats(
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_running=len(scheduler.running),
+            num_waiting=sum(seq.num_seqs for seq in scheduler.waiting),
             kv_cache_usage=kv.usage(), num_free_blocks=kv.num_free_blocks,
             num_blocks=kv.num_blocks, prefix_cache_queries=kv.num_prefix_queries,
-            prefix_cache_hits=kv.num_prefix_hits, num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_hits=kv.num_prefix_hits, num_preemptions=scheduler.num_preemptions,
             block_size=kv.block_size, cache_dtype=self.cache_dtype)
-
-
-def _sampling_row(request: Request) -> SamplingRow:
-    assert isinstance(request.params, SamplingParams)
-    return SamplingRow(request.params, request.generator, request.prompt_token_ids,
-                       request.output_token_ids)

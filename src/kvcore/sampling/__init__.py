@@ -18,7 +18,7 @@ from kvcore.sampling.sampler import (
     make_generator,
     process_logits,
 )
-from kvcore.sampling.stop import StopChecker, StopResult, find_stop_string, num_holdback_chars
+from kvcore.sampling.stop import find_stop_string, num_holdback_chars
 
 __all__ = [
     "BeamCandidate",
@@ -31,8 +31,6 @@ __all__ = [
     "SamplerOutput",
     "SamplingParams",
     "SamplingRow",
-    "StopChecker",
-    "StopResult",
     "TokenLogprob",
     "draw",
     "find_stop_string",
