@@ -54,32 +54,21 @@ class Delta:
     finish_reason: str | None
 
 
-def build_params(req: GenerationRequest, num_prompt_tokens: int,
-                 max_model_len: int) -> SamplingParams | BeamSearchParams:
-    """The engine parameters of one prompt: max_tokens resolved against max_model_len, or a 400."""
-    where = "messages" if req.kind == "chat" else "prompt"
-    room = max_model_len - num_prompt_tokens
-    if room < 1:
-        raise bad_request(f"This model's maximum context length is {max_model_len} tokens. "
-                          f"However, your prompt has {num_prompt_tokens} tokens, which leaves "
-                          f"no room for a completion.", where)
-    max_tokens = req.max_tokens if req.max_tokens is not None else room
-    if max_tokens > room:
-        raise bad_request(f"This model's maximum context length is {max_model_len} tokens. "
-                          f"However, you requested {num_prompt_tokens + max_tokens} tokens "
-                          f"({num_prompt_tokens} in the {where}, {max_tokens} in the "
-                          f"completion). Please reduce the length of the {where} or completion.",
-                          "max_tokens")
+def build_params(req: GenerationRequest, room: int) -> SamplingParams | BeamSearchParams:
+    """The engine parameters of one prompt (a 400 naming the parameter when they are invalid);
+    the engine checks them against the context when the request is added. `room`: what the
+    context leaves after the prompt, a beam search's max_tokens when the call names none."""
     try:
         if req.use_beam_search:
             if req.logprobs is not None:
                 raise bad_request("logprobs are not available with beam search", "logprobs")
+            max_tokens = req.max_tokens if req.max_tokens is not None else max(room, 1)
             return BeamSearchParams(beam_width=req.n, max_tokens=max_tokens,
                                     length_penalty=req.length_penalty,
                                     early_stopping=req.early_stopping,
                                     ignore_eos=req.sampling["ignore_eos"],
                                     stop_token_ids=req.sampling["stop_token_ids"])
-        return SamplingParams(n=req.n, max_tokens=max_tokens, logprobs=req.logprobs,
+        return SamplingParams(n=req.n, max_tokens=req.max_tokens, logprobs=req.logprobs,
                               **req.sampling)
     except ParamError as e:
         raise bad_request(str(e), e.param) from None
@@ -124,8 +113,9 @@ class Generation:
                 remaining -= 1
                 # refusals come before any output; a failure later is the server's fault
                 if isinstance(error, ValueError) and job.last_output is None:
-                    param = getattr(error, "param", None) or (
-                        "messages" if self.req.kind == "chat" else "prompt")
+                    param = getattr(error, "param", None) or "prompt"
+                    if param == "prompt" and self.req.kind == "chat":
+                        param = "messages"
                     raise bad_request(str(error), param)
                 if isinstance(error, RequestFailed):
                     raise APIError(500, f"generation failed: {error}")

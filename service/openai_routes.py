@@ -68,7 +68,7 @@ def _completion_jobs(req: GenerationRequest, tokenizer: Tokenizer, max_model_len
             ids, text = prompt, tokenizer.decode(prompt, skip_special_tokens=False)
         if not ids:
             raise bad_request("prompt encodes to no tokens", "prompt")
-        params = build_params(req, len(ids), max_model_len)
+        params = build_params(req, max_model_len - len(ids))
         jobs.append(Job(i, f"{call_id}-{i}", ids, text, params))
     return jobs
 
@@ -97,8 +97,7 @@ def _chat_job(req: GenerationRequest, tokenizer: Tokenizer, max_model_len: int,
     ids = tokenizer.encode(text, add_special_tokens=False)
     if not ids:
         raise bad_request("messages encode to no tokens", "messages")
-    params = build_params(req, len(ids), max_model_len)
-    return Job(0, f"{call_id}-0", ids, text, params)
+    return Job(0, f"{call_id}-0", ids, text, build_params(req, max_model_len - len(ids)))
 
 
 class _Formatter:

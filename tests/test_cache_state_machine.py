@@ -191,6 +191,9 @@ class CacheMachine(RuleBasedStateMachine):
                 if block_id is not None:
                     held[block_id] += 1
         assert [b.ref_count for b in m.pool.blocks] == held
+        for s in m.seq_ids():  # the id list the scheduler hands out equals the block objects'
+            assert m.block_ids(s) == [None if b is None else b.block_id
+                                      for b in m._seqs[s].blocks]
         in_use = sum(1 for n in held if n)
         assert m.num_free_blocks + in_use == NUM_BLOCKS
         free = m.pool.free_queue()

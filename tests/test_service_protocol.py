@@ -35,7 +35,7 @@ def test_completion_fields_map_to_sampling_params() -> None:
         "repetition_penalty": 1.2, "logit_bias": {"7": 5.5}, "ignore_eos": True,
         "user": "u", "priority": -4, "cache_salt": "s", "skip_special_tokens": False,
         "include_stop_str_in_output": True, "unknown_field": {"ignored": True}}, VOCAB)
-    params = build_params(req, num_prompt_tokens=3, max_model_len=64)
+    params = build_params(req, 61)
     assert isinstance(params, SamplingParams)
     assert (params.max_tokens, params.temperature, params.top_p, params.top_k) == (7, 0.5, 0.9, 5)
     assert (params.min_p, params.seed, params.stop, params.stop_token_ids) == (0.1, -3, ("x",),
@@ -51,7 +51,7 @@ def test_completion_fields_map_to_sampling_params() -> None:
 @pytest.mark.parametrize("top_k", [-1, 0])
 def test_top_k_off(top_k: int) -> None:
     req = parse_completion({"prompt": "a", "top_k": top_k}, VOCAB)
-    assert build_params(req, 1, 64).top_k is None  # type: ignore[union-attr]
+    assert build_params(req, 63).top_k is None  # type: ignore[union-attr]
 
 
 def test_prompt_forms() -> None:
@@ -148,27 +148,23 @@ def test_chat_fields() -> None:
     assert parse_chat({"messages": [{"role": "user", "content": "x"}]}, VOCAB).max_tokens is None
 
 
-def test_max_tokens_against_max_model_len() -> None:
+def test_max_tokens_is_passed_on_and_beams_fill_the_room() -> None:
     req = parse_chat({"messages": [{"role": "user", "content": "x"}]}, VOCAB)
-    assert build_params(req, 10, 64).max_tokens == 54  # None fills the context
-    with pytest.raises(APIError) as info:
-        build_params(req, 64, 64)
-    assert info.value.param == "messages"
-    req = parse_completion({"prompt": "a", "max_tokens": 55}, VOCAB)
-    with pytest.raises(APIError) as info:
-        build_params(req, 10, 64)
-    assert info.value.param == "max_tokens" and "maximum context length is 64" in info.value.message
+    assert build_params(req, 54).max_tokens is None  # the engine fills the context
+    beams = parse_chat({"messages": [{"role": "user", "content": "x"}], "use_beam_search": True,
+                        "n": 2}, VOCAB)
+    assert build_params(beams, 54).max_tokens == 54
 
 
 def test_beam_search_params() -> None:
     req = parse_completion({"prompt": "a", "use_beam_search": True, "n": 3, "max_tokens": 5,
                             "length_penalty": 0.5, "early_stopping": True}, VOCAB)
-    params = build_params(req, 1, 64)
+    params = build_params(req, 63)
     assert (params.beam_width, params.max_tokens, params.length_penalty) == (3, 5, 0.5)
     assert params.early_stopping is True
     req = parse_completion({"prompt": "a", "use_beam_search": True, "early_stopping": "never"},
                            VOCAB)
-    assert build_params(req, 1, 64).early_stopping == "never"  # type: ignore[union-attr]
+    assert build_params(req, 63).early_stopping == "never"  # type: ignore[union-attr]
     with pytest.raises(APIError):
         parse_completion({"prompt": "a", "early_stopping": "sometimes"}, VOCAB)
 

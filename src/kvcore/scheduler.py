@@ -22,7 +22,9 @@ class ScheduledSeq:
     seq_id: str
     token_ids: list[int]  # the tokens to compute this step (a prefill chunk, or one token)
     start: int  # position of token_ids[0]: the sequence's num_computed_tokens
-    block_ids: list[int | None]  # its block table (None: released by the sliding window)
+    # its block table (None: released by the sliding window); the manager's own list, valid
+    # until the next schedule() changes it: read during this step only
+    block_ids: list[int | None]
     sample: bool  # the chunk reaches the end of its tokens: the step samples its next token
 
 
@@ -75,10 +77,8 @@ class Scheduler:
         """Queue a sequence; ParamError when it can never run (it is then not queued)."""
         if seq.seq_id in self.seqs:
             raise ValueError(f"seq_id {seq.seq_id!r} is already in use")
+        # (prompt and max_tokens against max_model_len: Engine.add_request checked them)
         worst = seq.num_tokens + seq.max_tokens - seq.num_output_tokens
-        if worst > self.max_model_len:
-            raise ParamError("max_tokens", f"{seq.seq_id!r} needs {worst} tokens (prompt + "
-                             f"max_tokens), more than max_model_len={self.max_model_len}")
         if seq.num_seqs > self.max_num_seqs:
             raise ParamError("n", f"{seq.seq_id!r} runs {seq.num_seqs} "
                              f"sequences at once, more than max_num_seqs={self.max_num_seqs}")
@@ -198,14 +198,14 @@ class Scheduler:
             self._admit(scheduled, ops, budget, step)
         finished, self._finished_ids = self._finished_ids, []
         seqs = self.seqs
-        block_table = kv.block_table
+        block_ids = kv.block_ids  # no copy: the runner reads them before the tables change
         items = []
         for seq_id, num_new in scheduled.items():
             seq = seqs[seq_id]
             start = seq.num_computed_tokens
             end = start + num_new
             items.append(ScheduledSeq(seq_id, seq.token_ids[start:end], start,
-                                      block_table(seq_id), end == len(seq.token_ids)))
+                                      block_ids(seq_id), end == len(seq.token_ids)))
         return SchedulerOutput(
             scheduled=tuple(items),
             copy_ops=tuple(op for copies in ops.values() for op in copies),

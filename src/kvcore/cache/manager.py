@@ -17,10 +17,11 @@ class Admission(enum.Enum):
 
 
 class _Sequence:
-    __slots__ = ("blocks", "num_tokens", "block_hashes", "salt", "num_released")
+    __slots__ = ("blocks", "block_ids", "num_tokens", "block_hashes", "salt", "num_released")
 
     def __init__(self, salt: bytes) -> None:
         self.blocks: list[Block | None] = []  # the block table; None = released (sliding window)
+        self.block_ids: list[int | None] = []  # the same table as ids, kept in step with blocks
         self.num_tokens = 0  # tokens with an allocated slot
         self.block_hashes: list[BlockHash] = []  # chain hashes of the full blocks, in order
         self.salt = salt  # extra key of the first block's hash (tenant isolation)
@@ -81,6 +82,7 @@ class KVCacheManager:
         for block in blocks:
             touch(block)
         seq.blocks = list(blocks)
+        seq.block_ids = [block.block_id for block in blocks]
         seq.num_tokens = num_cached = len(seq.blocks) * bs
         self.num_prefix_queries += num_prompt
         self.num_prefix_hits += num_cached
@@ -128,9 +130,12 @@ class KVCacheManager:
             ops.append((last.block_id, dst.block_id))
             self.pool.free(last)  # one reference less; the other holders keep the original
             blocks[-1] = dst
+            seq.block_ids[-1] = dst.block_id
             blocks.extend(new[1:])
+            seq.block_ids.extend(block.block_id for block in new[1:])
         else:
             blocks.extend(new)
+            seq.block_ids.extend(block.block_id for block in new)
         written = blocks[start // bs]
         assert written is not None and written.ref_count == 1, "write into a shared block"
         seq.num_tokens = end
@@ -145,6 +150,7 @@ class KVCacheManager:
             raise ValueError(f"child_id {child_id!r} is already allocated")
         child = _Sequence(parent.salt)
         child.blocks = list(parent.blocks)
+        child.block_ids = list(parent.block_ids)
         child.num_tokens = parent.num_tokens
         child.block_hashes = list(parent.block_hashes)
         child.num_released = parent.num_released
@@ -187,11 +193,17 @@ class KVCacheManager:
             assert block is not None
             self.pool.free(block)
             seq.blocks[i] = None
+            seq.block_ids[i] = None
         seq.num_released = max(seq.num_released, num_out)
 
     def block_table(self, seq_id: str) -> list[int | None]:
         """Block ids of the sequence in position order (a copy); None = released by the window."""
-        return [None if b is None else b.block_id for b in self._seqs[seq_id].blocks]
+        return list(self._seqs[seq_id].block_ids)
+
+    def block_ids(self, seq_id: str) -> list[int | None]:
+        """block_table without the copy: the manager's own list, valid until the sequence's
+        table changes (the next allocate_slots, release or free). Read it, never modify it."""
+        return self._seqs[seq_id].block_ids
 
     def num_tokens(self, seq_id: str) -> int:
         return self._seqs[seq_id].num_tokens

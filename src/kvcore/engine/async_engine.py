@@ -14,17 +14,34 @@ import structlog
 
 from kvcore.config import EngineConfig, ModelConfig, ParamError
 from kvcore.engine.engine import Engine, EngineStats
-from kvcore.engine.setup import check_prompt
 from kvcore.model.tokenizer import Tokenizer
 from kvcore.request import RequestOutput
 from kvcore.sampling import BeamSearchParams, SamplingParams
 
 log = structlog.get_logger(__name__)
+_INLINE_CHARS = 8192  # shorter prompt texts are tokenized on the event loop
 
 
 class RequestFailed(RuntimeError):
     """The engine failed this request (its sampling, output processing, or the forward pass of
     its step); other requests go on. Raised by the stream of `AsyncEngine.generate`."""
+
+
+class _Stream:
+    """One consumer's outputs: a list and, while the consumer waits, a future to wake it. A
+    step hands over with one append (and at most one wake-up), cheaper than an asyncio.Queue."""
+
+    __slots__ = ("items", "waiter")
+
+    def __init__(self) -> None:
+        self.items: list[RequestOutput | BaseException] = []
+        self.waiter: asyncio.Future[None] | None = None
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.items.append(item)
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
 
 @dataclass(slots=True)
@@ -35,7 +52,7 @@ class _Add:
     params: SamplingParams | BeamSearchParams
     priority: int
     cache_salt: str | None
-    queue: asyncio.Queue[RequestOutput | BaseException]
+    stream: _Stream
 
 
 class AsyncEngine:
@@ -44,14 +61,14 @@ class AsyncEngine:
 
     Only the driver task touches the engine, and only between steps or inside the step it runs in
     the single worker thread, so engine state has one owner at a time. Adds and aborts queue up and
-    are applied between steps; each request's outputs go to its own asyncio.Queue.
+    are applied between steps; each request's outputs go to its own stream.
     """
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._adds: list[_Add] = []
         self._aborts: list[str] = []
-        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._streams: dict[str, _Stream] = {}
         self._executor: ThreadPoolExecutor | None = None
         self._task: asyncio.Task[None] | None = None
         self._wakeup: asyncio.Event | None = None
@@ -125,9 +142,9 @@ class AsyncEngine:
             executor.shutdown()
             self._executor = None
         for add in self._adds:
-            add.queue.put_nowait(RuntimeError("the engine stopped"))
+            add.stream.put(RuntimeError("the engine stopped"))
         self._adds.clear()
-        self._aborts.extend(self._queues)
+        self._aborts.extend(self._streams)
         self._apply_aborts()
         self._publish()
 
@@ -145,36 +162,44 @@ class AsyncEngine:
                         priority: int, cache_salt: str | None) -> AsyncIterator[RequestOutput]:
         if not self.running or self._wakeup is None:
             raise RuntimeError("AsyncEngine is not started (use `async with` or start())")
-        engine = self.engine
-        prompt_ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        # the checks that need no engine state run here, so bad input fails at once
-        check_prompt(prompt_ids, params, engine.max_model_len, engine.model_config.vocab_size,
-                     engine.kv)
-        if request_id in self._queues:
+        if isinstance(prompt, str):  # a long text tokenizes off the event loop
+            prompt_ids = (self.engine.tokenizer.encode(prompt) if len(prompt) < _INLINE_CHARS
+                          else await asyncio.to_thread(self.engine.tokenizer.encode, prompt))
+        else:
+            prompt_ids = list(prompt)
+        # every other check is Engine.add_request's, when the driver adds the request: its
+        # ParamError comes out of the first __anext__
+        if request_id in self._streams:
             raise ParamError("request_id", f"request_id {request_id!r} is already in use")
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._queues[request_id] = queue
+        stream = _Stream()
+        self._streams[request_id] = stream
         self._adds.append(_Add(request_id, prompt if isinstance(prompt, str) else None,
-                               prompt_ids, params, priority, cache_salt, queue))
+                               prompt_ids, params, priority, cache_salt, stream))
         self._wakeup.set()
+        loop = asyncio.get_running_loop()
         finished = False
         try:
             while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                if item.error is not None:
-                    raise RequestFailed(item.error)
-                yield item
-                if finished:
-                    return
+                if not stream.items:
+                    stream.waiter = loop.create_future()
+                    await stream.waiter
+                    stream.waiter = None
+                items, stream.items = stream.items, []
+                for item in items:
+                    if isinstance(item, BaseException):
+                        finished = True
+                        raise item
+                    finished = item.finished
+                    if item.error is not None:
+                        raise RequestFailed(item.error)
+                    yield item
+                    if finished:
+                        return
         finally:
             if not finished:
                 self._aborts.append(request_id)
                 self._wakeup.set()
-            self._queues.pop(request_id, None)
+            self._streams.pop(request_id, None)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request between steps; its consumer gets a final output with reason abort."""
@@ -202,28 +227,29 @@ class AsyncEngine:
                 # Engine.step contains the failures it can attribute; one that escapes is a bug
                 # in shared state: end every request (and free its blocks) rather than go on
                 log.exception("engine step failed")
-                for request_id, queue in list(self._queues.items()):
+                for request_id, stream in list(self._streams.items()):
                     engine.abort_request(request_id)
-                    queue.put_nowait(RequestFailed(f"engine step failed: {type(e).__name__}"))
+                    stream.put(RequestFailed(f"engine step failed: {type(e).__name__}"))
                 continue
             self._publish()
+            streams = self._streams
             for output in outputs:
-                consumer = self._queues.get(output.request_id)
+                consumer = streams.get(output.request_id)
                 if consumer is not None:
-                    consumer.put_nowait(output)
+                    consumer.put(output)
             await asyncio.sleep(0)  # let consumers run before the next step
 
     def _apply_adds(self) -> None:
         adds, self._adds = self._adds, []
         for add in adds:
-            if self._queues.get(add.request_id) is not add.queue:
+            if self._streams.get(add.request_id) is not add.stream:
                 continue  # the consumer went away before its request was added
             try:
                 self.engine.add_request(add.request_id, add.prompt_ids, add.params,
                                         priority=add.priority, cache_salt=add.cache_salt,
                                         prompt_text=add.prompt)
             except ValueError as e:
-                add.queue.put_nowait(e)
+                add.stream.put(e)
 
     def _publish(self) -> None:
         """Between steps (the worker is idle): the figures the event loop may read."""
@@ -234,9 +260,9 @@ class AsyncEngine:
         aborts, self._aborts = self._aborts, []
         for request_id in aborts:
             output = self.engine.abort_request(request_id)
-            queue = self._queues.get(request_id)
-            if output is not None and queue is not None:
-                queue.put_nowait(output)
+            stream = self._streams.get(request_id)
+            if output is not None and stream is not None:
+                stream.put(output)
 
 
 def _num_seqs(params: SamplingParams | BeamSearchParams) -> int:

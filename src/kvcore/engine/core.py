@@ -222,6 +222,15 @@ class EngineCore:
 
     def _draw(self, logits: np.ndarray, row_logits: list[int], rows: list[Sequence]
               ) -> list[tuple[Sequence, int, TokenLogprob | None]]:
+        if logits.ndim == 1:  # the model sampled on its own device: (L,) greedy token ids
+            for seq in rows:
+                params = seq.params
+                assert isinstance(params, SamplingParams)
+                if not params.greedy or params.logprobs is not None:
+                    raise ValueError("this model returns token ids: only greedy sampling "
+                                     "without logprobs")
+            ids = logits.tolist()
+            return [(seq, ids[i], None) for seq, i in zip(rows, row_logits, strict=True)]
         sampling_rows = [_sampling_row(seq) for seq in rows]
         if len(row_logits) == logits.shape[0] and row_logits == list(range(len(row_logits))) \
                 and all(_reads_only(r) for r in sampling_rows):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -80,6 +81,9 @@ class Engine:
         self.core = EngineCore(scheduler, ModelRunner(self.model, self.kv_cache, block_size),
                                Sampler(self.eos_token_ids), mc.vocab_size, config.seed)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
+        # the weights' and tokenizer's objects never become garbage: keep the cyclic GC from
+        # walking them at every collection during serving (a pause inside a step)
+        gc.freeze()
         log.info("kv cache pool", device=device, num_blocks=num_blocks, block_size=block_size,
                  cache_dtype=self.cache_dtype, bytes=self.kv_cache.num_bytes,
                  max_model_len=self.max_model_len)

@@ -103,12 +103,16 @@ def check_prompt(prompt_ids: Sequence[int], params: SamplingParams | BeamSearchP
         raise ParamError("prompt", f"prompt token id {bad[0]!r} is outside the vocabulary "
                          f"[0, {vocab_size})")
     if num_prompt >= max_model_len:
-        raise ParamError("prompt", f"prompt has {num_prompt} tokens; max_model_len="
-                         f"{max_model_len} leaves no room for output")
+        raise ParamError("prompt", f"This model's maximum context length (max_model_len) is "
+                         f"{max_model_len} tokens. However, your prompt has {num_prompt} tokens, "
+                         f"which leaves no room for a completion.")
     max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - num_prompt
     if num_prompt + max_tokens > max_model_len:
-        raise ParamError("max_tokens", f"prompt ({num_prompt} tokens) + max_tokens "
-                         f"({max_tokens}) exceeds max_model_len={max_model_len}")
+        raise ParamError("max_tokens", f"This model's maximum context length (max_model_len) "
+                         f"is {max_model_len} tokens. However, you requested "
+                         f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
+                         f"{max_tokens} in the completion). Please reduce the length of the "
+                         f"prompt or completion.")
     num_seqs = params.n if isinstance(params, SamplingParams) else params.beam_width
     if num_seqs > 1:
         # the sequences of one request run together: all of them at full length must fit
