@@ -76,8 +76,9 @@ class Engine:
         block_size = config.cache.block_size
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
                                  mc.sliding_window)
-        self.kv_cache = KVCache(mc.num_layers, num_blocks, block_size, mc.num_kv_heads,
-                                mc.head_dim, self.cache_dtype, device)
+        kv_heads, kv_width, shared_kv = mc.kv_layout  # MLA: one latent K/V "head"
+        self.kv_cache = KVCache(mc.num_layers, num_blocks, block_size, kv_heads, kv_width,
+                                self.cache_dtype, device, shared_kv=shared_kv)
         self.scheduler = Scheduler(self.kv, config.scheduler.max_num_batched_tokens,
                                    config.scheduler.max_num_seqs, self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv)
