@@ -112,3 +112,14 @@ def test_greedy_generation_equals_transformers_under_preemption(tmp_path: Path,
                                           attention_mask=torch.ones(1, len(prompt),
                                                                     dtype=torch.long))
         assert out.outputs[0].token_ids == expected[0, len(prompt):].tolist()
+
+
+def test_a_checkpoint_saved_by_transformers_loads(tmp_path: Path) -> None:
+    """transformers' own config.json (rope_parameters, qk_head_dim, head_dim = rope dim) and
+    tensor layout load into kvcore with the same logits."""
+    source = make_tiny_deepseek(tmp_path / "ours", "v3", seed=8)
+    hf_model(source).save_pretrained(tmp_path / "saved")
+    seq = [int(t) for t in np.random.default_rng(9).integers(0, 259, 20)]
+    a = paged_logits(load_model(source), [seq], prefill=12)[0]
+    b = paged_logits(load_model(tmp_path / "saved"), [seq], prefill=12)[0]
+    np.testing.assert_array_equal(a, b)

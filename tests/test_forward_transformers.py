@@ -38,13 +38,14 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 def paged_logits(model: LlamaModel, sequences: list[list[int]], prefill: int,
-                 block_size: int = 4) -> list[np.ndarray]:
+                 block_size: int = 4, cache_dtype: str = "fp32") -> list[np.ndarray]:
     """Every position's logits: the first `prefill` tokens of each sequence in three chunks
     (both sequences in every step), then the rest one decode token per step."""
     c = model.config
     num_blocks = sum(-(-len(s) // block_size) for s in sequences) + 2
     kv_heads, kv_width, shared_kv = c.kv_layout
-    cache = KVCache(c.num_layers, num_blocks, block_size, kv_heads, kv_width, shared_kv=shared_kv)
+    cache = KVCache(c.num_layers, num_blocks, block_size, kv_heads, kv_width, cache_dtype,
+                    shared_kv=shared_kv)
     free = list(np.random.default_rng(0).permutation(num_blocks))
     tables: list[list[int | None]] = [[] for _ in sequences]
     decode = list(range(prefill + 1, len(sequences[0]) + 1))

@@ -26,6 +26,7 @@ _FAMILY_KEYS = {
         "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size",
         "routed_scaling_factor", "topk_method", "scoring_func", "n_group", "topk_group",
         "first_k_dense_replace", "norm_topk_prob", "moe_layer_freq",
+        "qk_head_dim",  # transformers writes qk_nope_head_dim + qk_rope_head_dim (checked)
         # training-only: auxiliary balance loss, expert-parallel degree, router logits output
         "aux_loss_alpha", "seq_aux", "ep_size", "output_router_logits", "router_aux_loss_coef",
     }),
@@ -140,6 +141,9 @@ def parse_deepseek(cfg: dict[str, Any], arch: str) -> tuple[MLAConfig, MoEConfig
         # V2 always rotates interleaved pairs; V3 unless rope_interleave is false
         rope_interleave=arch == "deepseek_v2" or bool(cfg.get("rope_interleave", True)),
     )
+    if cfg.get("qk_head_dim", mla.qk_head_dim) != mla.qk_head_dim:
+        raise ValueError(f"qk_head_dim {cfg['qk_head_dim']!r} is not qk_nope_head_dim + "
+                         f"qk_rope_head_dim ({mla.qk_head_dim})")
     scoring, methods = _ROUTING[arch]
     scoring_func = cfg.get("scoring_func", scoring)
     if scoring_func != scoring:
