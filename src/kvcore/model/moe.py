@@ -10,6 +10,7 @@ import numpy as np
 
 from kvcore import kernels
 from kvcore.config_deepseek import MoEConfig
+from kvcore.model.llama import _linear
 
 
 @dataclass(slots=True)
@@ -85,5 +86,6 @@ def moe_ffn(x: np.ndarray, w: MoEWeights, moe: MoEConfig) -> np.ndarray:
 
 
 def _mlp(x: np.ndarray, gate_up: np.ndarray, down: np.ndarray) -> np.ndarray:
-    """SwiGLU: down(silu(gate x) * up x), gate and up as one (2 I, hidden) weight."""
-    return kernels.silu_and_mul(x @ gate_up.T) @ down.T  # type: ignore[no-any-return]
+    """SwiGLU: down(silu(gate x) * up x), gate and up as one (2 I, hidden) weight; _linear's
+    weight-left product for the few rows an expert usually gets."""
+    return _linear(kernels.silu_and_mul(_linear(x, gate_up)), down)  # type: ignore[no-any-return]
