@@ -123,3 +123,39 @@ def test_a_checkpoint_saved_by_transformers_loads(tmp_path: Path) -> None:
     a = paged_logits(load_model(source), [seq], prefill=12)[0]
     b = paged_logits(load_model(tmp_path / "saved"), [seq], prefill=12)[0]
     np.testing.assert_array_equal(a, b)
+
+
+def test_a_mixed_step_runs_both_forms(tmp_path: Path) -> None:
+    """A long prefill chunk (decompressed under auto) beside a decode token (absorbed) in one
+    step gives the logits of the all-absorbed step."""
+    from kvcore.cache.kv_cache import KVCache
+    from kvcore.model import BatchInput
+    from kvcore.model.mla import plan_step
+
+    model = load_model(make_tiny_deepseek(tmp_path, "v2_lite", seed=10))
+    assert isinstance(model, DeepseekModel) and model.config.mla is not None
+    rng = np.random.default_rng(11)
+    a, b = rng.integers(0, 259, 40).tolist(), rng.integers(0, 259, 21).tolist()
+    logits = {}
+    for mode in ("auto", "absorbed"):
+        model.mla_mode = mode
+        cache = KVCache(3, 24, 4, 1, 40, shared_kv=True)
+        tables = [list(range(0, 10)), list(range(10, 16))]
+        model.forward(BatchInput.build([b[:20]], [0], [tables[1]], 4), cache)
+        batch = BatchInput.build([a, b[20:]], [0, 20], tables, 4)
+        step = plan_step(batch.positions, batch.slot_mapping, batch.block_tables,
+                         batch.context_lens, batch.query_start_loc, model.config.mla, 4, mode)
+        assert step.decompressed.tolist() == ([True, False] if mode == "auto" else [False] * 2)
+        logits[mode] = model.forward(batch, cache)
+    assert _rel_err(logits["auto"], logits["absorbed"]) < 1e-5
+
+
+def test_forked_sequences_share_the_latent_blocks(tmp_path: Path) -> None:
+    """n = 2 greedy: the fork shares every latent block (copy-on-write on the shared K/V array)
+    and both continuations equal the single one."""
+    model_dir = make_tiny_deepseek(tmp_path, "v3", seed=12)
+    prompt = random_prompts(seed=13, num=1, low=10, high=11)[0]
+    single = run_all(make_engine(model_dir), [prompt], GREEDY)[0].outputs[0].token_ids
+    both = SamplingParams(n=2, max_tokens=8, temperature=0.0, ignore_eos=True)
+    forked = run_all(make_engine(model_dir), [prompt], both)[0].outputs
+    assert [o.token_ids for o in forked] == [single, single]
