@@ -144,7 +144,7 @@ def test_a_mixed_step_runs_both_forms(tmp_path: Path) -> None:
         model.forward(BatchInput.build([b[:20]], [0], [tables[1]], 4), cache)
         batch = BatchInput.build([a, b[20:]], [0, 20], tables, 4)
         step = plan_step(batch.positions, batch.slot_mapping, batch.block_tables,
-                         batch.context_lens, batch.query_start_loc, model.config.mla, 4, mode)
+                         batch.context_lens, batch.query_start_loc, model.config.mla, mode)
         assert step.decompressed.tolist() == ([True, False] if mode == "auto" else [False] * 2)
         logits[mode] = model.forward(batch, cache)
     assert _rel_err(logits["auto"], logits["absorbed"]) < 1e-5

@@ -90,8 +90,7 @@ class DeepseekModel(LlamaModel):
         c = self.config
         assert c.mla is not None and c.moe is not None
         step = plan_step(batch.positions, batch.slot_mapping, batch.block_tables,
-                         batch.context_lens, batch.query_start_loc, c.mla, c.num_heads,
-                         self.mla_mode)
+                         batch.context_lens, batch.query_start_loc, c.mla, self.mla_mode)
         h = self.embed[batch.input_ids]  # (T, hidden) residual stream
         layer: DeepseekLayer
         for layer_id, layer in enumerate(self.layers):

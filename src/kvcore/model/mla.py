@@ -85,7 +85,7 @@ class MLAStep:
 
 def plan_step(positions: np.ndarray, slot_mapping: np.ndarray, block_tables: np.ndarray,
               context_lens: np.ndarray, query_start_loc: np.ndarray, mla: MLAConfig,
-              num_heads: int, mode: str) -> MLAStep:
+              mode: str) -> MLAStep:
     """Choose the form of each sequence once per step (every layer has the same shape)."""
     if mode not in MLA_MODES:
         raise ValueError(f"mla mode must be one of {MLA_MODES}, got {mode!r}")
