@@ -63,7 +63,7 @@ class RopeScaling:
     @property
     def softmax_factor(self) -> float:
         """DeepSeek's extra softmax scale: mscale(factor, mscale_all_dim) squared."""
-        if self.rope_type == "default" or not self.mscale_all_dim:
+        if not self.mscale_all_dim:
             return 1.0
         return yarn_mscale(self.factor, self.mscale_all_dim) ** 2
 
