@@ -1,4 +1,4 @@
-"""A tiny random-weight HF-style checkpoint (Llama, Mistral, Qwen2) with a byte-level tokenizer."""
+"""A tiny random-weight HF-style checkpoint (Llama, Mistral, Qwen2/3), byte-level tokenizer."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
 
 
@@ -69,6 +70,8 @@ def tiny_config(arch: str = "llama", **overrides: Any) -> dict[str, Any]:
         cfg |= {"sliding_window": 16}
     else:
         cfg |= {"use_sliding_window": False, "sliding_window": None, "max_window_layers": 2}
+        if arch == "qwen3":
+            cfg |= {"attention_bias": False}
     cfg |= overrides
     return cfg
 
@@ -101,6 +104,11 @@ def tiny_weights(cfg: dict[str, Any], seed: int = 0) -> dict[str, np.ndarray]:
             w[p + "self_attn.q_proj.bias"] = normal(heads * head_dim, std=0.1)
             w[p + "self_attn.k_proj.bias"] = normal(kv_heads * head_dim, std=0.1)
             w[p + "self_attn.v_proj.bias"] = normal(kv_heads * head_dim, std=0.1)
+        if cfg["model_type"] == "qwen3":
+            w[p + "self_attn.q_norm.weight"] = (1.0 + rng.standard_normal(head_dim) * 0.2).astype(
+                np.float32)
+            w[p + "self_attn.k_norm.weight"] = (1.0 + rng.standard_normal(head_dim) * 0.2).astype(
+                np.float32)
         w[p + "mlp.gate_proj.weight"] = normal(inter, hidden)
         w[p + "mlp.up_proj.weight"] = normal(inter, hidden)
         w[p + "mlp.down_proj.weight"] = normal(hidden, inter)

@@ -2,11 +2,14 @@
 
 Prefill tokens/s for single prompts, decode step time for batches at a realistic context, and
 the fraction of NumPy's own matmul rate (MLP shapes, batch 64) that the batch-64 decode step
-reaches. `--breakdown` adds where the batch-64 step's time goes, kernel by kernel, and what that
-leaves attention for 60% of the matmul rate. `--record` writes the results into
-docs/benchmarks.md, section `## Forward pass (CPU)`.
+reaches (Llama-family models). For an MLA model (DeepSeek) `--mla-modes` times each form of
+its attention side by side (absorbed, decompressed, auto). `--breakdown` adds where the
+batch-64 step's time goes, kernel by kernel, and what that leaves attention for 60% of the
+matmul rate. `--record` writes the results into docs/benchmarks.md, section
+`## Forward pass (CPU)` (MLA models: `## MLA forward (CPU)`).
 
     .venv/bin/python tools/bench_forward.py [--model DIR] [--threads N] [--breakdown] [--record]
+        [--mla-modes absorbed,decompressed,auto]
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 SECTION = "## Forward pass (CPU)"
+SECTION_MLA = "## MLA forward (CPU)"
 
 
 def parse_args() -> argparse.Namespace:
@@ -34,6 +38,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--context", type=int, default=128, help="decode context length per sequence")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (median)")
     p.add_argument("--no-transformers", action="store_true", help="skip the baseline")
+    p.add_argument("--mla-modes", default="auto",
+                   help="MLA models: attention forms to time side by side, of absorbed, "
+                        "decompressed, auto (default auto)")
     p.add_argument("--breakdown", action="store_true",
                    help="also time each kernel of the batch-64 decode step")
     p.add_argument("--record", action="store_true", help="write docs/benchmarks.md's section")
@@ -57,7 +64,7 @@ import kvcore  # noqa: E402, F401, I001  (before NumPy: sets OpenBLAS's thread t
 import numpy as np  # noqa: E402
 
 from kvcore.cache.kv_cache import KVCache  # noqa: E402
-from kvcore.model import BatchInput, LlamaModel, load_model  # noqa: E402
+from kvcore.model import BatchInput, DeepseekModel, LlamaModel, load_model  # noqa: E402
 
 BLOCK_SIZE = 16
 
@@ -80,18 +87,35 @@ def median_times(fns: list[Callable[[], object] | None], repeats: int,
     return [statistics.median(t) if t else None for t in times]
 
 
+def empty_cache(model: LlamaModel, num_blocks: int) -> KVCache:
+    """The model's cache layout (MLA: one latent K/V array per layer)."""
+    kv_heads, width, shared = model.config.kv_layout
+    return KVCache(model.config.num_layers, num_blocks, BLOCK_SIZE, kv_heads, width,
+                   shared_kv=shared)
+
+
 def fresh_cache(model: LlamaModel, num_blocks: int, rng: np.random.Generator) -> KVCache:
-    c = model.config
-    cache = KVCache(c.num_layers, num_blocks, BLOCK_SIZE, c.num_kv_heads, c.head_dim)
-    for array in cache.key_caches + cache.value_caches:  # context content: random, not zeros
-        array[...] = rng.standard_normal(array.shape, dtype=np.float32)
+    cache = empty_cache(model, num_blocks)
+    for array in {id(a): a for a in cache.key_caches + cache.value_caches}.values():
+        array[...] = rng.standard_normal(array.shape, dtype=np.float32)  # random, not zeros
     return cache
+
+
+def in_mode(model: LlamaModel, mode: str | None, fn: Callable[[], object]) -> Callable[[], object]:
+    """fn run with an MLA model's attention in `mode` (None: as it is)."""
+    if mode is None:
+        return fn
+
+    def run() -> object:
+        assert isinstance(model, DeepseekModel)
+        model.mla_mode = mode
+        return fn()
+    return run
 
 
 def ours_prefill(model: LlamaModel, length: int, rng: np.random.Generator) -> Callable[[], object]:
     num_blocks = -(-length // BLOCK_SIZE)
-    cache = KVCache(model.config.num_layers, num_blocks, BLOCK_SIZE, model.config.num_kv_heads,
-                    model.config.head_dim)
+    cache = empty_cache(model, num_blocks)
     ids = [int(t) for t in rng.integers(0, model.config.vocab_size, length)]
     table = [int(b) for b in rng.permutation(num_blocks)]
     return lambda: model.forward(BatchInput.build([ids], [0], [table], BLOCK_SIZE), cache)
@@ -217,9 +241,12 @@ class Transformers:
         torch, cfg = self.torch, self.config
         cache = DynamicCache(config=cfg)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        shape = (batch, cfg.num_key_value_heads, context - 1, head_dim)
+        shapes = [(batch, cfg.num_key_value_heads, context - 1, head_dim)] * 2
+        if getattr(cfg, "kv_lora_rank", None):  # MLA: the latent and the rope key, one "head"
+            shapes = [(batch, 1, context - 1, cfg.kv_lora_rank),
+                      (batch, 1, context - 1, cfg.qk_rope_head_dim)]
         for layer in range(cfg.num_hidden_layers):
-            cache.update(torch.randn(shape), torch.randn(shape), layer)
+            cache.update(torch.randn(shapes[0]), torch.randn(shapes[1]), layer)
         ids = torch.from_numpy(rng.integers(0, cfg.vocab_size, (batch, 1)))
         mask = torch.ones((batch, context), dtype=torch.long)
         positions = torch.full((batch, 1), context - 1)
@@ -246,34 +273,41 @@ def main() -> int:
     model = load_model(model_dir)
     hf = None if ARGS.no_transformers else Transformers(model_dir, ARGS.threads)
     rows = []
+    mla = isinstance(model, DeepseekModel)
+    modes: list[str | None] = list(ARGS.mla_modes.split(",")) if mla else [None]
     print(f"model {model_dir.name}, {ARGS.threads} threads, repeats {ARGS.repeats}")
     for length in (int(x) for x in ARGS.prompts.split(",")):
         repeats = max(1, ARGS.repeats if length < 1024 else ARGS.repeats // 2)
-        ours_t, base_t = median_times(
-            [ours_prefill(model, length, rng), hf.prefill(length, rng) if hf else None], repeats)
-        assert ours_t is not None
-        ours, base = length / ours_t, (length / base_t if base_t else None)
-        rows.append(("prefill", f"{length} tokens", f"{ours:,.0f} tok/s",
-                     f"{base:,.0f} tok/s" if base else "-", base and ours / base))
-        print(rows[-1], flush=True)
+        *ours_ts, base_t = median_times(
+            [*(in_mode(model, m, ours_prefill(model, length, rng)) for m in modes),
+             hf.prefill(length, rng) if hf else None], repeats)
+        for mode, ours_t in zip(modes, ours_ts, strict=True):
+            assert ours_t is not None
+            ours, base = length / ours_t, (length / base_t if base_t else None)
+            rows.append((_kind("prefill", mode), f"{length} tokens", f"{ours:,.0f} tok/s",
+                         f"{base:,.0f} tok/s" if base else "-", base and ours / base))
+            print(rows[-1], flush=True)
     decode_ms = {}
     for batch in (int(x) for x in ARGS.batches.split(",")):
         run, trim = hf.decode(batch, ARGS.context, rng) if hf else (None, None)
-        ours_t, base_t = median_times([ours_decode(model, batch, ARGS.context, rng), run],
-                                      ARGS.repeats, [None, trim])
-        assert ours_t is not None
-        decode_ms[batch] = ours_t
-        rows.append(("decode step", f"batch {batch}, context {ARGS.context}",
-                     f"{ours_t * 1e3:.1f} ms", f"{base_t * 1e3:.1f} ms" if base_t else "-",
-                     base_t and base_t / ours_t))
-        print(rows[-1], flush=True)
+        *ours_ts, base_t = median_times(
+            [*(in_mode(model, m, ours_decode(model, batch, ARGS.context, rng)) for m in modes),
+             run], ARGS.repeats, [*([None] * len(modes)), trim])
+        for mode, ours_t in zip(modes, ours_ts, strict=True):
+            assert ours_t is not None
+            if mode is None:
+                decode_ms[batch] = ours_t
+            rows.append((_kind("decode step", mode), f"batch {batch}, context {ARGS.context}",
+                         f"{ours_t * 1e3:.1f} ms", f"{base_t * 1e3:.1f} ms" if base_t else "-",
+                         base_t and base_t / ours_t))
+            print(rows[-1], flush=True)
     lines = [f"Model `{model_dir.name}` ({model.config.num_layers} layers, hidden "
              f"{model.config.hidden_size}), fp32 weights and KV cache, block size {BLOCK_SIZE}, "
              f"{ARGS.threads} BLAS threads for both, {platform.processor() or platform.machine()}, "
              f"NumPy {np.__version__}" + (f", {hf.version}" if hf else "") + ". Median of "
              f"{ARGS.repeats} timed runs after a warm-up, taking turns; "
              f"{'process CPU time' if ARGS.clock == 'cpu' else 'wall time'}; load average "
-             f"{os.getloadavg()[0]:.1f} at the end.", "",
+             f"{os.getloadavg()[0]:.1f} at the end." + _mla_note(model), "",
              "| measurement | shape | kvcore | transformers | kvcore speed-up |",
              "|---|---|---|---|---|"]
     for kind, shape, ours_s, base_s, ratio in rows:
@@ -300,8 +334,21 @@ def main() -> int:
     text = "\n".join(lines)
     print(text)
     if ARGS.record:
-        record(text)
+        record(text, SECTION_MLA if mla else SECTION)
     return 0
+
+
+def _mla_note(model: LlamaModel) -> str:
+    mla = model.config.mla
+    if mla is None:
+        return ""
+    return (f" MLA: {model.config.num_heads} heads, latent {mla.kv_lora_rank} + rope "
+            f"{mla.qk_rope_head_dim} cached per token, q/k nope {mla.qk_nope_head_dim}, v "
+            f"{mla.v_head_dim}; `MLA auto` picks the form per sequence by multiply-adds.")
+
+
+def _kind(kind: str, mode: str | None) -> str:
+    return kind if mode is None else f"{kind}, MLA {mode}"
 
 
 def breakdown_lines(model: LlamaModel, streamed: float) -> list[str]:
@@ -324,20 +371,20 @@ def breakdown_lines(model: LlamaModel, streamed: float) -> list[str]:
     return lines
 
 
-def record(body: str) -> None:
+def record(body: str, section_name: str) -> None:
     """Write this run as one `### ` subsection (per thread count and clock) of this tool's own
     `## ` section of docs/benchmarks.md, leaving every other section and run as it is."""
     path = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
     old = path.read_text() if path.exists() else "# Benchmarks\n"
     label = f"### {ARGS.threads} thread{'s' if ARGS.threads > 1 else ''}, {ARGS.clock} time"
-    if SECTION in old:
-        start = old.index(SECTION)
-        end = old.find("\n## ", start + len(SECTION))
+    if section_name in old:
+        start = old.index(section_name)
+        end = old.find("\n## ", start + len(section_name))
         end = len(old) if end < 0 else end + 1
         section = old[start:end]
     else:
         start = end = len(old)
-        section = f"{SECTION}\n\nWritten by `tools/bench_forward.py --record`.\n"
+        section = f"{section_name}\n\nWritten by `tools/bench_forward.py --record`.\n"
         old = old.rstrip("\n") + "\n\n"
     runs = section.split("\n### ")
     head, kept = runs[0].rstrip("\n"), [r for r in runs[1:] if not label.endswith(r.split("\n")[0])]

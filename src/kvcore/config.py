@@ -3,14 +3,26 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from kvcore.config_deepseek import (
+    STRICT_FAMILIES,
+    MLAConfig,
+    MoEConfig,
+    parse_deepseek,
+    unknown_keys,
+)
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 KV_CACHE_DTYPES = ("auto", "fp32", "fp16", "bf16", "fp8")
 
@@ -30,22 +42,54 @@ class ParamError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
-    rope_type: str  # "linear" or "llama3"
+    rope_type: str  # "linear", "llama3" or "yarn"
     factor: float
     # llama3 only: the wavelength band that is interpolated smoothly
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # yarn only: the rotation band blended between extrapolation and interpolation, and the
+    # magnitude corrections (DeepSeek's mscale / mscale_all_dim; attention_factor when given)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    @property
+    def cos_sin_factor(self) -> float:
+        """yarn multiplies cos and sin (so q.k of the rotated parts) by this; others by 1."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor,
+                                                                       self.mscale_all_dim)
+        return yarn_mscale(self.factor)
+
+    @property
+    def softmax_factor(self) -> float:
+        """DeepSeek's extra softmax scale: mscale(factor, mscale_all_dim) squared."""
+        if not self.mscale_all_dim:
+            return 1.0
+        return yarn_mscale(self.factor, self.mscale_all_dim) ** 2
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 mscale ln(factor) + 1 (1 without extension)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    architecture: str  # "llama", "mistral" or "qwen2"
+    architecture: str  # "llama", "mistral", "qwen2", "qwen3", "deepseek_v2" or "deepseek_v3"
     num_layers: int
     hidden_size: int
     num_heads: int
-    num_kv_heads: int
-    head_dim: int
+    num_kv_heads: int  # MLA: every head has its own K/V after decompression (= num_heads)
+    head_dim: int  # MLA: the query/key head (qk_nope_head_dim + qk_rope_head_dim)
     intermediate_size: int
     vocab_size: int
     rms_norm_eps: float
@@ -59,6 +103,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"  # the checkpoint's dtype, as config.json names it
+    qk_norm: bool = False  # RMSNorm of every q and k head before rotation (Qwen3)
+    mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek-V2/V3)
+    moe: MoEConfig | None = None  # DeepSeek MoE FFN from layer moe.first_k_dense_replace on
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -78,6 +125,19 @@ class ModelConfig:
         if self.rope_theta <= 0:
             raise ConfigError(f"rope_theta must be positive, got {self.rope_theta}")
 
+    @property
+    def kv_layout(self) -> tuple[int, int, bool]:
+        """(KV heads, head width, K and V share one array) of the paged cache: MLA caches one
+        "KV head" of kv_lora_rank + qk_rope_head_dim per token that is both K and V."""
+        if self.mla is not None:
+            return 1, self.mla.cache_width, True
+        return self.num_kv_heads, self.head_dim, False
+
+    @property
+    def rope_dim(self) -> int:
+        """Dimensions each rotated head has: the rope part of an MLA head, else the head."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
+
     @classmethod
     def from_dict(cls, cfg: dict[str, Any],
                   generation: dict[str, Any] | None = None) -> ModelConfig:
@@ -85,7 +145,7 @@ class ModelConfig:
         model_type = cfg.get("model_type")
         arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES),
                     None)
-        if arch is None and model_type in ("llama", "mistral", "qwen2"):
+        if arch is None and model_type in SUPPORTED_ARCHITECTURES.values():
             arch = model_type
         if arch is None:
             raise ConfigError(
@@ -97,26 +157,42 @@ class ModelConfig:
                 raise ConfigError(f"config.json is missing the field {key!r}")
             return cfg[key]
 
+        if arch in STRICT_FAMILIES:
+            unknown = unknown_keys(cfg, arch)
+            if unknown:
+                raise ConfigError(f"config.json field(s) kvcore does not know for {arch}: "
+                                  f"{', '.join(unknown)}")
+        mla = moe = None
+        if arch.startswith("deepseek"):
+            try:
+                mla, moe = parse_deepseek(cfg, arch)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         hidden = need("hidden_size")
         heads = need("num_attention_heads")
         head_dim = cfg.get("head_dim") or (
             hidden // heads if isinstance(heads, int) and heads else 0)
+        if mla is not None:
+            head_dim = mla.qk_head_dim
         act = cfg.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ConfigError(f"unsupported hidden_act {act!r} (kvcore: silu)")
         if cfg.get("mlp_bias"):
             raise ConfigError("unsupported mlp_bias true (kvcore: bias-free MLP)")
         window = cfg.get("sliding_window")
-        if arch == "qwen2":
+        if arch in ("qwen2", "qwen3"):
             if cfg.get("use_sliding_window"):
-                # Qwen2 slides only on layers >= max_window_layers; kvcore windows all or none
-                raise ConfigError("unsupported use_sliding_window true for qwen2")
-            window = None  # Qwen2 configs carry a window they do not use
-        elif arch == "llama":
+                # Qwen slides only on layers >= max_window_layers; kvcore windows all or none
+                raise ConfigError(f"unsupported use_sliding_window true for {arch}")
+            window = None  # Qwen configs carry a window they do not use
+        elif arch != "mistral":
             window = None
         layer_types = set(cfg.get("layer_types") or ())
         if window is not None and "full_attention" in layer_types:
             raise ConfigError(f"unsupported mix of layer_types {sorted(layer_types)}")
+        if window is None and layer_types - {"full_attention"}:
+            raise ConfigError(f"unsupported layer_types {sorted(layer_types)} (kvcore: "
+                              f"full_attention)")
         qkv_bias = arch == "qwen2" or bool(cfg.get("attention_bias", False))
         # transformers 5 writes rope_theta and the scaling together under rope_parameters
         rope_params = cfg.get("rope_parameters") or {}
@@ -143,6 +219,9 @@ class ModelConfig:
             sliding_window=window,
             o_proj_bias=arch != "qwen2" and qkv_bias,
             rope_scaling=_rope_scaling(cfg.get("rope_scaling") or rope_params),
+            qk_norm=arch == "qwen3",
+            mla=mla,
+            moe=moe,
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
@@ -169,8 +248,9 @@ def _rope_scaling(raw: dict[str, Any] | None) -> RopeScaling | None:
     kind = raw.get("rope_type") or raw.get("type")
     if kind in (None, "default"):
         return None
-    if kind not in ("linear", "llama3"):
-        raise ConfigError(f"unsupported rope_scaling type {kind!r} (kvcore: linear, llama3)")
+    if kind not in ("linear", "llama3", "yarn"):
+        raise ConfigError(f"unsupported rope_scaling type {kind!r} (kvcore: linear, llama3, "
+                          f"yarn)")
     if not isinstance(raw.get("factor"), int | float) or raw["factor"] <= 0:
         raise ConfigError(f"rope_scaling {kind} needs a positive factor, got {raw.get('factor')!r}")
     return RopeScaling(
@@ -179,7 +259,22 @@ def _rope_scaling(raw: dict[str, Any] | None) -> RopeScaling | None:
         low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
         high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(raw.get("original_max_position_embeddings", 8192)),
+        **(_yarn_fields(raw) if kind == "yarn" else {}),
     )
+
+
+def _yarn_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    if not isinstance(raw.get("original_max_position_embeddings"), int):
+        raise ConfigError("rope_scaling yarn needs original_max_position_embeddings")
+
+    def optional(key: str) -> float | None:
+        return None if raw.get(key) is None else float(raw[key])
+
+    return {"beta_fast": float(raw.get("beta_fast") or 32.0),
+            "beta_slow": float(raw.get("beta_slow") or 1.0),
+            "mscale": optional("mscale"), "mscale_all_dim": optional("mscale_all_dim"),
+            "attention_factor": optional("attention_factor"),
+            "truncate": bool(raw.get("truncate", True))}
 
 
 @dataclass(frozen=True, slots=True)

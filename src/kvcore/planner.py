@@ -1,4 +1,5 @@
-"""KV cache sizing: bytes/token = 2 x layers x kv_heads x head_dim x bytes per element, and more."""
+"""KV cache sizing: bytes/token = 2 x layers x kv_heads x head_dim x bytes per element (MLA:
+layers x (kv_lora_rank + qk_rope_head_dim) x bytes, one latent that is both K and V), and more."""
 
 from __future__ import annotations
 
@@ -50,20 +51,38 @@ def _positive(name: str, value: object) -> int:
     return value
 
 
-def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: str) -> int:
-    """K and V (the 2) for every layer and KV head of one token."""
+def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: str,
+                    shared_kv: bool = False) -> int:
+    """K and V (the 2) for every layer and KV head of one token; with shared_kv (MLA: one
+    "KV head" of kv_lora_rank + qk_rope_head_dim that is both) the 2 is 1."""
     _positive("num_layers", num_layers)
     _positive("num_kv_heads", num_kv_heads)
     _positive("head_dim", head_dim)
-    return 2 * num_layers * num_kv_heads * head_dim * DTYPE_BYTES[canonical_dtype(dtype)]
+    arrays = 1 if shared_kv else 2
+    return arrays * num_layers * num_kv_heads * head_dim * DTYPE_BYTES[canonical_dtype(dtype)]
+
+
+def model_bytes_per_token(model_config: ModelConfig, dtype: str) -> int:
+    """bytes_per_token of a model's cache layout (MLA: the latent and the rope key part)."""
+    heads, width, shared = model_config.kv_layout
+    return bytes_per_token(model_config.num_layers, heads, width, dtype, shared)
+
+
+def full_kv_bytes_per_token(num_layers: int, num_heads: int, qk_head_dim: int, v_head_dim: int,
+                            dtype: str) -> int:
+    """What an MLA model would cache per token with full per-head K (qk_head_dim) and V
+    (v_head_dim) for all num_heads heads: the baseline the latent cache is compared with."""
+    _positive("num_heads", num_heads)
+    return (bytes_per_token(num_layers, num_heads, qk_head_dim, dtype) // 2
+            + bytes_per_token(num_layers, num_heads, v_head_dim, dtype) // 2)
 
 
 def num_blocks_for_memory(memory_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                          dtype: str, block_size: int) -> int:
+                          dtype: str, block_size: int, shared_kv: bool = False) -> int:
     """Whole blocks of block_size tokens that fit memory_bytes (0 when not even one fits)."""
     _positive("memory", memory_bytes)
     _positive("block_size", block_size)
-    per_block = bytes_per_token(num_layers, num_kv_heads, head_dim, dtype) * block_size
+    per_block = bytes_per_token(num_layers, num_kv_heads, head_dim, dtype, shared_kv) * block_size
     return memory_bytes // per_block
 
 
@@ -84,16 +103,17 @@ def tokens_held(context: int, block_size: int, sliding_window: int | None) -> in
 
 def plan(num_layers: int, num_kv_heads: int, head_dim: int, dtype: str, context: int,
          memory: int | None = None, block_size: int = 16,
-         sliding_window: int | None = None) -> KVPlan:
-    """The KV budget of a model shape: per token, per sequence of `context`, what `memory` holds."""
-    per_token = bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
+         sliding_window: int | None = None, shared_kv: bool = False) -> KVPlan:
+    """The KV budget of a model shape: per token, per sequence of `context`, what `memory` holds.
+    shared_kv: one array per layer is both K and V (MLA's latent; num_kv_heads 1)."""
+    per_token = bytes_per_token(num_layers, num_kv_heads, head_dim, dtype, shared_kv)
     tokens = tokens_held(context, block_size, sliding_window)
     blocks_per_seq = -(-tokens // block_size)
     per_block = per_token * block_size
     num_blocks = max_seqs = None
     if memory is not None:
         num_blocks = num_blocks_for_memory(memory, num_layers, num_kv_heads, head_dim, dtype,
-                                           block_size)
+                                           block_size, shared_kv)
         max_seqs = num_blocks // blocks_per_seq
     return KVPlan(
         bytes_per_token=per_token,
@@ -109,9 +129,11 @@ def plan(num_layers: int, num_kv_heads: int, head_dim: int, dtype: str, context:
 def plan_for_model(model_config: ModelConfig, dtype: str, context: int | None = None,
                    memory: int | None = None, block_size: int = 16) -> KVPlan:
     """plan() for a ModelConfig; context defaults to the model's max_position_embeddings."""
-    return plan(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, dtype,
+    heads, width, shared = model_config.kv_layout
+    return plan(model_config.num_layers, heads, width, dtype,
                 context if context is not None else model_config.max_position_embeddings,
-                memory=memory, block_size=block_size, sliding_window=model_config.sliding_window)
+                memory=memory, block_size=block_size, sliding_window=model_config.sliding_window,
+                shared_kv=shared)
 
 
 def parse_size(text: str | int) -> int:

@@ -1,4 +1,5 @@
-"""The paged KV cache tensors: one K and one V array per layer, plus per-layer fp8 scales."""
+"""The paged KV cache tensors: one K and one V array per layer (or one array that is both, for
+multi-head latent attention), plus per-layer fp8 scales."""
 
 from __future__ import annotations
 
@@ -36,12 +37,16 @@ class KVCache:
 
     fp8 stores x / scale and reads stored * scale, with one k_scale and one v_scale per layer
     (1.0 unless calibrated scales are given); the other dtypes ignore the scales.
+
+    shared_kv (MLA): one array per layer holds each token's latent and rotated key part, which
+    attention reads as both K and V; value_caches is then key_caches (the same arrays) and the
+    v_scales are the k_scales.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: str = "fp32", device: str = "cpu",
                  k_scales: Sequence[float] | None = None,
-                 v_scales: Sequence[float] | None = None) -> None:
+                 v_scales: Sequence[float] | None = None, shared_kv: bool = False) -> None:
         for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks),
                             ("block_size", block_size), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim)):
@@ -54,14 +59,17 @@ class KVCache:
         self.storage_dtype = storage_dtype(self.dtype, self.device)
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.shared_kv = shared_kv
+        if shared_kv and v_scales is not None:
+            raise ValueError("v_scales must be None with shared_kv (K and V are one array)")
         self.k_scales = self._scales("k_scales", k_scales)
-        self.v_scales = self._scales("v_scales", v_scales)
+        self.v_scales = self.k_scales if shared_kv else self._scales("v_scales", v_scales)
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         # zero-filled so padding slots read as finite values, never uninitialized memory
         self.key_caches: list[Any] = [self.xp.zeros(shape, self.storage_dtype)  # one layer
                                       for _ in range(num_layers)]
-        self.value_caches: list[Any] = [self.xp.zeros(shape, self.storage_dtype)
-                                        for _ in range(num_layers)]
+        self.value_caches: list[Any] = self.key_caches if shared_kv else [
+            self.xp.zeros(shape, self.storage_dtype) for _ in range(num_layers)]
 
     def _scales(self, name: str, scales: Sequence[float] | None) -> list[float]:
         if scales is None:
@@ -78,9 +86,10 @@ class KVCache:
 
     @property
     def num_bytes(self) -> int:
-        """Bytes held by the K and V arrays of all layers."""
+        """Bytes held by the K and V arrays of all layers (one array per layer if shared)."""
         per_array = self.num_blocks * self.block_size * self.num_kv_heads * self.head_dim
-        return 2 * self.num_layers * per_array * self.storage_dtype.itemsize
+        arrays = 1 if self.shared_kv else 2
+        return arrays * self.num_layers * per_array * self.storage_dtype.itemsize
 
     def layer(self, layer_id: int) -> tuple[Any, Any, float, float]:
         """(k_cache, v_cache, k_scale, v_scale) of one layer."""
@@ -94,4 +103,5 @@ class KVCache:
         mapping = np.asarray(ops, dtype=np.int64).reshape(-1, 2)  # (M, 2) src -> dst
         if mapping.min() < 0 or mapping.max() >= self.num_blocks:
             raise ValueError(f"copy ops {list(ops)} name a block outside [0, {self.num_blocks})")
-        kernels.copy_blocks(self.key_caches, self.value_caches, self.xp.asarray(mapping))
+        kernels.copy_blocks(self.key_caches, [] if self.shared_kv else self.value_caches,
+                            self.xp.asarray(mapping))

@@ -10,7 +10,15 @@ from typing import Any
 
 from kvcore.cli import CLIError
 from kvcore.config import ModelConfig
-from kvcore.planner import DTYPE_BYTES, KVPlan, canonical_dtype, format_size, parse_size, plan
+from kvcore.planner import (
+    DTYPE_BYTES,
+    KVPlan,
+    canonical_dtype,
+    format_size,
+    full_kv_bytes_per_token,
+    parse_size,
+    plan,
+)
 
 DEFAULT_CONTEXT = 4096
 
@@ -24,6 +32,9 @@ class ModelShape:
     head_dim: int
     sliding_window: int | None
     max_position_embeddings: int | None
+    shared_kv: bool = False  # MLA: one "KV head" (latent + rope key) that is both K and V
+    # MLA: (heads, qk_head_dim, v_head_dim) of the full per-head K/V it is compared with
+    full_kv: tuple[int, int, int] | None = None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
         dtype = canonical_dtype(args.dtype)
         memory = parse_size(args.memory) if args.memory is not None else None
         result = plan(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype, context,
-                      memory=memory, block_size=args.block_size, sliding_window=window)
+                      memory=memory, block_size=args.block_size, sliding_window=window,
+                      shared_kv=shape.shared_kv)
     except ValueError as e:
         raise CLIError(_flag_names(str(e))) from e
     inputs: dict[str, Any] = {
@@ -70,7 +82,12 @@ def run(args: argparse.Namespace) -> int:
         "memory": memory,
         "block_size": args.block_size,
         "sliding_window": window,
+        "shared_kv": shape.shared_kv,
     }
+    if shape.full_kv is not None:
+        full = full_kv_bytes_per_token(shape.num_layers, *shape.full_kv, dtype)
+        inputs["full_kv_bytes_per_token"] = full
+        inputs["mla_ratio"] = round(full / result.bytes_per_token, 2)
     if args.json:
         print(json.dumps({**inputs, **asdict(result)}))
     else:
@@ -110,8 +127,10 @@ def read_model_shape(path: Path) -> ModelShape:
         mc = ModelConfig.from_dir(path) if path.is_dir() else ModelConfig.from_dict(raw)
     except ValueError:  # ConfigError (unsupported architecture, missing MLP fields) or bad JSON
         return _shape_from_fields(raw, config_path)
-    return ModelShape(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.sliding_window,
-                      mc.max_position_embeddings)
+    heads, width, shared = mc.kv_layout
+    full = (mc.num_heads, mc.mla.qk_head_dim, mc.mla.v_head_dim) if mc.mla else None
+    return ModelShape(mc.num_layers, heads, width, mc.sliding_window,
+                      mc.max_position_embeddings, shared, full)
 
 
 def _shape_from_fields(raw: dict[str, Any], config_path: Path) -> ModelShape:
@@ -121,6 +140,11 @@ def _shape_from_fields(raw: dict[str, Any], config_path: Path) -> ModelShape:
         return raw[key]
 
     layers = need("num_hidden_layers")
+    if raw.get("kv_lora_rank") is not None:  # MLA (DeepSeek): the latent and the rope key part
+        latent, rope = need("kv_lora_rank"), need("qk_rope_head_dim")
+        full = (need("num_attention_heads"), need("qk_nope_head_dim") + rope, need("v_head_dim"))
+        return ModelShape(layers, 1, latent + rope, None, raw.get("max_position_embeddings"),
+                          True, full)
     kv_heads = raw.get("num_key_value_heads") or need("num_attention_heads")
     head_dim = raw.get("head_dim")
     if head_dim is None:
@@ -154,11 +178,21 @@ def _human(inputs: dict[str, Any], result: KVPlan) -> str:
     lines = []
     if inputs["model"] is not None:
         lines.append(f"model:            {inputs['model']}")
+    if inputs["shared_kv"]:
+        lines.append(f"shape:            {inputs['num_layers']} layers x one latent K/V of "
+                     f"{inputs['head_dim']} (MLA: kv_lora_rank + qk_rope_head_dim), {dtype} "
+                     f"({DTYPE_BYTES[dtype]} bytes per element)")
+    else:
+        lines.append(f"shape:            {inputs['num_layers']} layers x {inputs['num_kv_heads']} "
+                     f"KV heads x head_dim {inputs['head_dim']}, {dtype} ({DTYPE_BYTES[dtype]} "
+                     f"bytes per element)")
+    lines.append(f"per token:        {format_size(result.bytes_per_token)} "
+                 f"({result.bytes_per_token:,} bytes)")
+    if "full_kv_bytes_per_token" in inputs:
+        full = inputs["full_kv_bytes_per_token"]
+        lines.append(f"full K/V would:   {format_size(full)} per token ({full:,} bytes, per-head K "
+                     f"and V of every head): MLA caches {inputs['mla_ratio']}x less")
     lines += [
-        f"shape:            {inputs['num_layers']} layers x {inputs['num_kv_heads']} KV heads x "
-        f"head_dim {inputs['head_dim']}, {dtype} ({DTYPE_BYTES[dtype]} bytes per element)",
-        f"per token:        {format_size(result.bytes_per_token)} "
-        f"({result.bytes_per_token:,} bytes)",
         f"per block:        {format_size(result.bytes_per_block)} ({inputs['block_size']} tokens)",
     ]
     held = f"{result.tokens_per_sequence:,} tokens held"

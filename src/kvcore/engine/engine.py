@@ -71,8 +71,9 @@ class Engine:
         block_size = config.cache.block_size
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
                                  mc.sliding_window)
-        self.kv_cache = KVCache(mc.num_layers, num_blocks, block_size, mc.num_kv_heads,
-                                mc.head_dim, self.cache_dtype, device)
+        kv_heads, kv_width, shared_kv = mc.kv_layout  # MLA: one latent K/V "head"
+        self.kv_cache = KVCache(mc.num_layers, num_blocks, block_size, kv_heads, kv_width,
+                                self.cache_dtype, device, shared_kv=shared_kv)
         eos = mc.eos_token_ids or ((self.tokenizer.eos_token_id,)
                                    if self.tokenizer.eos_token_id is not None else ())
         self.eos_token_ids: tuple[int, ...] = tuple(eos)

@@ -12,7 +12,7 @@ from kvcore.cache.kv_cache import KVCache
 from kvcore.config import EngineConfig, ModelConfig, ParamError
 from kvcore.model import BatchInput, load_model
 from kvcore.model.half_llama import HALF_CACHE_DTYPES, load_half_model
-from kvcore.planner import bytes_per_token, num_blocks_for_memory
+from kvcore.planner import model_bytes_per_token, num_blocks_for_memory
 from kvcore.sampling import BeamSearchParams, SamplingParams
 
 CPU_KV_CACHE_MEMORY = 2 * 2**30  # the CPU default budget: 2 GiB, or less when that is plenty
@@ -69,7 +69,7 @@ def pool_size(config: EngineConfig, model_config: ModelConfig, cache_dtype: str,
     if cache.num_blocks is not None:
         return cache.num_blocks
     mc = model_config
-    per_token = bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, cache_dtype)
+    per_token = model_bytes_per_token(mc, cache_dtype)
     memory = cache.kv_cache_memory
     if memory is None:
         if device == "cuda":
@@ -80,8 +80,9 @@ def pool_size(config: EngineConfig, model_config: ModelConfig, cache_dtype: str,
         else:
             wanted = per_token * config.scheduler.max_num_seqs * max_model_len
             memory = min(CPU_KV_CACHE_MEMORY, wanted)
-    num_blocks = num_blocks_for_memory(memory, mc.num_layers, mc.num_kv_heads, mc.head_dim,
-                                       cache_dtype, cache.block_size)
+    kv_heads, kv_width, shared_kv = mc.kv_layout
+    num_blocks = num_blocks_for_memory(memory, mc.num_layers, kv_heads, kv_width, cache_dtype,
+                                       cache.block_size, shared_kv)
     if num_blocks < 1:
         raise ValueError(f"kv_cache_memory={memory} bytes holds no block of {cache.block_size} "
                          f"tokens ({per_token * cache.block_size} bytes)")

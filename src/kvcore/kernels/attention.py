@@ -159,7 +159,9 @@ def _decode(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, part: D
     num_kv_heads = k_cache.shape[2]
     num_keys = part.masked.shape[-1]
     keys = _gather_blocks(k_cache, part.table, "keys", k_scale)  # (S, nb, block_size, Hkv, D)
-    values = _gather_blocks(v_cache, part.table, "values", v_scale)
+    # MLA's shared latent cache is both K and V: gather it once
+    values = keys if v_cache is k_cache and v_scale == k_scale else _gather_blocks(
+        v_cache, part.table, "values", v_scale)
     keys = keys.reshape(num_seqs, num_keys, num_kv_heads, head_dim).transpose(0, 2, 3, 1)
     values = values.reshape(num_seqs, num_keys, num_kv_heads, head_dim).transpose(0, 2, 1, 3)
     q = query.astype(np.float32) * np.float32(scale)
@@ -197,7 +199,8 @@ def _chunk(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_ta
     first_pos = ctx - q_len  # position of the chunk's first query
     k_start = 0 if sliding_window is None else max(0, first_pos - sliding_window + 1)
     keys = _gather(k_cache, block_table, k_start, ctx, k_scale)  # (N, Hkv, D)
-    values = _gather(v_cache, block_table, k_start, ctx, v_scale)
+    values = keys if v_cache is k_cache and v_scale == k_scale else _gather(
+        v_cache, block_table, k_start, ctx, v_scale)
     # contiguous per-head K^T and V, and each tile's queries merged over the group, so every
     # product is one plain GEMM per KV head (strided or broadcast operands run far slower)
     keys_t = np.ascontiguousarray(keys.transpose(1, 2, 0))  # (Hkv, D, N)

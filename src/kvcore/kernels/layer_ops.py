@@ -84,6 +84,8 @@ def rope_inv_freq(head_dim: int, rope_theta: float,
     factor = rope_scaling.factor
     if rope_scaling.rope_type == "linear":
         return inv_freq / factor
+    if rope_scaling.rope_type == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, rope_theta, rope_scaling)
     old_len = rope_scaling.original_max_position_embeddings
     low, high = rope_scaling.low_freq_factor, rope_scaling.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
@@ -92,6 +94,29 @@ def rope_inv_freq(head_dim: int, rope_theta: float,
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
     return np.where(medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(inv_freq: np.ndarray, head_dim: int, rope_theta: float,
+                   rope_scaling: RopeScaling) -> np.ndarray:
+    """YaRN (as DeepSeek and transformers): frequencies that turn fewer than beta_slow times
+    over the original context are interpolated (divided by factor), those that turn more than
+    beta_fast times kept, and a linear ramp over the dimensions in between blends the two."""
+    old_len = rope_scaling.original_max_position_embeddings
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(rope_theta))
+
+    low, high = dim_of(rope_scaling.beta_fast), dim_of(rope_scaling.beta_slow)
+    if rope_scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    # float32 like transformers: the ramp decides which frequencies blend
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - np.float32(low))
+                   / np.float32(high - low), 0, 1).astype(np.float64)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate
+    return inv_freq / rope_scaling.factor * (1 - keep) + inv_freq * keep
 
 
 def rope_cos_sin(inv_freq: np.ndarray, num_positions: int) -> tuple[np.ndarray, np.ndarray]:

@@ -65,6 +65,8 @@ class HalfLlamaModel(LlamaModel):
 def load_half_model(model_dir: str | Path, device: str = "cuda") -> HalfLlamaModel:
     """Read config.json and the safetensors weights into a HalfLlamaModel on `device`."""
     config = ModelConfig.from_dir(model_dir)
+    if config.mla is not None:
+        raise ValueError(f"{config.architecture} (MLA) has no GPU path yet; use device cpu")
     checkpoint = Checkpoint(model_dir)
     try:
         weights = dict(iter_weights(checkpoint, config))  # float32 views of the memory map

@@ -1,15 +1,13 @@
-"""The Llama-family forward (Llama 2/3, Mistral, Qwen2, SmolLM2) over the paged KV cache."""
+"""The Llama-family forward (Llama 2/3, Mistral, Qwen2/3, SmolLM2) over the paged KV cache."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 from kvcore import kernels
 from kvcore.cache.kv_cache import KVCache
@@ -17,9 +15,7 @@ from kvcore.config import ModelConfig
 from kvcore.device import get_xp, resolve_device, to_numpy
 from kvcore.kernels import cpu
 from kvcore.model.batch import BatchInput
-from kvcore.model.weights import Checkpoint, iter_weights
 
-_PROGRESS_MIN_BYTES = 64 << 20  # show a progress bar for loads at least this large
 _FEW_ROWS = 64  # up to this many rows, _linear multiplies weight @ x.T (measured on this CPU)
 # the LM head's (vocab, hidden) weight: weight @ x.T pays off only for a few rows, since its
 # (vocab, rows) result is then copied to row-major (1.5x slower at 64 rows, measured)
@@ -38,6 +34,8 @@ class LayerWeights:
     post_norm: Any  # (hidden,)
     gate_up: Any  # (2 I, hidden): gate and up fused into one matmul
     down: Any  # (hidden, I)
+    q_norm: Any | None = None  # (D,) RMSNorm weight of every q head (Qwen3)
+    k_norm: Any | None = None  # (D,) of every k head
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,8 +70,10 @@ class LlamaModel:
             lm_head)  # (vocab, hidden)
         self.layers = [self._layer(weights, f"model.layers.{i}.") for i in range(c.num_layers)]
         self.scale = 1.0 / math.sqrt(c.head_dim)
-        self._inv_freq = cpu.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
-        self._cos: Any = self.xp.empty((0, c.head_dim // 2), np.float32)
+        self._inv_freq = cpu.rope_inv_freq(c.rope_dim, c.rope_theta, c.rope_scaling)
+        # yarn scales cos and sin (1 for the other rope types)
+        self._cos_sin_factor = c.rope_scaling.cos_sin_factor if c.rope_scaling else 1.0
+        self._cos: Any = self.xp.empty((0, c.rope_dim // 2), np.float32)
         self._sin: Any = self._cos
 
     def _put(self, array: np.ndarray) -> Any:
@@ -83,7 +83,7 @@ class LlamaModel:
             out = out.copy()
         return self.xp.asarray(out)
 
-    def _layer(self, w: dict[str, np.ndarray], p: str) -> LayerWeights:
+    def _layer(self, w: dict[str, np.ndarray], p: str) -> Any:
         c = self.config
         qkv_bias = o_bias = None
         if c.attention_bias:
@@ -101,6 +101,8 @@ class LlamaModel:
             gate_up=self._put(np.concatenate([w[p + "mlp.gate_proj.weight"],
                                               w[p + "mlp.up_proj.weight"]])),
             down=self._put(w[p + "mlp.down_proj.weight"]),
+            q_norm=self._put(w[p + "self_attn.q_norm.weight"]) if c.qk_norm else None,
+            k_norm=self._put(w[p + "self_attn.k_norm.weight"]) if c.qk_norm else None,
         )
 
     def _rope_tables(self, max_position: int) -> tuple[Any, Any]:
@@ -108,16 +110,21 @@ class LlamaModel:
         if max_position >= self._cos.shape[0]:
             size = max(2 * self._cos.shape[0], max_position + 1, 256)
             cos, sin = cpu.rope_cos_sin(self._inv_freq, size)  # (size, D/2) each
+            if self._cos_sin_factor != 1.0:
+                cos *= np.float32(self._cos_sin_factor)
+                sin *= np.float32(self._cos_sin_factor)
             self._cos, self._sin = self.xp.asarray(cos), self.xp.asarray(sin)
         return self._cos, self._sin
 
     def _check(self, batch: BatchInput, kv_cache: KVCache) -> None:
         c = self.config
-        if (kv_cache.num_layers, kv_cache.num_kv_heads, kv_cache.head_dim) != (
-                c.num_layers, c.num_kv_heads, c.head_dim):
+        heads, width, shared = c.kv_layout
+        if (kv_cache.num_layers, kv_cache.num_kv_heads, kv_cache.head_dim, kv_cache.shared_kv) != (
+                c.num_layers, heads, width, shared):
             raise ValueError(f"kv_cache holds {kv_cache.num_layers} layers x "
-                             f"{kv_cache.num_kv_heads} KV heads x {kv_cache.head_dim}, the model "
-                             f"needs {c.num_layers} x {c.num_kv_heads} x {c.head_dim}")
+                             f"{kv_cache.num_kv_heads} KV heads x {kv_cache.head_dim} (shared K/V: "
+                             f"{kv_cache.shared_kv}), the model needs {c.num_layers} x {heads} x "
+                             f"{width} (shared K/V: {shared})")
         if kv_cache.device != self.device:
             raise ValueError(f"kv_cache is on {kv_cache.device}, the model on {self.device}")
         num_tokens = batch.input_ids.shape[0]
@@ -161,9 +168,12 @@ class LlamaModel:
             qkv = xp.ascontiguousarray(_linear(x, layer.qkv))  # (T, (H + 2 Hkv) D)
             if layer.qkv_bias is not None:
                 qkv += layer.qkv_bias
+            qk = qkv[:, :q_dim + kv_dim].reshape(num_tokens, c.num_heads + c.num_kv_heads,
+                                                 c.head_dim)  # (T, H + Hkv, D)
+            if layer.q_norm is not None:
+                qk = self._qk_norm(qk, layer)
             # q and k rotated in one call: (T, H + Hkv, D), then views of it
-            qk = kernels.rope(qkv[:, :q_dim + kv_dim].reshape(
-                num_tokens, c.num_heads + c.num_kv_heads, c.head_dim), positions, cos, sin)
+            qk = kernels.rope(qk, positions, cos, sin)
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
             v = qkv[:, q_dim + kv_dim:].reshape(num_tokens, c.num_kv_heads, c.head_dim)
             if kernels.uses_cuda_kernels(qk):  # the CUDA kernels want dense q, k and v
@@ -182,6 +192,18 @@ class LlamaModel:
         return _linear(h, self.lm_head, few_rows=_FEW_ROWS_LM_HEAD)  # (L, vocab)
 
 
+    def _qk_norm(self, qk: Any, layer: LayerWeights) -> Any:
+        """Qwen3's RMSNorm over each q and k head, as (rows, D) blocks with one weight each."""
+        c = self.config
+        num_tokens = qk.shape[0]
+        q = kernels.rms_norm(qk[:, :c.num_heads].reshape(-1, c.head_dim), layer.q_norm,
+                             c.rms_norm_eps)  # (T H, D)
+        k = kernels.rms_norm(qk[:, c.num_heads:].reshape(-1, c.head_dim), layer.k_norm,
+                             c.rms_norm_eps)  # (T Hkv, D)
+        return self.xp.concatenate((q.reshape(num_tokens, c.num_heads, c.head_dim),
+                                    k.reshape(num_tokens, c.num_kv_heads, c.head_dim)), axis=1)
+
+
 def _linear(x: Any, weight: Any, few_rows: int = _FEW_ROWS) -> Any:
     """x (T, in) @ weight (out, in).T -> (T, out). On the CPU a few rows (2 to few_rows) run
     faster as weight @ x.T (OpenBLAS then streams the weight as its left operand), a
@@ -190,18 +212,3 @@ def _linear(x: Any, weight: Any, few_rows: int = _FEW_ROWS) -> Any:
     if 1 < x.shape[0] <= few_rows and not kernels.uses_cuda_kernels(x):
         return (weight @ x.T).T
     return x @ weight.T
-
-
-def load_model(model_dir: str | Path, device: str = "cpu") -> LlamaModel:
-    """Read config.json and the safetensors weights of an HF-style directory."""
-    config = ModelConfig.from_dir(model_dir)
-    checkpoint = Checkpoint(model_dir)
-    weights: dict[str, np.ndarray] = {}
-    with tqdm(total=checkpoint.num_bytes, unit="B", unit_scale=True, desc="loading weights",
-              disable=True if checkpoint.num_bytes < _PROGRESS_MIN_BYTES else None) as bar:
-        for name, array in iter_weights(checkpoint, config):
-            weights[name] = array  # float32 views of the memory map; copied once by LlamaModel
-            bar.update(checkpoint.entries[name].end - checkpoint.entries[name].begin)
-        model = LlamaModel(config, weights, device)
-    checkpoint.close()
-    return model

@@ -12,6 +12,7 @@ import numpy as np
 from safetensors import safe_open
 
 from kvcore.config import ModelConfig
+from kvcore.model.deepseek_weights import deepseek_shapes, is_unused_deepseek_tensor
 
 INDEX_FILE = "model.safetensors.index.json"
 # safetensors dtype -> the NumPy dtype of its raw bytes; BF16 is read as uint16 and widened
@@ -122,8 +123,10 @@ class Checkpoint:
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor the forward needs, with its shape (HF names, Llama-family layout)."""
+    """Every tensor the forward needs, with its shape (HF names)."""
     c = config
+    if c.mla is not None:
+        return deepseek_shapes(c)
     q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
@@ -150,13 +153,17 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                        p + "self_attn.v_proj.bias": (kv_dim,)}
         if c.o_proj_bias:
             shapes[p + "self_attn.o_proj.bias"] = (c.hidden_size,)
+        if c.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (c.head_dim,),
+                       p + "self_attn.k_norm.weight": (c.head_dim,)}
     return shapes
 
 
 def check_checkpoint(checkpoint: Checkpoint, config: ModelConfig) -> None:
     """Raise WeightsError naming the first missing, unexpected or mis-shaped tensors."""
     expected = expected_shapes(config)
-    present = {n for n in checkpoint.entries if not n.endswith(_IGNORED_SUFFIXES)}
+    present = {n for n in checkpoint.entries if not n.endswith(_IGNORED_SUFFIXES)
+               and not is_unused_deepseek_tensor(n, config)}
     if config.tie_word_embeddings:
         present.discard("lm_head.weight")  # some tied checkpoints store the copy anyway
     missing = sorted(set(expected) - present)

@@ -1,0 +1,109 @@
+"""The DeepSeek-V2/V3 forward on the CPU: MLA attention over the paged latent cache and the MoE
+FFN (dense MLP in the first first_k_dense_replace layers)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvcore import kernels
+from kvcore.cache.kv_cache import KVCache
+from kvcore.config import ModelConfig
+from kvcore.model.llama import _FEW_ROWS_LM_HEAD, DeviceBatch, LlamaModel, _linear
+from kvcore.model.mla import MLA_MODES, MLAWeights, mla_attention, mla_weights, plan_step
+from kvcore.model.moe import MoEWeights, moe_ffn
+
+
+@dataclass(slots=True)
+class DeepseekLayer:
+    input_norm: np.ndarray  # (hidden,)
+    attn: MLAWeights
+    post_norm: np.ndarray  # (hidden,)
+    dense: tuple[np.ndarray, np.ndarray] | None  # ((2 I, hidden), (hidden, I)) before MoE layers
+    moe: MoEWeights | None
+
+
+class DeepseekModel(LlamaModel):
+    """LlamaModel's embedding, final norm, LM head, rope tables and step checks, with MLA and
+    MoE layers. CPU only: the GPU MLA path is not built yet.
+
+    mla_mode: "auto" picks the absorbed or decompressed form per sequence and step by their
+    multiply-adds; "absorbed" / "decompressed" force one (tests, benchmarks)."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray],
+                 device: str = "cpu", mla_mode: str = "auto") -> None:
+        if config.mla is None or config.moe is None:
+            raise ValueError(f"DeepseekModel needs an MLA + MoE config, got {config.architecture}")
+        if device not in ("cpu", "auto"):
+            raise ValueError(f"device {device!r}: MLA models run on the CPU only in this version "
+                             f"(the GPU MLA path is not built yet)")
+        if mla_mode not in MLA_MODES:
+            raise ValueError(f"mla_mode must be one of {MLA_MODES}, got {mla_mode!r}")
+        self.mla_mode = mla_mode
+        super().__init__(config, weights, "cpu")
+        mla = config.mla
+        self.scale = 1.0 / math.sqrt(mla.qk_head_dim)
+        if config.rope_scaling is not None:
+            self.scale *= config.rope_scaling.softmax_factor  # DeepSeek's yarn mscale
+
+    def _layer(self, w: dict[str, np.ndarray], p: str) -> DeepseekLayer:
+        c, moe = self.config, self.config.moe
+        assert c.mla is not None and moe is not None
+        layer_id = int(p.split(".")[2])
+        m = p + "mlp."
+        dense = moe_weights = None
+        if not moe.is_moe_layer(layer_id):
+            dense = (self._put(np.concatenate([w[m + "gate_proj.weight"],
+                                               w[m + "up_proj.weight"]])),
+                     self._put(w[m + "down_proj.weight"]))
+        else:
+            experts = range(moe.num_experts)
+            shared = moe.num_shared_experts > 0
+            moe_weights = MoEWeights(
+                gate=self._put(w[m + "gate.weight"]),
+                score_bias=self._put(w[m + "gate.e_score_correction_bias"])
+                if moe.has_score_bias else None,
+                gate_up=self._put(np.stack([np.concatenate(
+                    [w[f"{m}experts.{e}.gate_proj.weight"], w[f"{m}experts.{e}.up_proj.weight"]])
+                    for e in experts])),
+                down=self._put(np.stack([w[f"{m}experts.{e}.down_proj.weight"]
+                                         for e in experts])),
+                shared_gate_up=self._put(np.concatenate(
+                    [w[m + "shared_experts.gate_proj.weight"],
+                     w[m + "shared_experts.up_proj.weight"]])) if shared else None,
+                shared_down=self._put(w[m + "shared_experts.down_proj.weight"])
+                if shared else None,
+            )
+        return DeepseekLayer(
+            input_norm=self._put(w[p + "input_layernorm.weight"]),
+            attn=mla_weights(w, p, c.mla, c.num_heads),
+            post_norm=self._put(w[p + "post_attention_layernorm.weight"]),
+            dense=dense,
+            moe=moe_weights,
+        )
+
+    def run(self, batch: DeviceBatch, kv_cache: KVCache) -> Any:
+        """The step: (L, vocab) logits; the rope tables must cover every position."""
+        c = self.config
+        assert c.mla is not None and c.moe is not None
+        step = plan_step(batch.positions, batch.slot_mapping, batch.block_tables,
+                         batch.context_lens, batch.query_start_loc, c.mla, self.mla_mode)
+        h = self.embed[batch.input_ids]  # (T, hidden) residual stream
+        layer: DeepseekLayer
+        for layer_id, layer in enumerate(self.layers):
+            cache, _, scale, _ = kv_cache.layer(layer_id)
+            x = kernels.rms_norm(h, layer.input_norm, c.rms_norm_eps)
+            h += mla_attention(x, layer.attn, step, cache, scale, self._cos, self._sin, c.mla,
+                               c.num_heads, c.rms_norm_eps, self.scale)
+            x = kernels.rms_norm(h, layer.post_norm, c.rms_norm_eps)
+            if layer.dense is not None:
+                gate_up, down = layer.dense
+                h += _linear(kernels.silu_and_mul(_linear(x, gate_up)), down)
+            else:
+                assert layer.moe is not None
+                h += moe_ffn(x, layer.moe, c.moe)
+        h = kernels.rms_norm(h[batch.logits_indices], self.norm, c.rms_norm_eps)
+        return _linear(h, self.lm_head, few_rows=_FEW_ROWS_LM_HEAD)  # (L, vocab)
