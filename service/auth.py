@@ -14,8 +14,6 @@ from aiohttp import web
 from kvcore.service.errors import APIError
 
 ANONYMOUS_TENANT = "anonymous"  # the single tenant of a server without keys
-# paths any client may read: liveness, scraping and discovery (vLLM guards only /v1 and the tools)
-PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version", "/openapi.json"})
 
 
 def keys_from_list(keys: Iterable[str]) -> dict[str, str]:

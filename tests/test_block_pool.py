@@ -86,43 +86,48 @@ def test_refcounted_block_returns_only_at_zero() -> None:
         pool.free(block)
 
 
+def _find(pool: BlockPool, token_ids: list[int]) -> Block | None:
+    """The cached block holding these tokens as a sequence's first block (no salt)."""
+    blocks, _ = pool.match_prefix(token_ids, 1, b"")
+    return blocks[0] if blocks else None
+
+
 def test_cached_block_stays_findable_after_free_until_evicted() -> None:
     pool = BlockPool(3, 2)
     a, b, c = pool.allocate(3) or []
-    tokens = pool.pack_tokens([7, 8])
-    h = hash_block(None, tokens)
-    pool.cache_block(b, h, tokens)
-    assert pool.lookup(h, tokens) is b
+    pool.cache_full_blocks([b], [], [7, 8], 1, b"")
+    h = hash_block(None, pool.pack_tokens([7, 8]))
+    assert _find(pool, [7, 8]) is b and b.block_hash == h
     pool.free(b)
     pool.free(a)
-    assert pool.lookup(h, tokens) is b  # free, but still findable
+    assert _find(pool, [7, 8]) is b  # free, but still findable
     assert pool.free_queue() == [1, 0]
     (reused,) = pool.allocate(1) or []
     assert reused is b  # the least recently freed block is evicted first
-    assert pool.lookup(h, tokens) is None
+    assert _find(pool, [7, 8]) is None
     assert b.block_hash is None and b.token_bytes is None
     assert h not in pool.cached
 
 
-def test_lookup_confirms_by_token_ids() -> None:
+def test_a_hit_is_confirmed_by_token_ids() -> None:
     pool = BlockPool(2, 2)
     (block,) = pool.allocate(1) or []
-    tokens = pool.pack_tokens([1, 2])
-    h = hash_block(None, tokens)
-    pool.cache_block(block, h, tokens)
+    pool.cache_full_blocks([block], [], [1, 2], 1, b"")
     # the same hash with other token ids (a collision) is a miss
-    assert pool.lookup(h, pool.pack_tokens([2, 1])) is None
-    assert pool.lookup(h, tokens) is block
+    block.token_bytes = pool.pack_tokens([2, 1])
+    assert _find(pool, [1, 2]) is None
+    block.token_bytes = pool.pack_tokens([1, 2])
+    assert _find(pool, [1, 2]) is block
 
 
 def test_duplicate_content_keeps_the_first_block_canonical() -> None:
     pool = BlockPool(2, 2)
     a, b = pool.allocate(2) or []
-    tokens = pool.pack_tokens([5, 5])
-    h = hash_block(None, tokens)
-    pool.cache_block(a, h, tokens)
-    pool.cache_block(b, h, tokens)
-    assert pool.cached == {h: a}
+    hashes_a: list[bytes] = []
+    hashes_b: list[bytes] = []
+    pool.cache_full_blocks([a], hashes_a, [5, 5], 1, b"")
+    pool.cache_full_blocks([b], hashes_b, [5, 5], 1, b"")
+    assert hashes_a == hashes_b and pool.cached == {hashes_a[0]: a}
     assert b.block_hash is None
 
 
@@ -141,11 +146,10 @@ def test_chain_hash_depends_on_parent_tokens_and_extra_keys() -> None:
 def test_reset_prefix_cache_forgets_every_hash() -> None:
     pool = BlockPool(2, 2)
     (block,) = pool.allocate(1) or []
-    tokens = pool.pack_tokens([3, 4])
-    h = hash_block(None, tokens)
-    pool.cache_block(block, h, tokens)
+    pool.cache_full_blocks([block], [], [3, 4], 1, b"")
+    assert _find(pool, [3, 4]) is block
     pool.reset_prefix_cache()
-    assert pool.lookup(h, tokens) is None
+    assert _find(pool, [3, 4]) is None and not pool.cached
     assert block.block_hash is None
     assert block.ref_count == 1
 

@@ -302,7 +302,6 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step
     max_num_seqs: int = 256  # running sequences at most
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    max_waiting: int | None = None  # None: unbounded waiting queue
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens <= 0:
@@ -312,8 +311,6 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.max_waiting is not None and self.max_waiting < 0:
-            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -123,37 +123,19 @@ class BlockPool:
             block.block_hash = None
             block.token_bytes = None
 
-    def lookup(self, block_hash: BlockHash, token_bytes: bytes) -> Block | None:
-        """The cached block with this chain hash, confirmed by comparing its token ids."""
-        block = self.cached.get(block_hash)
-        if block is None or block.token_bytes != token_bytes:
-            return None
-        return block
-
-    def cache_block(self, block: Block, block_hash: BlockHash, token_bytes: bytes) -> None:
-        """Register a block that just became full. If another block already holds the same content
-        the first one stays canonical and this one is simply not findable."""
-        assert block.ref_count > 0 and block.block_hash is None
-        if block_hash in self.cached:
-            return
-        block.block_hash = block_hash
-        block.token_bytes = token_bytes
-        self.cached[block_hash] = block
-
     def match_prefix(self, token_ids: Sequence[int], max_blocks: int,
                      extra: bytes) -> tuple[list[Block], list[BlockHash]]:
         """The cached blocks holding the first full blocks of token_ids (at most max_blocks), and
         their chain hashes; `extra` is the first block's extra key. Takes no reference."""
         pack = self._pack
         get = self.cached.get
-        sha256 = hashlib.sha256
         bs = self.block_size
         blocks: list[Block] = []
         hashes: list[BlockHash] = []
-        parent = b""
+        parent: BlockHash | None = None
         for start in range(0, max_blocks * bs, bs):
             token_bytes = pack(*token_ids[start:start + bs])
-            block_hash = sha256(parent + token_bytes + extra).digest()  # hash_block, inlined
+            block_hash = hash_block(parent, token_bytes, extra)
             block = get(block_hash)
             if block is None or block.token_bytes != token_bytes:
                 break
@@ -168,17 +150,14 @@ class BlockPool:
         """Hash blocks len(block_hashes) .. num_full - 1 of a sequence (appending to its
         block_hashes) and register them; `extra` is the first block's extra key."""
         pack = self._pack
-        sha256 = hashlib.sha256
         bs = self.block_size
         cached = self.cached
         for i in range(len(block_hashes), num_full):
             block = blocks[i]
             assert block is not None and block.ref_count > 0 and block.block_hash is None
             token_bytes = pack(*token_ids[i * bs:(i + 1) * bs])
-            if i:
-                block_hash = sha256(block_hashes[-1] + token_bytes).digest()  # hash_block, inlined
-            else:
-                block_hash = sha256(token_bytes + extra).digest()
+            block_hash = (hash_block(block_hashes[-1], token_bytes) if i
+                          else hash_block(None, token_bytes, extra))
             block_hashes.append(block_hash)
             if block_hash not in cached:  # else an equal block is already canonical
                 block.block_hash = block_hash

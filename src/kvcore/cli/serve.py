@@ -118,8 +118,7 @@ def _config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
                           enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs,
-                                  max_model_len=args.max_model_len,
-                                  max_waiting=args.max_waiting))
+                                  max_model_len=args.max_model_len))
 
 
 def _build_engine(config: EngineConfig) -> AsyncEngine:
