@@ -100,6 +100,7 @@ class Tokenizer:
                 token_id for token, token_id in tokenizer.get_vocab().items()
                 if _BYTE_PIECE.fullmatch(token))
         self._template: jinja2.Template | None = None
+        self._single: dict[int, str] = {}  # decode_one's memo (~id: with special tokens)
         # the most characters of text one token stands for (its vocabulary string: byte-level
         # and sentencepiece pieces hold at least one character per character of text), so a
         # text longer than n x this cannot fit in n tokens: a bound checked before tokenizing
@@ -142,6 +143,15 @@ class Tokenizer:
         # `encode_batch` releases it and gives the same ids
         batch = self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
         return list(batch[0].ids)
+
+    def decode_one(self, token_id: int, skip_special_tokens: bool = True) -> str:
+        """decode([token_id]), memoized: streaming decodes the same single tokens again and
+        again (the incremental detokenizer's window start)."""
+        key = token_id if skip_special_tokens else ~token_id
+        text = self._single.get(key)
+        if text is None:
+            text = self._single[key] = self.decode([token_id], skip_special_tokens)
+        return text
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         ids = list(token_ids)
@@ -208,6 +218,8 @@ class IncrementalDetokenizer:
         self._in_byte_run = False  # the last visible token is a byte-fallback piece
 
     def _decode(self, start: int, end: int) -> str:
+        if end - start == 1:  # the usual window start: one token, decoded once per tokenizer
+            return self.tokenizer.decode_one(self.token_ids[start], self.skip_special_tokens)
         return self.tokenizer.decode(self.token_ids[start:end], self.skip_special_tokens)
 
     def add(self, token_id: int) -> str:
