@@ -8,10 +8,8 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from kvcore.config import EngineConfig, SchedulerConfig
-from kvcore.engine import AsyncEngine
+from kvcore import AsyncEngine, EngineConfig, SamplingParams, SchedulerConfig
 from kvcore.model.hub import resolve_model
-from kvcore.sampling import SamplingParams
 
 
 async def complete(engine: AsyncEngine, prompt: str, params: SamplingParams) -> str:
@@ -26,7 +24,7 @@ async def main(model: str | None) -> None:
     config = EngineConfig(model=str(resolve_model(model)),
                           scheduler=SchedulerConfig(max_model_len=1024, max_num_seqs=8))
     async with AsyncEngine.from_config(config) as engine:
-        tokenizer = engine.engine.tokenizer
+        tokenizer = engine.tokenizer
         prompt = tokenizer.apply_chat_template(
             [{"role": "user", "content": "What is the capital of France?"}])
         params = SamplingParams(max_tokens=24, temperature=0)

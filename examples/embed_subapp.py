@@ -10,8 +10,7 @@ import sys
 
 from aiohttp import ClientSession, web
 
-from kvcore.config import EngineConfig, SchedulerConfig
-from kvcore.engine import AsyncEngine
+from kvcore import AsyncEngine, EngineConfig, SchedulerConfig
 from kvcore.model.hub import resolve_model
 from kvcore.service import make_app
 
