@@ -11,8 +11,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 from aiohttp.typedefs import Handler
-from aiohttp.web_protocol import RequestHandler
-from aiohttp.web_request import BaseRequest
+from aiohttp.web import BaseRequest, RequestHandler
 
 from kvcore.service.errors import APIError
 
