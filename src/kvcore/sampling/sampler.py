@@ -28,6 +28,7 @@ class SamplingRow:
     generator: np.random.Generator | None  # required unless params.greedy
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # tokens generated so far (before this step's)
+    seed: int | None = None  # the xp sampler's per-sequence seed (rng.make_seed); unused here
 
 
 @dataclass(frozen=True, slots=True)
