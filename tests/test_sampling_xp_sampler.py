@@ -10,7 +10,7 @@ import pytest
 
 from kvcore.sampling import Sampler, SamplingParams, SamplingRow
 from kvcore.sampling.rng import gumbel_, row_keys, uniforms_dense
-from kvcore.sampling.xp_sampler import XpSampler, _truncated_draw
+from kvcore.sampling.xp_sampler import XpSampler, _pruned_draw, _truncated_draw
 
 VOCAB = 300
 EOS = (0, 7)
@@ -122,13 +122,13 @@ def test_untruncated_row_is_the_gumbel_argmax() -> None:
     assert got.tolist() == (logits / temps + noise).argmax(axis=1).tolist()
 
 
-def run_request(params: SamplingParams, others: int, noise_elements: int = 2**18,
+def run_request(params: SamplingParams, others: int, prune_noise: bool = True,
                 steps: int = 12) -> list[int]:
     """Decode `steps` tokens of one seeded request at a varying place in a batch of `others`
     unrelated requests (other parameters, other seeds, some greedy)."""
     rng = np.random.default_rng(others)
     other_rows = make_rows(others + 50, others, greedy_fraction=0.3)
-    sampler = XpSampler(EOS, VOCAB, noise_elements=noise_elements)
+    sampler = XpSampler(EOS, VOCAB, prune_noise=prune_noise)
     out: list[int] = []
     for step in range(steps):
         pos = (step * 7 + others) % (others + 1)
@@ -151,8 +151,34 @@ def test_seeded_row_is_independent_of_the_batch(params: SamplingParams) -> None:
     alone = run_request(params, others=0)
     assert run_request(params, others=5) == alone
     assert run_request(params, others=31) == alone
-    assert run_request(params, others=9, noise_elements=VOCAB) == alone  # one row at a time
+    assert run_request(params, others=9, prune_noise=False) == alone  # full noise
     assert len(set(alone)) > 3  # it really samples
+
+
+def test_pruned_noise_draws_what_the_full_noise_draws() -> None:
+    """Pruning the noise to the tokens that can still win changes no token: wide and narrow
+    logits, masked tokens, exact ties, a row with a single live token, several temperatures."""
+    rng = np.random.default_rng(21)
+    rows = []
+    for i in range(60):
+        scale = [0.3, 3.0, 12.0][i % 3]
+        rows.append(rng.standard_normal(VOCAB) * scale)
+    x = np.array(rows, dtype=np.float32)  # (60, V)
+    x[5, :] = -np.inf
+    x[5, 17] = 1.0  # one live token
+    x[7, ::2] = -np.inf  # half masked
+    x[9, :] = 0.25  # all tied
+    x[11, 40:60] = x[11].max() + 1  # a tied top group
+    sampler = XpSampler(EOS, VOCAB)
+    for position in range(6):
+        keys = row_keys(np.arange(60, dtype=np.uint64) * np.uint64(7919),
+                        np.full(60, position))
+        full = sampler._dense_draw(x.copy(), keys)
+        pruned = _pruned_draw(x.copy(), keys, max_live=1.0)
+        assert np.array_equal(pruned, full)
+        y = x.copy()
+        assert _pruned_draw(y, keys, max_live=0.01) is None and np.array_equal(y, x)
+        assert full[5] == 17 and full[7] % 2 == 1 and 40 <= full[11] < 60
 
 
 def test_truncated_draw_window_growth_equals_a_full_sort() -> None:
