@@ -6,7 +6,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 
+from kvcore.sampling import rng
 from kvcore.sampling.rng import (
     _halves_to_uniform,
     gumbel_,
@@ -116,3 +118,12 @@ def test_make_seed() -> None:
     assert a[0] == a[1] == b[0] != b[1]  # fresh spawns differ; same engine seed reproduces
     assert all(0 <= s < 2**64 for s in b)
 
+
+
+def test_the_portable_halves_equal_the_little_endian_view(monkeypatch: pytest.MonkeyPatch) -> None:
+    """uniforms_dense splits each uint64 into (low, high) by a uint32 view on little-endian NumPy
+    and by shifts elsewhere (CuPy, big-endian): the same numbers."""
+    keys = row_keys(np.arange(3, dtype=np.uint64), np.array([0, 5, 9]))
+    view = uniforms_dense(keys, 77)
+    monkeypatch.setattr(rng.sys, "byteorder", "big")
+    assert np.array_equal(uniforms_dense(keys, 77), view)

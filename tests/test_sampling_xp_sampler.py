@@ -3,6 +3,7 @@ row's token independent of the batch (order, size, chunking), the candidate wind
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import numpy as np
@@ -231,3 +232,23 @@ def test_bad_input_raises() -> None:
         XpSampler(EOS, 0)
     with pytest.raises(ValueError, match="batch.vocab_size"):
         XpSampler(EOS, 10)(np.ones((1, 10), dtype=np.float32), batch)
+
+
+class _OtherNamespace(types.ModuleType):
+    """NumPy under another name: the sampler takes its device (CuPy) branches (full noise, the
+    whole batch at once), which CI can then run."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(np, name)
+
+
+def test_device_branches_sample_what_the_cpu_branches_sample() -> None:
+    rows = make_rows(3, 40, greedy_fraction=0.3)
+    logits = random_logits(len(rows), 3)
+    cpu = XpSampler(EOS, VOCAB)
+    device = XpSampler(EOS, VOCAB, xp=_OtherNamespace("other"))
+    assert cpu.prune_noise and not device.prune_noise and device.noise_rows is None
+    want = cpu(logits.copy(), cpu.batch(rows))
+    got = device(logits.copy(), device.batch(rows))
+    assert np.array_equal(got.token_ids, want.token_ids)
+    assert got.logprobs == want.logprobs

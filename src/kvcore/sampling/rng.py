@@ -98,9 +98,9 @@ def uniforms_dense(keys: Any, vocab_size: int) -> Any:
     num_pairs = (vocab_size + 1) // 2
     counters = (xp.arange(num_pairs, dtype=xp.uint64) + _U64(1)) * _U64(GOLDEN)  # (J,)
     bits = mix_(keys[:, None] + counters[None, :])  # (R, J) uint64
-    if sys.byteorder == "little":
+    if xp is np and sys.byteorder == "little":
         # a little-endian uint64 viewed as two uint32 is (low, high): tokens (2j, 2j + 1)
-        halves = bits.view(xp.uint32)  # (R, 2J)
+        halves = bits.view(np.uint32)  # (R, 2J)
     else:
         halves = xp.stack([bits & _U64(0xFFFFFFFF), bits >> _U64(32)], axis=2).reshape(
             len(keys), 2 * num_pairs)

@@ -8,7 +8,7 @@ device array back to choose a branch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from kvcore.sampling import logits as lp
+from kvcore.sampling.params import SamplingParams
 from kvcore.sampling.rng import row_keys
 from kvcore.sampling.sampler import SamplingRow
 
@@ -131,29 +132,46 @@ class SamplingBatch:
                          dev(np.array([p.frequency_penalty for p in params])),  # (B,) float64
                          dev(np.array([p.presence_penalty for p in params])))
 
-        random_rows = np.flatnonzero(~greedy)  # (R,)
-        rand = [params[i] for i in random_rows]
-        top_k = np.array([min(p.top_k or vocab_size, vocab_size) for p in rand],
-                         dtype=np.int64)  # (R,)
-        top_p = np.array([p.top_p for p in rand], dtype=np.float64)  # (R,)
-        cut = (top_k < vocab_size) | (top_p < 1.0)  # (R,) rows that truncate
-        truncated = np.flatnonzero(cut)
-        min_p = np.array([p.min_p for p in rand], dtype=np.float64)  # (R,)
-        with np.errstate(divide="ignore"):
-            log_min_p = np.log(min_p)  # (R,) -inf where off: no token is below l_max - inf
         return cls(
             num_rows=num_rows, vocab_size=vocab_size, greedy=greedy,
             num_logprobs=tuple(p.logprobs for p in params),
-            max_top_k=int(top_k[cut & (top_k < vocab_size)].max(initial=0)),
-            greedy_rows=dev(np.flatnonzero(greedy)), random_rows=dev(random_rows),
-            truncated=dev(truncated), untruncated=dev(np.flatnonzero(~cut)),
+            greedy_rows=dev(np.flatnonzero(greedy)),
             logprob_rows=dev(np.array([i for i, p in enumerate(params) if p.logprobs is not None],
                                       dtype=np.int64)),
-            temperatures=dev(np.array([p.temperature for p in rand], dtype=np.float32)),
-            any_min_p=bool((min_p > 0).any()), log_min_p=dev(log_min_p),
-            keys=dev(row_keys(seeds[random_rows], positions[random_rows])),
-            top_k=dev(top_k[truncated]), top_p=dev(top_p[truncated]),
-            bias=bias, stop_mask=stop_mask, repetition=repetition, frequency=frequency)
+            bias=bias, stop_mask=stop_mask, repetition=repetition, frequency=frequency,
+            **_random_fields(params, greedy, seeds, positions, vocab_size, dev))
+
+
+def _random_fields(params: list[SamplingParams], greedy: np.ndarray, seeds: np.ndarray,
+                   positions: np.ndarray, vocab_size: int,
+                   dev: Callable[[np.ndarray], Any]) -> dict[str, Any]:
+    """The fields of the random rows (SamplingBatch's "per random row" and "per truncating
+    row" arrays, max_top_k, any_min_p); a greedy batch gets empty arrays without more work."""
+    random_rows = np.flatnonzero(~greedy)  # (R,)
+    if not len(random_rows):
+        empty = dev(np.zeros(0, dtype=np.int64))
+        return {"random_rows": empty, "truncated": empty, "untruncated": empty,
+                "temperatures": empty, "log_min_p": empty, "keys": empty, "top_k": empty,
+                "top_p": empty, "max_top_k": 0, "any_min_p": False}
+    rand = [params[i] for i in random_rows]
+    top_k = np.array([min(p.top_k or vocab_size, vocab_size) for p in rand],
+                     dtype=np.int64)  # (R,)
+    top_p = np.array([p.top_p for p in rand], dtype=np.float64)  # (R,)
+    cut = (top_k < vocab_size) | (top_p < 1.0)  # (R,) rows that truncate
+    truncated = np.flatnonzero(cut)
+    min_p = np.array([p.min_p for p in rand], dtype=np.float64)  # (R,)
+    with np.errstate(divide="ignore"):
+        log_min_p = np.log(min_p)  # (R,) -inf where off: no token is below l_max - inf
+    return {
+        "random_rows": dev(random_rows), "truncated": dev(truncated),
+        "untruncated": dev(np.flatnonzero(~cut)),
+        "temperatures": dev(np.array([p.temperature for p in rand], dtype=np.float32)),
+        "log_min_p": dev(log_min_p),
+        "keys": dev(row_keys(seeds[random_rows], positions[random_rows])),
+        "top_k": dev(top_k[truncated]), "top_p": dev(top_p[truncated]),
+        "max_top_k": int(top_k[cut & (top_k < vocab_size)].max(initial=0)),
+        "any_min_p": bool((min_p > 0).any()),
+    }
 
 
 def _checked_ids(token_ids: list[int], vocab_size: int, name: str) -> np.ndarray:

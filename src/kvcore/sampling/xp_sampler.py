@@ -228,7 +228,7 @@ def _truncated_draw(x: Any, keys: Any, top_k: Any, top_p: Any, max_top_k: int,
         else:
             cand = xp.broadcast_to(xp.arange(vocab_size), sub.shape)  # (N, V) already by id
         vals = xp.take_along_axis(sub, cand, axis=1)  # (N, size)
-        order = xp.argsort(-vals, axis=1, kind="stable")  # by logit, then (stable) token id
+        order = _stable_argsort(-vals)  # by logit, then (stable) token id
         cand = xp.take_along_axis(cand, order, axis=1)
         vals = xp.take_along_axis(vals, order, axis=1)
         rows = xp.arange(num_pending)
@@ -279,7 +279,15 @@ def _raw_logprobs(raw: Any, chosen: Any, num_logprobs: tuple[int | None, ...]
     else:
         top = xp.broadcast_to(xp.arange(k), raw.shape)
     vals = xp.take_along_axis(raw, top, axis=1)
-    order = xp.argsort(-vals, axis=1, kind="stable")
+    order = _stable_argsort(-vals)
     top = xp.take_along_axis(top, order, axis=1)
     top_lp = xp.take_along_axis(vals, order, axis=1).astype(xp.float64) - lse[:, None]
     return chosen_lp, top, top_lp
+
+
+def _stable_argsort(a: Any) -> Any:
+    """Row-wise stable argsort of (N, M): NumPy needs kind="stable"; CuPy's sort is always
+    stable (and older versions refuse the keyword)."""
+    if isinstance(a, np.ndarray):
+        return np.argsort(a, axis=1, kind="stable")
+    return array_module(a).argsort(a, axis=1)
