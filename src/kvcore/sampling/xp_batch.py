@@ -15,10 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from kvcore.sampling import logits as lp
 from kvcore.sampling.params import SamplingParams
 from kvcore.sampling.rng import row_keys
-from kvcore.sampling.sampler import SamplingRow
+from kvcore.sampling.sampler import ProcessorPairs, SamplingRow
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,59 +78,22 @@ class SamplingBatch:
         positions = np.fromiter((len(r.output_token_ids) for r in rows), dtype=np.int64,
                                 count=num_rows)  # (B,)
 
-        bias_rows: list[int] = []
-        bias_tokens: list[int] = []
-        bias_values: list[float] = []
-        mask_rows: list[int] = []
-        mask_tokens: list[int] = []
-        rep_rows: list[int] = []
-        freq_rows: list[int] = []
-        for i, row in enumerate(rows):
-            p = row.params
-            if p.logit_bias:
-                bias_rows.extend([i] * len(p.logit_bias))
-                bias_tokens.extend(p.logit_bias.keys())
-                bias_values.extend(p.logit_bias.values())
-            if len(row.output_token_ids) < p.min_tokens:
-                stop_ids = set(p.stop_token_ids)
-                if not p.ignore_eos:
-                    stop_ids.update(eos_token_ids)
-                mask_rows.extend([i] * len(stop_ids))
-                mask_tokens.extend(stop_ids)
-            if p.repetition_penalty != 1.0:
-                rep_rows.append(i)
-            if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
-                freq_rows.append(i)
+        pairs = ProcessorPairs.from_rows(rows, eos_token_ids, vocab_size)
 
         def dev(array: np.ndarray) -> Any:
             return xp.asarray(array)
 
-        bias = None
-        if bias_rows:
-            tokens = _checked_ids(bias_tokens, vocab_size, "logit_bias")
-            bias = (dev(np.array(bias_rows, dtype=np.int64)), dev(tokens),
-                    dev(np.array(bias_values, dtype=np.float32)))
-        stop_mask = None
-        if mask_rows:
-            tokens = _checked_ids(mask_tokens, vocab_size, "stop_token_ids")
-            stop_mask = (dev(np.array(mask_rows, dtype=np.int64)), dev(tokens))
-        repetition = None
-        if rep_rows:
-            seen = [list(rows[i].prompt_token_ids) + list(rows[i].output_token_ids)
-                    for i in rep_rows]
-            pair_rows, pair_tokens, _ = lp.token_pairs(seen, np.array(rep_rows), vocab_size)
-            penalties = np.array([p.repetition_penalty for p in params],
-                                 dtype=np.float32)  # (B,)
-            repetition = (dev(pair_rows), dev(pair_tokens), dev(penalties))
-        frequency = None
-        if freq_rows:
-            outputs = [rows[i].output_token_ids for i in freq_rows]
-            pair_rows, pair_tokens, counts = lp.token_pairs(outputs, np.array(freq_rows),
-                                                            vocab_size)
-            frequency = (dev(pair_rows), dev(pair_tokens), dev(counts),
-                         dev(np.array([p.frequency_penalty for p in params])),  # (B,) float64
-                         dev(np.array([p.presence_penalty for p in params])))
-
+        bias = stop_mask = repetition = frequency = None
+        if pairs.bias is not None:
+            bias_rows, bias_tokens, biases = pairs.bias
+            bias = (dev(bias_rows), dev(bias_tokens), dev(biases.astype(np.float32)))
+        if pairs.stop_mask is not None:
+            stop_mask = (dev(pairs.stop_mask[0]), dev(pairs.stop_mask[1]))
+        if pairs.repetition is not None:
+            pair_rows, pair_tokens, penalties = pairs.repetition
+            repetition = (dev(pair_rows), dev(pair_tokens), dev(penalties.astype(np.float32)))
+        if pairs.frequency is not None:
+            frequency = tuple(dev(a) for a in pairs.frequency)
         return cls(
             num_rows=num_rows, vocab_size=vocab_size, greedy=greedy,
             num_logprobs=tuple(p.logprobs for p in params),
@@ -172,11 +134,3 @@ def _random_fields(params: list[SamplingParams], greedy: np.ndarray, seeds: np.n
         "max_top_k": int(top_k[cut & (top_k < vocab_size)].max(initial=0)),
         "any_min_p": bool((min_p > 0).any()),
     }
-
-
-def _checked_ids(token_ids: list[int], vocab_size: int, name: str) -> np.ndarray:
-    ids = np.array(token_ids, dtype=np.int64)  # (N,)
-    if ids.size and ids.max() >= vocab_size:
-        raise ValueError(f"{name} holds token id {int(ids.max())}, outside the vocabulary "
-                         f"of size {vocab_size}")
-    return ids
