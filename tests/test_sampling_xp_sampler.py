@@ -3,7 +3,10 @@ row's token independent of the batch (order, size, chunking), the candidate wind
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import types
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -252,3 +255,15 @@ def test_device_branches_sample_what_the_cpu_branches_sample() -> None:
     got = device(logits.copy(), device.batch(rows))
     assert np.array_equal(got.token_ids, want.token_ids)
     assert got.logprobs == want.logprobs
+
+
+def test_bench_sampler_runs_and_validates() -> None:
+    """tools/bench_sampler.py (validation first, then the side-by-side table) on a small case."""
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, str(root / "tools" / "bench_sampler.py"),
+                             "--batch-sizes", "3", "--vocab", "500", "--repeats", "1"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert [line.split()[:2] for line in lines[2:]] == [["greedy", "3"], ["top_p", "3"],
+                                                        ["temperature", "3"]]

@@ -92,8 +92,8 @@ class XpSampler:
         if (logits.ndim != 2 or logits.shape[0] != batch.num_rows
                 or logits.shape[1] != self.vocab_size
                 or logits.dtype not in (xp.float32, xp.float16)):
-            raise ValueError(f"logits must be float32 (B={batch.num_rows}, V={self.vocab_size}), "
-                             f"got {logits.dtype} {logits.shape}")
+            raise ValueError(f"logits must be float32 or float16 (B={batch.num_rows}, "
+                             f"V={self.vocab_size}), got {logits.dtype} {logits.shape}")
         if batch.vocab_size != self.vocab_size:
             raise ValueError(f"batch.vocab_size must be {self.vocab_size}, "
                              f"got {batch.vocab_size}")
