@@ -14,7 +14,7 @@ import pytest
 
 from kvcore.sampling import Sampler, SamplingParams, SamplingRow
 from kvcore.sampling.rng import gumbel_, row_keys, uniforms_dense
-from kvcore.sampling.xp_sampler import XpSampler, _pruned_draw, _truncated_draw
+from kvcore.sampling.xp_sampler import XpSampler, _dense_draw, _pruned_draw, _truncated_draw
 
 VOCAB = 300
 EOS = (0, 7)
@@ -165,7 +165,7 @@ def test_pruned_noise_draws_what_the_full_noise_draws() -> None:
     rng = np.random.default_rng(21)
     rows = []
     for i in range(60):
-        scale = [0.3, 3.0, 12.0][i % 3]
+        scale = 40.0 if i >= 42 else [0.3, 3.0, 12.0][i % 3]  # the last 3 chunks of 7: peaked
         rows.append(rng.standard_normal(VOCAB) * scale)
     x = np.array(rows, dtype=np.float32)  # (60, V)
     x[5, :] = -np.inf
@@ -174,15 +174,20 @@ def test_pruned_noise_draws_what_the_full_noise_draws() -> None:
     x[9, :] = 0.25  # all tied
     x[11, 40:60] = x[11].max() + 1  # a tied top group
     sampler = XpSampler(EOS, VOCAB)
+    sampler.noise_rows = 7  # chunks of 7 rows, each pruned or not on its own
     for position in range(6):
         keys = row_keys(np.arange(60, dtype=np.uint64) * np.uint64(7919),
                         np.full(60, position))
-        full = sampler._dense_draw(x.copy(), keys)
+        full = _dense_draw(x.copy(), keys)
+        assert np.array_equal(sampler._untruncated_draw(x.copy(), keys), full)
         pruned = _pruned_draw(x.copy(), keys, max_live=1.0)
         assert np.array_equal(pruned, full)
         y = x.copy()
         assert _pruned_draw(y, keys, max_live=0.01) is None and np.array_equal(y, x)
         assert full[5] == 17 and full[7] % 2 == 1 and 40 <= full[11] < 60
+        # the sampler pruned the peaked chunks and not the others
+        assert _pruned_draw(x[42:49].copy(), keys[42:49]) is not None
+        assert _pruned_draw(x[:7].copy(), keys[:7]) is None
 
 
 def test_truncated_draw_window_growth_equals_a_full_sort() -> None:
