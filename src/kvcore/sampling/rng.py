@@ -27,9 +27,10 @@ from kvcore.device import array_module
 GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / golden ratio, odd: SplitMix64's stream increment
 MIX_1 = 0xBF58476D1CE4E5B9
 MIX_2 = 0x94D049BB133111EB
-UNIFORM_BITS = 23  # bits of each 32-bit half that make a uniform (2k + 1 < 2**24: exact)
-# The Gumbel noise is bounded by the extreme uniforms: ~[-2.81, 16.64]
-_U64 = np.uint64
+# bits of each 32-bit half that make a uniform (2k + 1 < 2**24: exact); the extreme uniforms
+# 2**-24 and 1 - 2**-24 bound the Gumbel noise to [-2.81, 16.64] (xp_sampler prunes with it)
+UNIFORM_BITS = 23
+_U64 = np.uint64  # explicit uint64 operands: a Python int above 2**63 is no int64 for CuPy
 
 
 def make_seed(seed: int | None, seed_sequence: np.random.SeedSequence) -> int:
