@@ -1,4 +1,5 @@
-"""Sampling: parameters, batched logits processors, the sampler, stop conditions, beam scoring."""
+"""Sampling: parameters, batched logits processors, the samplers (NumPy; xp for NumPy and CuPy),
+stop conditions, beam scoring."""
 
 from kvcore.sampling.beam import (
     BeamCandidate,
@@ -10,6 +11,7 @@ from kvcore.sampling.beam import (
     top_candidates,
 )
 from kvcore.sampling.params import BeamSearchParams, SamplingParams, TokenLogprob
+from kvcore.sampling.rng import make_seed
 from kvcore.sampling.sampler import (
     Sampler,
     SamplerOutput,
@@ -19,6 +21,8 @@ from kvcore.sampling.sampler import (
     process_logits,
 )
 from kvcore.sampling.stop import find_stop_string, num_holdback_chars
+from kvcore.sampling.xp_batch import SamplingBatch
+from kvcore.sampling.xp_sampler import DeviceSample, XpSampler
 
 __all__ = [
     "BeamCandidate",
@@ -27,15 +31,19 @@ __all__ = [
     "BeamSearch",
     "BeamSearchParams",
     "BeamStep",
+    "DeviceSample",
     "Sampler",
     "SamplerOutput",
+    "SamplingBatch",
     "SamplingParams",
     "SamplingRow",
     "TokenLogprob",
+    "XpSampler",
     "draw",
     "find_stop_string",
     "length_penalized",
     "make_generator",
+    "make_seed",
     "num_holdback_chars",
     "process_logits",
     "top_candidates",
