@@ -189,3 +189,18 @@ def test_policy_rejects_bad_parameters() -> None:
         RoutingPolicy(kv_margin=1.5)
     with pytest.raises(ValueError, match="loads"):
         RoutingPolicy().choose([], {})
+
+
+def test_index_counts_blocks_per_replica_and_ties_go_to_the_emptier_cache() -> None:
+    chain = chain_hashes(list(range(4 * BS)), BS, None)
+    index = ChainIndex(max_entries=3)
+    index.apply("a", [(True, h) for h in chain[:2]] + [(True, chain[0])])  # a repeat counts once
+    index.apply("b", [(True, chain[0])])
+    assert (index.num_blocks("a"), index.num_blocks("b")) == (2, 1)
+    index.apply("a", [(False, chain[1]), (False, chain[3])])  # an unknown removal is ignored
+    assert index.num_blocks("a") == 1
+    index.apply("b", [(True, h) for h in chain[1:]])  # 4 entries: the LRU one (chain[0]) goes
+    assert (index.num_blocks("a"), index.num_blocks("b")) == (0, 3)
+    policy = RoutingPolicy("prefix", rng=random.Random(0))
+    loads = [ReplicaLoad("a", 0, 0.0, 9), ReplicaLoad("b", 0, 0.0, 2)]
+    assert policy.choose(loads, {}).replica_id == "b"

@@ -26,6 +26,7 @@ class ChainIndex:
             raise ValueError(f"max_entries must be a positive integer, got {max_entries!r}")
         self.max_entries = max_entries
         self._holders: OrderedDict[BlockHash, set[str]] = OrderedDict()  # LRU order, oldest first
+        self._counts: dict[str, int] = {}  # replica -> entries naming it
         self._lock = threading.Lock()
         self.num_evicted = 0  # entries dropped by the LRU bound (a gauge of index pressure)
 
@@ -36,20 +37,28 @@ class ChainIndex:
         """Apply one replica's cache changes in order: (True, hash) cached, (False, hash) gone."""
         holders = self._holders
         with self._lock:
+            count = self._counts.get(replica_id, 0)
             for stored, block_hash in events:
                 replicas = holders.get(block_hash)
                 if stored:
                     if replicas is None:
                         holders[block_hash] = {replica_id}
+                        count += 1
                     else:
-                        replicas.add(replica_id)
+                        if replica_id not in replicas:
+                            replicas.add(replica_id)
+                            count += 1
                         holders.move_to_end(block_hash)
-                elif replicas is not None:
-                    replicas.discard(replica_id)
+                elif replicas is not None and replica_id in replicas:
+                    replicas.remove(replica_id)
+                    count -= 1
                     if not replicas:
                         del holders[block_hash]
+            self._counts[replica_id] = count
             while len(holders) > self.max_entries:
-                holders.popitem(last=False)
+                _, evicted = holders.popitem(last=False)
+                for other in evicted:
+                    self._counts[other] -= 1
                 self.num_evicted += 1
 
     def drop_replica(self, replica_id: str) -> int:
@@ -64,6 +73,7 @@ class ChainIndex:
                     replicas.discard(replica_id)
                     if not replicas:
                         del self._holders[block_hash]
+            self._counts.pop(replica_id, None)
         return num
 
     def match(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
@@ -85,6 +95,11 @@ class ChainIndex:
                 for replica_id in alive:
                     out[replica_id] = depth + 1
         return out
+
+    def num_blocks(self, replica_id: str) -> int:
+        """Entries naming the replica: its cached blocks as far as the index knows."""
+        with self._lock:
+            return self._counts.get(replica_id, 0)
 
     def replicas(self) -> set[str]:
         """Every replica named by at least one entry (for tests and metrics)."""

@@ -21,6 +21,9 @@ class ReplicaLoad:
     # current (a replica's reported queue lags by a stream item), so it is the waiting signal
     num_outstanding: int
     kv_cache_usage: float  # fraction of KV blocks referenced, as last reported (0-1)
+    # cached blocks the index knows of: the tie-break between equally loaded replicas, so new
+    # prefixes spread over the replicas' caches instead of piling onto one
+    num_cached_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,5 +90,5 @@ class RoutingPolicy:
         return a if _load_key(a) <= _load_key(b) else b
 
 
-def _load_key(load: ReplicaLoad) -> tuple[int, float]:
-    return load.num_outstanding, load.kv_cache_usage
+def _load_key(load: ReplicaLoad) -> tuple[int, float, int]:
+    return load.num_outstanding, load.kv_cache_usage, load.num_cached_blocks

@@ -7,10 +7,14 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import structlog
+
 from kvcore.cache import BlockHash, CacheEvent
 from kvcore.cluster.index import DEFAULT_MAX_ENTRIES, ChainIndex
 from kvcore.cluster.policy import ReplicaLoad, RouteDecision, RoutingPolicy
 from kvcore.engine import EngineStats
+
+log = structlog.get_logger("kvcore.cluster")
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,9 +66,11 @@ class RouterState:
         The chain is recorded for the chosen replica at once (it will cache those blocks as it
         prefills), so the rest of a burst sharing the prefix follows it before its events return."""
         matches = self.index.match(route.block_hashes)
+        cached = {r: self.index.num_blocks(r) for r in replica_ids}
         with self._lock:
             loads = [ReplicaLoad(r, self._replica(r).num_outstanding,
-                                 _kv_usage(self._replica(r).stats)) for r in replica_ids]
+                                 _kv_usage(self._replica(r).stats), cached[r])
+                     for r in replica_ids]
             decision = self.policy.choose(loads, matches)
             previous = self._routes.get(route.request_id)
             if previous is not None:  # a retry after a rejection: move the request's counts
@@ -119,7 +125,8 @@ class RouterState:
             for replica_id in gone:
                 del self.replicas[replica_id]
         for replica_id in gone:
-            self.index.drop_replica(replica_id)
+            num = self.index.drop_replica(replica_id)
+            log.info("replica gone: its index entries dropped", replica=replica_id, entries=num)
         return gone
 
     def snapshot(self) -> dict[str, _Replica]:
