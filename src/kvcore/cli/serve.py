@@ -89,6 +89,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--router-load-margin", type=int, default=4, metavar="N",
                          help="prefix router: fall back to the least-loaded replica when the "
                               "cached one has more than N more outstanding requests (default 4)")
+    cluster.add_argument("--min-replicas", type=int, metavar="N",
+                         help="autoscale between --min-replicas and --max-replicas on KV usage, "
+                              "waiting sequences and preemptions (starts at --replicas)")
+    cluster.add_argument("--max-replicas", type=int, metavar="N", help="see --min-replicas")
     cluster.add_argument("--ray-address", metavar="ADDR",
                          help="join this Ray cluster (default: start a local Ray instance)")
     cluster.add_argument("--cpus-per-replica", type=float, default=1.0, metavar="N",

@@ -54,6 +54,19 @@ class ClusterOptions:
         RoutingPolicy(self.router, self.load_margin, self.kv_margin)  # validates the three
 
 
+def autoscaling_config(initial: int, min_replicas: int, max_replicas: int) -> dict[str, Any]:
+    """Ray Serve's autoscaling_config driven by kvcore.cluster.autoscale (the replicas record
+    KV usage, waiting sequences and preemptions; the policy scales on them)."""
+    if not 1 <= min_replicas <= initial <= max_replicas:
+        raise ValueError(f"need 1 <= min_replicas <= replicas <= max_replicas, got "
+                         f"{min_replicas}, {initial}, {max_replicas}")
+    return {"min_replicas": min_replicas, "max_replicas": max_replicas,
+            "initial_replicas": initial, "look_back_period_s": 30.0,
+            # the signals are already averaged over the look-back window: act on them soon
+            "upscale_delay_s": 10.0, "downscale_delay_s": 120.0,
+            "policy": {"policy_function": "kvcore.cluster.autoscale:kvcore_autoscaling_policy"}}
+
+
 @dataclass(slots=True)
 class Cluster:
     engine: ClusterEngine

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from ray import serve
 
 from kvcore.cluster import engine_view
+from kvcore.cluster.autoscale import KV_USAGE, NUM_PREEMPTIONS, NUM_WAITING
 from kvcore.cluster.state import ReplicaReport, Route
 from kvcore.config import EngineConfig
 from kvcore.engine import AsyncEngine
@@ -58,6 +59,12 @@ class KVCoreReplica:
         async for output in engine.generate(prompt_token_ids, params, request_id,
                                             priority=priority, cache_salt=cache_salt):
             yield output, self._report()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """The custom metrics kvcore.cluster.autoscale scales on (Ray Serve polls them)."""
+        stats = engine_view.engine_stats(self._engine)
+        return {KV_USAGE: stats.kv_cache_usage, NUM_WAITING: float(stats.num_waiting),
+                NUM_PREEMPTIONS: float(stats.num_preemptions)}
 
     async def check_health(self) -> None:
         """Ray Serve calls this periodically; a replica whose engine driver died is restarted."""

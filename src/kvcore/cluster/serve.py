@@ -9,7 +9,13 @@ from collections.abc import Mapping
 from aiohttp import web
 
 from kvcore.cli.serve import serve
-from kvcore.cluster.app import Cluster, ClusterOptions, connect_ray, start_cluster
+from kvcore.cluster.app import (
+    Cluster,
+    ClusterOptions,
+    autoscaling_config,
+    connect_ray,
+    start_cluster,
+)
 from kvcore.cluster.metrics import RouterCollector
 from kvcore.config import EngineConfig
 from kvcore.engine import AsyncEngine
@@ -18,10 +24,15 @@ from kvcore.service.edge import Edge
 
 
 def options_from_args(args: argparse.Namespace) -> ClusterOptions:
+    autoscaling = None
+    if args.min_replicas is not None or args.max_replicas is not None:
+        autoscaling = autoscaling_config(args.replicas,
+                                         args.min_replicas or 1,
+                                         args.max_replicas or args.replicas)
     return ClusterOptions(num_replicas=args.replicas, router=args.router,
                           ray_address=args.ray_address, cpus_per_replica=args.cpus_per_replica,
                           gpus_per_replica=args.gpus_per_replica,
-                          load_margin=args.router_load_margin)
+                          load_margin=args.router_load_margin, autoscaling=autoscaling)
 
 
 def build_app(config: EngineConfig, options: ClusterOptions, clusters: list[Cluster],
