@@ -166,3 +166,17 @@ def test_a_dead_replica_fails_only_its_request(
         state.sync_replicas(["r2"])  # Ray reports r1 gone: its chains leave the index
         assert "r1" not in state.index.replicas() and "r1" not in state.replicas
     _run(main())
+
+
+def test_another_tenants_request_is_not_routed_by_affinity(
+        engine: tuple[ClusterEngine, FakeHandle, RouterState]) -> None:
+    async def main() -> None:
+        ce, _, state = engine
+        await ce.start()
+        prompt = list(range(10, 23))
+        params = SamplingParams(max_tokens=2)
+        _ = [o async for o in ce.generate(prompt, params, "a", cache_salt="salt-a")]
+        _ = [o async for o in ce.generate(prompt, params, "b", cache_salt="salt-b")]
+        _ = [o async for o in ce.generate(prompt, params, "c", cache_salt="salt-a")]
+        assert state.decisions == {"fallback-miss": 2, "prefix": 1}
+    _run(main())
