@@ -204,3 +204,30 @@ def test_index_counts_blocks_per_replica_and_ties_go_to_the_emptier_cache() -> N
     policy = RoutingPolicy("prefix", rng=random.Random(0))
     loads = [ReplicaLoad("a", 0, 0.0, 9), ReplicaLoad("b", 0, 0.0, 2)]
     assert policy.choose(loads, {}).replica_id == "b"
+
+
+def test_state_applies_event_batches_in_order_and_resets_after_a_lost_one() -> None:
+    from kvcore.cluster.state import MAX_PENDING, ReplicaReport, RouterState
+    from kvcore.engine import EngineStats
+
+    stats = EngineStats(0, 0, 0.0, 8, 8, 0, 0, 0, BS, "fp32")
+    chain = chain_hashes(list(range(40 * BS)), BS, None)
+    state = RouterState(RoutingPolicy("prefix"))
+
+    def report(seq: int, *events: tuple[bool, bytes]) -> None:
+        state.apply(ReplicaReport("r", seq, tuple(events), stats))
+
+    report(2, (False, chain[0]))  # overtook batch 1: held back
+    assert state.index.match(chain[:1]) == {}
+    report(1, (True, chain[0]), (True, chain[1]))
+    # batch 1 then batch 2: chain[0] is gone again, so nothing leads the chain
+    assert state.index.match(chain[:2]) == {} and state.index.num_blocks("r") == 1
+    report(3, (True, chain[0]))
+    assert state.index.match(chain[:2]) == {"r": 2}
+    for seq in range(5, 6 + MAX_PENDING):  # batch 4 never arrives
+        report(seq, (True, chain[seq]))
+    assert state.num_lost_batches == 1
+    assert state.index.match(chain[:2]) == {}  # the replica's old entries were reset
+    assert state.index.num_blocks("r") == MAX_PENDING + 1
+    report(4, (False, chain[5]))  # too late: ignored
+    assert state.index.match(chain[5:6]) == {"r": 1}

@@ -38,11 +38,17 @@ class Route:
     block_size: int
 
 
+MAX_PENDING = 16  # event batches held back waiting for an earlier one, per replica
+
+
 @dataclass(slots=True)
 class _Replica:
     num_outstanding: int = 0
     stats: EngineStats | None = None
     seq: int = 0  # last event batch applied
+    # batches that overtook an earlier one (streams of one replica arrive in any order): seq ->
+    # events, applied once the gap fills
+    pending: dict[int, tuple[CacheEvent, ...]] = field(default_factory=dict)
     routed: int = 0  # requests routed to it
     cached_tokens: int = 0  # reported by the replica, over the requests routed to it
     predicted_tokens: int = 0  # the index's prediction for those same requests
@@ -101,20 +107,28 @@ class RouterState:
                 replica.predicted_tokens += routed[1]
 
     def apply(self, report: ReplicaReport) -> None:
-        """Apply a replica's report; a gap in its batch numbers resets its index entries (a batch
-        was lost: better to forget than to believe a block is still there)."""
+        """Apply a replica's report. Its event batches are applied in their order: one that
+        overtook an earlier batch waits for it; when MAX_PENDING wait, the earlier one is taken
+        as lost (its stream was cancelled) and the replica's entries are reset (better to forget
+        than to believe a block is still there)."""
+        ready: list[tuple[CacheEvent, ...]] = []
         with self._lock:
             replica = self._replica(report.replica_id)
             replica.stats = report.stats
             if not report.events or report.seq <= replica.seq:
-                return  # nothing new, or a batch overtaken by a later one
-            lost = report.seq > replica.seq + 1
-            replica.seq = report.seq
+                return  # nothing new, or a duplicate
+            replica.pending[report.seq] = report.events
+            lost = len(replica.pending) > MAX_PENDING
             if lost:
                 self.num_lost_batches += 1
+                replica.seq = min(replica.pending) - 1
+            while replica.seq + 1 in replica.pending:
+                replica.seq += 1
+                ready.append(replica.pending.pop(replica.seq))
         if lost:
             self.index.drop_replica(report.replica_id)
-        self.index.apply(report.replica_id, report.events)
+        for events in ready:
+            self.index.apply(report.replica_id, events)
 
     def sync_replicas(self, live: Iterable[str]) -> list[str]:
         """Forget replicas Ray no longer routes to (dead, or replaced by a restart with a fresh
@@ -131,7 +145,8 @@ class RouterState:
 
     def snapshot(self) -> dict[str, _Replica]:
         with self._lock:
-            return {r: _Replica(**{f: getattr(v, f) for f in _Replica.__dataclass_fields__})
+            return {r: _Replica(v.num_outstanding, v.stats, v.seq, dict(v.pending), v.routed,
+                                v.cached_tokens, v.predicted_tokens)
                     for r, v in self.replicas.items()}
 
     def _replica(self, replica_id: str) -> _Replica:
