@@ -89,6 +89,7 @@ def connect_ray(options: ClusterOptions) -> bool:
     if ray.is_initialized():
         return False
     if options.ray_address is None:
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # a private local instance
         ray.init(num_cpus=options.local_num_cpus, include_dashboard=False,
                  object_store_memory=LOCAL_OBJECT_STORE_BYTES, log_to_driver=False,
                  configure_logging=False)
