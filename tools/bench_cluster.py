@@ -5,11 +5,13 @@ at a fixed concurrency, once per router against the same replicas (the router is
 policy object, swapped between runs; every run draws fresh prefixes, so no run reuses another's
 cache). Reports throughput, mean and p99 TTFT, and the cached-token share.
 
-    flock /tmp/kvcore-bench.lock python tools/bench_cluster.py --replicas 2 --num-blocks 576
+    flock /tmp/kvcore-bench.lock python tools/bench_cluster.py --replicas 2 --num-blocks 320
 
-The default pool (576 blocks of 16 per replica) holds half the groups' prefixes plus a running
-batch: the regime a deployment is in once its working set outgrows one replica's cache, where
-routing decides whether a prefix is found again. Validates first: every request must succeed.
+With 320 blocks of 16 per replica a pool holds about half the groups' prefixes (16 x 32 blocks)
+plus the running batch's own blocks: the regime a deployment is in once its working set outgrows
+one replica's cache, where routing decides whether a prefix is found again. With 576 blocks each
+pool holds every prefix, and routing only saves each group's second miss. Every request must
+succeed, or the run fails.
 """
 
 from __future__ import annotations
@@ -134,7 +136,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--suffix-len", type=int, default=16)
     p.add_argument("--output-len", type=int, default=8)
     p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--num-blocks", type=int, default=576, help="KV blocks per replica")
+    p.add_argument("--num-blocks", type=int, default=320, help="KV blocks per replica")
     p.add_argument("--batch-tokens", type=int, default=1024, help="token budget of one step")
     p.add_argument("--load-margin", type=int, default=4)
     p.add_argument("--cpus-per-replica", type=float, default=1.0)
