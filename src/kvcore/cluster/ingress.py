@@ -44,6 +44,19 @@ class ClusterEngine:
     def running(self) -> bool:
         return self._running
 
+    # the read-only properties the engine-core redesign gives AsyncEngine, ready for the service
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def model_config(self) -> Any:
+        return self.engine.model_config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
     @property
     def num_waiting(self) -> int:
         """Sequences waiting on all replicas, as last reported."""
