@@ -17,8 +17,11 @@ from kvcore.cli import main
     (["--replicas", "2", "--router-load-margin", "-1"], "load_margin must be"),
 ])
 def test_bad_cluster_options_fail_fast(tiny_model_dir: Path, flags: list[str], message: str,
-                                       capsys: pytest.CaptureFixture[str]) -> None:
+                                       capsys: pytest.CaptureFixture[str],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("ray.serve")
+    # the server's JSON logging setup is process-wide: keep it out of the test process
+    monkeypatch.setattr("kvcore.cli.serve.configure_logging", lambda: None)
     assert main(["serve", str(tiny_model_dir), "--device", "cpu", *flags]) == 2
     assert message in capsys.readouterr().err
 
