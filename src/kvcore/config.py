@@ -39,6 +39,10 @@ class ParamError(ValueError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self) -> tuple[type[ParamError], tuple[str, str]]:
+        # picklable with its param: a cluster replica's refusal crosses a process boundary
+        return ParamError, (self.param, str(self))
+
 
 @dataclass(frozen=True, slots=True)
 class RopeScaling:

@@ -1,6 +1,7 @@
 """The paged KV cache bookkeeping: block pool, block tables, prefix cache, copy-on-write."""
 
-from kvcore.cache.block_pool import Block, BlockPool
+from kvcore.cache.block_pool import Block, BlockHash, BlockPool, CacheEvent, chain_hashes, salt_key
 from kvcore.cache.manager import Admission, CopyOp, KVCacheManager
 
-__all__ = ["Admission", "Block", "BlockPool", "CopyOp", "KVCacheManager"]
+__all__ = ["Admission", "Block", "BlockHash", "BlockPool", "CacheEvent", "CopyOp", "KVCacheManager",
+           "chain_hashes", "salt_key"]

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections import deque
 from collections.abc import Sequence
 
 BlockHash = bytes  # a sha256 digest of (parent hash, token ids, extra keys)
+# a prefix-cache change for subscribers (the cluster router): (True, hash) = the hash became
+# findable, (False, hash) = it was evicted or uncached
+CacheEvent = tuple[bool, BlockHash]
 
 
 class Block:
@@ -40,6 +44,32 @@ def hash_block(parent: BlockHash | None, token_bytes: bytes, extra: bytes = b"")
     return hashlib.sha256((parent or b"") + token_bytes + extra).digest()
 
 
+def salt_key(salt: str | None) -> bytes:
+    """The first block's extra key for a tenant's cache salt (b"" without one); the tag byte keeps
+    a salted chain from ever equalling an unsalted one."""
+    return b"" if salt is None else b"\x01" + salt.encode()
+
+
+def chain_hashes(token_ids: Sequence[int], block_size: int, salt: str | None,
+                 max_blocks: int | None = None) -> list[BlockHash]:
+    """The chain hashes of the full blocks of token_ids (at most max_blocks), exactly as the pool
+    names them: what a router outside the engine computes to ask which replica holds a prompt."""
+    if not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+    num_full = len(token_ids) // block_size
+    if max_blocks is not None:
+        num_full = min(num_full, max_blocks)
+    pack = struct.Struct(f"<{block_size}q").pack
+    extra = salt_key(salt)
+    hashes: list[BlockHash] = []
+    parent = b""
+    for start in range(0, num_full * block_size, block_size):
+        parent = hash_block(parent, pack(*token_ids[start:start + block_size]), extra)
+        hashes.append(parent)
+        extra = b""
+    return hashes
+
+
 class BlockPool:
     """A fixed number of blocks with refcounts, a free queue in LRU order and a prefix-hash map.
 
@@ -67,6 +97,26 @@ class BlockPool:
         self.num_free_blocks = num_blocks
         self.cached: dict[BlockHash, Block] = {}  # prefix cache: chain hash -> the block holding it
         self._pack = struct.Struct(f"<{block_size}q").pack  # token ids of one block -> bytes
+        # prefix-cache changes since the last drain, or None while nobody subscribes (no cost);
+        # a deque because the engine step (a worker thread) appends while the event loop drains
+        self._events: deque[CacheEvent] | None = None
+
+    def enable_events(self) -> None:
+        """Start recording prefix-cache changes (hashes cached / evicted) for `drain_events`."""
+        if self._events is None:
+            self._events = deque((True, h) for h in self.cached)
+
+    def drain_events(self) -> list[CacheEvent]:
+        """The changes recorded since the last drain, oldest first (empty while disabled).
+        Safe to call from another thread than the one running the engine step."""
+        events = self._events
+        out: list[CacheEvent] = []
+        if events is None:
+            return out
+        pop = events.popleft
+        while events:
+            out.append(pop())
+        return out
 
     def pack_tokens(self, token_ids: Sequence[int]) -> bytes:
         """The compact encoding of one full block's token ids (hashed, and kept for comparison)."""
@@ -90,6 +140,8 @@ class BlockPool:
             block.prev_free = block.next_free = None
             if block.block_hash is not None:
                 del cached[block.block_hash]
+                if self._events is not None:
+                    self._events.append((False, block.block_hash))
                 block.block_hash = None
                 block.token_bytes = None
             block.ref_count = 1
@@ -120,6 +172,8 @@ class BlockPool:
         """Take a block out of the prefix cache (its hash is forgotten; references stay)."""
         if block.block_hash is not None:
             del self.cached[block.block_hash]
+            if self._events is not None:
+                self._events.append((False, block.block_hash))
             block.block_hash = None
             block.token_bytes = None
 
@@ -163,10 +217,14 @@ class BlockPool:
                 block.block_hash = block_hash
                 block.token_bytes = token_bytes
                 cached[block_hash] = block
+                if self._events is not None:
+                    self._events.append((True, block_hash))
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash; blocks in use keep their data and their references."""
         for block in self.cached.values():
+            if self._events is not None and block.block_hash is not None:
+                self._events.append((False, block.block_hash))
             block.block_hash = None
             block.token_bytes = None
         self.cached.clear()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 
-from kvcore.cache.block_pool import Block, BlockHash, BlockPool
+from kvcore.cache.block_pool import Block, BlockHash, BlockPool, salt_key
 
 CopyOp = tuple[int, int]  # (src_block_id, dst_block_id), executed by the runner before forward
 
@@ -71,7 +71,7 @@ class KVCacheManager:
         num_prompt = len(token_ids)
         if num_prompt == 0:
             raise ValueError(f"token_ids of seq_id {seq_id!r} must not be empty")
-        seq = _Sequence(b"" if salt is None else b"\x01" + salt.encode())
+        seq = _Sequence(salt_key(salt))
         self._seqs[seq_id] = seq
         if not self.enable_prefix_caching:
             return 0

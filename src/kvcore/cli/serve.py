@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import logging
 import signal
 import sys
@@ -76,6 +77,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-size", default="4MiB", metavar="SIZE",
                         help="413 for request bodies over this (default 4MiB)")
     parser.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
+    cluster = parser.add_argument_group(
+        "cluster", "serve through N engine replicas on Ray Serve (needs `pip install "
+        "kvcore[cluster]`); without --replicas, one engine in this process")
+    cluster.add_argument("--replicas", type=int, metavar="N",
+                         help="engine replicas behind a routing ingress in this process")
+    cluster.add_argument("--router", default="prefix",
+                         choices=["prefix", "least-loaded", "round-robin"],
+                         help="prefix: the replica holding the most of the prompt's cached "
+                              "blocks, unless overloaded (default)")
+    cluster.add_argument("--router-load-margin", type=int, default=4, metavar="N",
+                         help="prefix router: fall back to the least-loaded replica when the "
+                              "cached one has more than N more outstanding requests (default 4)")
+    cluster.add_argument("--min-replicas", type=int, metavar="N",
+                         help="autoscale between --min-replicas and --max-replicas on KV usage, "
+                              "waiting sequences and preemptions (starts at --replicas)")
+    cluster.add_argument("--max-replicas", type=int, metavar="N", help="see --min-replicas")
+    cluster.add_argument("--ray-address", metavar="ADDR",
+                         help="join this Ray cluster (default: start a local Ray instance)")
+    cluster.add_argument("--cpus-per-replica", type=float, default=1.0, metavar="N",
+                         help="Ray CPUs reserved per replica, also its BLAS threads (default 1)")
+    cluster.add_argument("--gpus-per-replica", type=float, default=0.0, metavar="N",
+                         help="Ray GPUs per replica (1 on a GPU cluster: one replica per GPU)")
 
 
 def configure_logging() -> None:
@@ -199,6 +222,12 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError, RuntimeError) as e:
         raise CLIError(str(e)) from e
     names = args.served_model_name or [args.model if args.model else model_dir.name]
+    app_kwargs = dict(api_keys=keys, served_model_name=names, max_body_size=max_body,
+                      max_waiting=args.max_waiting,
+                      max_sequences_per_request=args.max_sequences_per_request,
+                      body_timeout=args.body_timeout)
+    if args.replicas is not None:
+        return _run_cluster(args, config, app_kwargs, edge)
     try:
         app = make_app(lambda: _build_engine(config), api_keys=keys, served_model_name=names,
                        max_body_size=max_body, max_waiting=args.max_waiting,
@@ -207,3 +236,18 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise CLIError(str(e)) from e
     return asyncio.run(serve(app, args.host, args.port, args.drain_timeout, edge))
+
+
+def _run_cluster(args: argparse.Namespace, config: EngineConfig, app_kwargs: dict[str, object],
+                 edge: Edge) -> int:
+    """kvcore.cluster sits above the CLI (DESIGN.md layers): found by name, like subcommands."""
+    try:
+        cluster = importlib.import_module("kvcore.cluster.serve")
+    except ImportError as e:
+        raise CLIError(f"--replicas needs the cluster extra (pip install 'kvcore[cluster]'): "
+                       f"{e}") from e
+    try:
+        options = cluster.options_from_args(args)
+    except ValueError as e:
+        raise CLIError(str(e)) from e
+    return int(cluster.run(args, config, app_kwargs, edge, options))

@@ -1,0 +1,193 @@
+"""ClusterEngine: AsyncEngine's public surface over Ray Serve replicas, for kvcore.service.
+
+`make_app` runs unchanged on it (same routes, SSE and msgpack, auth, tenants, error shapes): the
+ingress validates, tokenizes and applies the tenant's cache salt as `kvcore serve` does, then each
+generate() becomes one streaming call on the replicas' DeploymentHandle, which the request router
+(kvcore.cluster.router) sends to the replica that holds the most of the prompt's blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import structlog
+
+from kvcore.cache import chain_hashes
+from kvcore.cluster.engine_view import IngressModel
+from kvcore.cluster.state import ReplicaReport, Route, RouterState
+from kvcore.config import ParamError
+from kvcore.engine import EngineStats, RequestFailed
+from kvcore.request import CompletionOutput, RequestMetrics, RequestOutput
+from kvcore.sampling import BeamSearchParams, SamplingParams
+
+log = structlog.get_logger("kvcore.cluster")
+
+
+class ClusterEngine:
+    """Duck-typed AsyncEngine (generate, abort, start, stop, num_waiting, running, and `.engine`
+    for the model facts the routes read). A replica that dies mid-stream fails only its own
+    requests (RequestFailed: the service ends the stream with an error event)."""
+
+    def __init__(self, handle: Any, state: RouterState, model: IngressModel) -> None:
+        self.engine = model
+        self._handle = handle.options(stream=True)
+        self._state = state
+        self._streams: dict[str, Any] = {}  # request_id -> its DeploymentResponseGenerator
+        self._aborted: set[str] = set()
+        self._running = False
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    # the read-only properties the engine-core redesign gives AsyncEngine, ready for the service
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def model_config(self) -> Any:
+        return self.engine.model_config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences waiting on all replicas, as last reported."""
+        return sum(r.stats.num_waiting for r in self._state.snapshot().values()
+                   if r.stats is not None)
+
+    async def start(self) -> None:
+        self._running = True
+
+    async def stop(self) -> None:
+        """Abort every open stream (the replicas abort their requests); replicas stay up."""
+        self._running = False
+        for request_id in list(self._streams):
+            await self.abort(request_id)
+
+    def stats(self) -> EngineStats | None:
+        """The replicas' last reports summed (usage: the mean), for the engine gauges."""
+        reports = [r.stats for r in self._state.snapshot().values() if r.stats is not None]
+        if not reports:
+            return None
+        first = reports[0]
+        return EngineStats(
+            num_running=sum(s.num_running for s in reports),
+            num_waiting=sum(s.num_waiting for s in reports),
+            kv_cache_usage=sum(s.kv_cache_usage for s in reports) / len(reports),
+            num_free_blocks=sum(s.num_free_blocks for s in reports),
+            num_blocks=sum(s.num_blocks for s in reports),
+            prefix_cache_queries=sum(s.prefix_cache_queries for s in reports),
+            prefix_cache_hits=sum(s.prefix_cache_hits for s in reports),
+            num_preemptions=sum(s.num_preemptions for s in reports),
+            block_size=first.block_size, cache_dtype=first.cache_dtype)
+
+    def generate(self, prompt: str | Sequence[int], params: SamplingParams | BeamSearchParams,
+                 request_id: str | None = None, *, priority: int = 0,
+                 cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        return self._generate(prompt, params, request_id or uuid.uuid4().hex, priority,
+                              cache_salt)
+
+    async def _generate(self, prompt: str | Sequence[int],
+                        params: SamplingParams | BeamSearchParams, request_id: str,
+                        priority: int, cache_salt: str | None) -> AsyncIterator[RequestOutput]:
+        if not self._running:
+            raise RuntimeError("ClusterEngine is not started")
+        if request_id in self._streams:
+            raise ParamError("request_id", f"request_id {request_id!r} is already in use")
+        prompt_ids = (self.engine.tokenizer.encode(prompt) if isinstance(prompt, str)
+                      else list(prompt))
+        if not prompt_ids:
+            raise ParamError("prompt", "the prompt must not be empty")
+        info = self.engine.info
+        # the blocks a replica could serve: never the last prompt token (it is recomputed)
+        num_blocks = (len(prompt_ids) - 1) // info.block_size if info.prefix_caching else 0
+        route = Route(request_id, tuple(chain_hashes(prompt_ids, info.block_size, cache_salt,
+                                                     num_blocks)), info.block_size)
+        arrival = time.monotonic()
+        stream = self._handle.generate.remote(prompt_ids, params, request_id, priority,
+                                              cache_salt, route=route)
+        self._streams[request_id] = stream
+        last: RequestOutput | None = None
+        try:
+            async for output, report in _items(stream, request_id):
+                self._state.apply(report)
+                last = output
+                yield output
+                if output.finished:
+                    return
+            if request_id in self._aborted:
+                yield _aborted(request_id, prompt_ids, params, last, arrival)
+                return
+            raise RequestFailed("the replica's stream ended without a final output")
+        finally:
+            self._streams.pop(request_id, None)
+            self._aborted.discard(request_id)
+            stream.cancel()  # no-op once it finished; else the replica aborts the request
+            self._state.finish(request_id, last.num_cached_tokens if last is not None else None)
+
+    async def abort(self, request_id: str) -> None:
+        """Cancel the request's stream: the replica aborts it, and the consumer gets a final
+        output with finish_reason "abort" (as from AsyncEngine)."""
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            self._aborted.add(request_id)
+            stream.cancel()
+
+
+async def _items(stream: Any,
+                 request_id: str) -> AsyncIterator[tuple[RequestOutput, ReplicaReport]]:
+    """The stream's items; Ray's errors become what AsyncEngine raises: the replica's own
+    ValueError / RequestFailed as themselves, a dead or unreachable replica as RequestFailed,
+    a cancelled stream (abort) as its end."""
+    from ray.exceptions import RayError, RayTaskError, TaskCancelledError
+    from ray.serve.exceptions import RequestCancelledError
+
+    try:
+        async for item in stream:
+            yield item
+    except (RequestCancelledError, TaskCancelledError, asyncio.CancelledError) as e:
+        if isinstance(e, asyncio.CancelledError) and asyncio.current_task() is not None and (
+                asyncio.current_task().cancelling()):  # type: ignore[union-attr]
+            raise  # our own consumer was cancelled, not the stream
+        return
+    except RayTaskError as e:
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, ValueError | RequestFailed):
+            raise cause from None
+        log.warning("replica failed a request", request_id=request_id, error=type(e).__name__)
+        raise RequestFailed(f"the replica failed: {type(cause or e).__name__}") from None
+    except RayError as e:  # ActorDiedError, ActorUnavailableError, ...
+        log.warning("replica lost mid-stream", request_id=request_id, error=type(e).__name__)
+        raise RequestFailed(f"the replica serving this request was lost "
+                            f"({type(e).__name__})") from None
+
+
+def _aborted(request_id: str, prompt_ids: list[int], params: SamplingParams | BeamSearchParams,
+             last: RequestOutput | None, arrival: float) -> RequestOutput:
+    """The final output of an aborted request: every unfinished choice ends with "abort"."""
+    num = params.n if isinstance(params, SamplingParams) else params.beam_width
+    previous = {c.index: c for c in last.outputs} if last is not None else {}
+    outputs = []
+    for index in range(num):
+        c = previous.get(index)
+        outputs.append(CompletionOutput(
+            index=index, text=c.text if c else "", token_ids=list(c.token_ids) if c else [],
+            delta_text="", delta_token_ids=[], logprobs=c.logprobs if c else None,
+            delta_logprobs=[] if c and c.logprobs is not None else None,
+            cumulative_logprob=c.cumulative_logprob if c else None,
+            finish_reason=c.finish_reason if c and c.finish_reason else "abort",
+            stop_reason=c.stop_reason if c else None))
+    metrics = last.metrics if last is not None else RequestMetrics(arrival_time=arrival)
+    metrics.finished_time = time.monotonic()
+    return RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=prompt_ids,
+                         outputs=outputs, finished=True,
+                         num_cached_tokens=last.num_cached_tokens if last is not None else 0,
+                         metrics=metrics)
