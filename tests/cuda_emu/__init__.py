@@ -253,15 +253,17 @@ class EmuBackend:
 
     xp = _PoisonedNumpy()
 
-    def __init__(self, defines: Sequence[str] = (), order_seed: int = 0) -> None:
+    def __init__(self, defines: Sequence[str] = (), order_seed: int = 0, num_sms: int = 8) -> None:
         self.defines = tuple(defines)
         self.order_seed = order_seed
-        self._modules: dict[str, EmuModule] = {}
+        self.num_sms = num_sms  # a small device, so that split-KV partitions show up in tests
+        self._modules: dict[tuple[str, tuple[str, ...]], EmuModule] = {}
 
-    def function(self, source: str, name: str) -> EmuKernel:
-        module = self._modules.get(source)
+    def function(self, source: str, name: str, defines: tuple[str, ...] = ()) -> EmuKernel:
+        module = self._modules.get((source, defines))
         if module is None:
-            module = self._modules[source] = EmuModule(KERNEL_DIR / source, self.defines)
+            module = self._modules[source, defines] = EmuModule(KERNEL_DIR / source,
+                                                                (*self.defines, *defines))
         module.order_seed = self.order_seed
         return module.get_function(name)
 

@@ -21,15 +21,42 @@ from kvcore.kernels.cuda_launch import (
     suffix_of,
 )
 
-DEFAULT_PARTITION_SIZE = 512
-_DECODE_THREADS = 128  # fixed in paged_attention_decode.cu (KVC_DECODE_THREADS)
+_CTYPES = {"f32": "float", "f16": "__half", "bf16": "__nv_bfloat16", "fp8": "__nv_fp8_e4m3"}
 _PREFILL_THREADS = 128
-_GCHUNK = 8  # KVC_GCHUNK
+DECODE_HEAD_DIMS = (16, 32, 64, 128, 256)  # head_dim values the decode kernel compiles for
+MAX_GROUP = 32  # largest GQA group (query heads per KV head) the decode kernel compiles for
+MAX_PARTITIONS = 32  # cap of the split-KV partitions per sequence (and of the scratch width)
+MIN_PARTITION_TOKENS = 256  # a partition shorter than this costs more to merge than it saves
+BLOCKS_PER_SM = 4  # 4-warp decode blocks wanted per SM for one full wave
 
 
-def decode_smem_bytes(group: int, head_dim: int, partition_size: int) -> int:
-    """q (G, D) + logits (G, P) + cross-warp sums (8, D) + stats (2, G), fp32."""
-    return 4 * (group * head_dim + group * partition_size + _GCHUNK * head_dim + 2 * group)
+def decode_defines(head_dim: int, group: int, suffix: str, cache_suffix: str) -> tuple[str, ...]:
+    """The -D options selecting the decode kernel's compiled variant."""
+    return (f"KVC_HEAD_DIM={head_dim}", f"KVC_GROUP={group}", f"KVC_SCALAR={_CTYPES[suffix]}",
+            f"KVC_CACHE={_CTYPES[cache_suffix]}")
+
+
+def decode_threads(group: int) -> int:
+    """KVC_DECODE_THREADS: 8 warps for groups over 4, else 4."""
+    return 256 if group > 4 else 128
+
+
+def decode_smem_bytes(group: int, head_dim: int) -> int:
+    """Merge records of the warps that walk different KV blocks: (warps, heads/warp, D + 2)."""
+    if group >= 3:
+        return 0  # every (active) warp walks all the KV blocks: nothing to merge across warps
+    return 4 * 4 * (head_dim + 2)  # 4 warps, one head each
+
+
+def decode_partitions(units: int, max_span_blocks: int, block_size: int, num_sms: int) -> int:
+    """Split-KV partitions per sequence: enough blocks for BLOCKS_PER_SM per SM over `units`
+    (decode sequences x KV heads), never partitions under MIN_PARTITION_TOKENS, at most
+    MAX_PARTITIONS (a CUDA graph sized from max_model_len keeps this cap)."""
+    if units < 1 or num_sms < 1:
+        raise ValueError(f"units and num_sms must be >= 1, got {units} and {num_sms}")
+    wanted = -(-BLOCKS_PER_SM * num_sms // units)
+    useful = max(1, (max_span_blocks * block_size) // MIN_PARTITION_TOKENS)
+    return max(1, min(wanted, useful, MAX_PARTITIONS))
 
 
 def prefill_smem_bytes(group: int, head_dim: int, q_tile: int, k_tile: int) -> int:
@@ -51,7 +78,7 @@ def prefill_tiles(group: int, head_dim: int) -> tuple[int, int]:
 def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: Any,
                          block_tables: Any, context_lens: Any, query_start_loc: Any, scale: float,
                          sliding_window: int | None = None, k_scale: float = 1.0,
-                         v_scale: float = 1.0, *, partition_size: int | None = None,
+                         v_scale: float = 1.0, *, num_partitions: int | None = None,
                          host_metadata: bool | None = None) -> tuple[Any, list[Launch]]:
     """Check the arguments and prepare the launches; returns (out (T, H, D), launches).
 
@@ -69,8 +96,15 @@ def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: An
     if cache_dim != head_dim or num_heads % num_kv_heads:
         raise ValueError(f"query {query.shape} does not fit cache {k_cache.shape}: head_dim "
                          "must match and H be a multiple of Hkv")
-    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
+    if head_dim not in DECODE_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {DECODE_HEAD_DIMS} (the compiled variants), "
+                         f"got {head_dim}")
+    if num_heads // num_kv_heads > MAX_GROUP:
+        raise ValueError(f"GQA group (num_heads / num_kv_heads) must be <= {MAX_GROUP}, got "
+                         f"{num_heads // num_kv_heads}")
+    if num_partitions is not None and not 1 <= num_partitions <= MAX_PARTITIONS:
+        raise ValueError(f"num_partitions must be in [1, {MAX_PARTITIONS}], got "
+                         f"{num_partitions}")
     if v_cache.dtype != k_cache.dtype:
         raise ValueError("k_cache and v_cache must share their dtype")
     suffix = suffix_of("query", query)
@@ -99,6 +133,7 @@ def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: An
             raise ValueError("context_lens must cover each sequence's queries and fit its "
                              "block table")
         decode_ctx = ctx[q_lens == 1]
+        num_decode: int | None = int(decode_ctx.shape[0])
         decode_span = int((decode_ctx - np.maximum(decode_ctx - window, 0) if window
                            else decode_ctx).max(initial=0))
         max_q_len = int(q_lens.max(initial=0))
@@ -108,6 +143,7 @@ def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: An
         decode_span = max_blocks * block_size if not window else min(window,
                                                                       max_blocks * block_size)
         max_q_len = num_tokens - num_seqs + 1
+        num_decode = None  # unknown: every sequence may be a decode row
         has_prefill = num_tokens > num_seqs
     xp = backend.xp
     if num_tokens == 0 or num_seqs == 0:
@@ -124,29 +160,31 @@ def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: An
     scales = (np.float32(scale), np.float32(k_scale), np.float32(v_scale))
     launches: list[Launch] = []
     if decode_span > 0:
-        part = _partition_size(group, head_dim, decode_span, partition_size)
-        num_parts = -(-decode_span // part)
-        stats_shape = (num_seqs, num_heads, num_parts) if num_parts > 1 else (1,)
+        span_blocks = -(-decode_span // block_size) + (1 if window else 0)  # window: +1 partial
+        if num_partitions is None:
+            units = (num_decode or num_seqs) * num_kv_heads
+            parts = decode_partitions(units, span_blocks, block_size, backend.num_sms)
+        else:
+            parts = num_partitions
+        stats_shape = (num_seqs, num_heads, parts) if parts > 1 else (1,)
         tmp_out = xp.empty((*stats_shape, head_dim), np.float32)  # (S, H, P, D) partials
         max_logits = xp.empty(stats_shape, np.float32)  # (S, H, P)
         exp_sums = xp.empty(stats_shape, np.float32)
-        ints = (num_heads, num_kv_heads, head_dim, block_size, max_blocks, part, num_parts,
-                window)
+        defines = decode_defines(head_dim, group, suffix, cache_suffix)
+        decode_ints = (num_heads, num_kv_heads, block_size, max_blocks, parts, window)
         launches.append(Launch(
-            backend.function("paged_attention_decode.cu",
-                             f"paged_attention_decode_{suffix}_{cache_suffix}"),
-            (num_kv_heads, num_seqs, num_parts), (_DECODE_THREADS,),
+            backend.function("paged_attention_decode.cu", "paged_attention_decode", defines),
+            (num_kv_heads, num_seqs, parts), (decode_threads(group),),
             (out, tmp_out, max_logits, exp_sums, query, k_cache, v_cache, *metadata,
-             *(np.int32(v) for v in ints), *scales),
-            decode_smem_bytes(group, head_dim, part)))
-        if num_parts > 1:
-            reduce_ints = (num_heads, head_dim, part, num_parts, window)
+             *(np.int32(v) for v in decode_ints), *scales),
+            decode_smem_bytes(group, head_dim)))
+        if parts > 1:
             launches.append(Launch(
-                backend.function("paged_attention_decode.cu", f"paged_attention_reduce_{suffix}"),
-                (num_heads, num_seqs), (_DECODE_THREADS,),
-                (out, tmp_out, max_logits, exp_sums, context_lens, query_start_loc,
-                 *(np.int32(v) for v in reduce_ints)),
-                4 * (num_parts + 1)))
+                backend.function("paged_attention_decode.cu", "paged_attention_reduce", defines),
+                (num_heads, num_seqs), (128,),
+                (out, tmp_out, max_logits, exp_sums, query_start_loc,
+                 *(np.int32(v) for v in (num_heads, head_dim, parts))),
+                4 * (parts + 1)))
     if has_prefill:
         q_tile, k_tile = prefill_tiles(group, head_dim)
         num_tiles = -(-max_q_len // q_tile)
@@ -160,16 +198,3 @@ def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: An
             prefill_smem_bytes(group, head_dim, q_tile, k_tile)))
     return out, launches
 
-
-def _partition_size(group: int, head_dim: int, max_span: int, requested: int | None) -> int:
-    """The requested (or default) partition, shrunk until its scores fit shared memory."""
-    part = requested if requested is not None else DEFAULT_PARTITION_SIZE
-    if part < 1:
-        raise ValueError(f"partition_size must be >= 1, got {part}")
-    part = min(part, max_span)
-    while part > 32 and decode_smem_bytes(group, head_dim, part) > SMEM_LIMIT:
-        part //= 2
-    if decode_smem_bytes(group, head_dim, part) > SMEM_LIMIT:
-        raise ValueError(f"GQA group {group} x head_dim {head_dim} exceeds the decode "
-                         "kernel's shared memory")
-    return part
