@@ -16,12 +16,14 @@ EXPECTED_KERNELS = {
     "paged_attention_decode.cu": {"paged_attention_decode", "paged_attention_reduce"},
     "paged_attention_prefill.cu": {"paged_attention_prefill_f16_f16",
                                    "paged_attention_prefill_bf16_fp8"},
+    "paged_attention_prefill_tc.cu": {"paged_attention_prefill_tc"},
     "layers.cu": {"rms_norm_f16", "rope_f16", "silu_and_mul_bf16"},
 }
 
 
 @pytest.mark.parametrize("arch", compile_check.ARCHS)
-@pytest.mark.parametrize("source", sorted(set(EXPECTED_KERNELS) - {"paged_attention_decode.cu"}))
+@pytest.mark.parametrize("source", sorted(set(EXPECTED_KERNELS) - {
+    "paged_attention_decode.cu", "paged_attention_prefill_tc.cu"}))
 def test_compiles_without_spills(source: str, arch: str) -> None:
     reports = compile_check.compile_source(compile_check.KERNEL_DIR / source, arch)
     for r in reports:
@@ -57,6 +59,22 @@ def test_decode_variant_budget(variant: tuple[int, int, str, str], arch: str) ->
         assert decode.registers <= compile_check.DECODE_REGISTER_BUDGET
 
 
+@pytest.mark.parametrize("arch", compile_check.ARCHS)
+@pytest.mark.parametrize("variant", [(128, "f16", "f16"), (256, "bf16", "fp8")],
+                         ids=lambda v: "-".join(map(str, v)))
+def test_prefill_uses_tensor_cores(variant: tuple[int, str, str], arch: str) -> None:
+    head_dim, act, cache = variant
+    (chosen,) = [v for v in compile_check.variants((head_dim,), (1,), ((act, cache),))
+                 if v.source == "paged_attention_prefill_tc.cu"]
+    (report,) = compile_check.check_variants([chosen], (arch,))
+    print(f"{report.variant} sm_{arch}: {report.registers} registers, {report.tensor_core_ops} "
+          f"wmma.mma, {report.dynamic_smem} bytes of dynamic shared memory")
+    assert report.kernel == "paged_attention_prefill_tc"
+    assert report.tensor_core_ops >= 2  # S = Q K^T and O += P V
+    assert report.dynamic_smem > 48 * 1024  # opted in
+    assert compile_check.problems([report], [chosen]) == []
+
+
 def _report(kernel: str, **fields: int | str) -> compile_check.KernelReport:
     base: dict = dict(source="x.cu", kernel=kernel, arch="90", registers=64, stack_bytes=0,
                       spill_stores=0, spill_loads=0, static_smem=0, variant="KVC_GROUP=8",
@@ -80,6 +98,10 @@ def test_problems_flag_spills_budget_and_scalar_loads() -> None:
     (scalar,) = compile_check.problems([_report("paged_attention_decode", vector_loads=0)],
                                        chosen)
     assert scalar.startswith("no 16-byte global loads")
+    (no_tc,) = compile_check.problems([_report("paged_attention_prefill_tc")], chosen)
+    assert no_tc.startswith("no tensor-core instructions")
+    (smem,) = compile_check.problems([_report("k", arch="80", dynamic_smem=170 * 1024)], chosen)
+    assert smem.startswith("shared memory over the sm_80 limit")
 
 
 def test_ptx_facts_count_per_kernel() -> None:

@@ -102,21 +102,29 @@ def test_decode_partitions_follow_the_sm_count() -> None:
 
 
 PREFILL_CASES = [
-    # (H, Hkv, D, block_size, context_lens, q_lens, dtypes, window)
+    # (H, Hkv, D, block_size, context_lens, q_lens, dtypes, window); f16 / bf16 activations run
+    # the tensor-core kernel, f32 ones the fp32 kernel
     (6, 2, 16, 8, [13, 40, 6], [1, 17, 6], "f32", None),    # decode + chunk after a prefix + prompt
     (4, 4, 16, 4, [30, 21], [30, 5], "f32", 7),             # 1:1, sliding window
     (8, 1, 16, 8, [25, 3], [9, 3], "f16-fp8", None),        # MQA 8:1
     (16, 2, 32, 16, [40, 1], [20, 1], "f16", 12),           # 8:1, window, with a decode row
     (4, 2, 16, 8, [12, 7], [12, 3], "f32-bf16", None),      # fp32 model, bf16 cache
+    (2, 2, 64, 16, [100, 17, 15], [100, 16, 1], "f16", None),  # 1:1: two Q tiles, decode row
+    (6, 2, 128, 16, [150, 40], [70, 40], "bf16", None),     # 3:1, chunk over a cached prefix
+    (16, 2, 128, 8, [90, 33], [37, 1], "f16-fp8", 50),      # 8:1 fp8, window, mixed batch
+    (16, 1, 256, 16, [70], [9], "bf16-fp8", None),          # 16:1 head_dim 256 (32-key tiles)
+    (3, 1, 256, 16, [33, 80], [33, 80], "f16", 20),         # 3:1 (63 of 64 rows), window
 ]
 
 
-@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: f"H{c[0]}kv{c[1]}-{c[6]}-w{c[7]}")
+@pytest.mark.parametrize("case", PREFILL_CASES,
+                         ids=lambda c: f"H{c[0]}kv{c[1]}D{c[2]}-{c[6]}-w{c[7]}")
 def test_prefill_attention(case: tuple) -> None:
     heads, kv_heads, dim, bs, ctx, q_lens, dtypes, window = case
     rng = np.random.default_rng()
     scales = (0.05, 0.02) if dtypes.endswith("fp8") else (1.0, 1.0)
-    problem = paged_problem(rng, ctx, q_lens, heads, kv_heads, dim, bs, dtypes, *scales)
+    problem = paged_problem(rng, ctx, q_lens, heads, kv_heads, dim, bs, dtypes, *scales,
+                            poison=True)
     check_attention(problem, window)
 
 

@@ -31,6 +31,8 @@ KERNEL_DIR = HERE.parents[1] / "src" / "kvcore" / "kernels"
 CACHE_DIR = Path(os.environ.get("KVCORE_EMU_CACHE")
                  or Path(tempfile.gettempdir()) / "kvcore_cuda_emu")
 DYNAMIC_SMEM_CAPACITY = 228 * 1024
+DEFAULT_SMEM_LIMIT = 48 * 1024  # what a kernel may use without opting in
+SM90_SMEM_OPT_IN = 227 * 1024  # cudaDevAttrMaxSharedMemoryPerBlockOptin of an H100 / H200
 
 _KERNEL_RE = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?'
                         r"(\w+)\s*\(")
@@ -89,7 +91,8 @@ def build(path: Path, defines: Sequence[str] = ()) -> tuple[Path, list[str]]:
              "-fvisibility=hidden", "-w", *(f"-D{d}" for d in defines),
              *(f"-I{d}" for d in includes)]
     deps = [source, (HERE / "cuda_emu.h").read_text(), (HERE / "emu_runtime.cpp").read_text(),
-            (HERE / "crt" / "host_defines.h").read_text(), " ".join(flags)]
+            (HERE / "crt" / "host_defines.h").read_text(), (HERE / "mma.h").read_text(),
+            " ".join(flags)]
     deps += [p.read_text() for p in sorted(path.parent.glob("*.cuh"))]
     key = hashlib.sha256("\0".join(deps).encode()).hexdigest()[:20]
     lib = CACHE_DIR / f"{path.stem}-{key}.so"
@@ -177,6 +180,8 @@ class EmuKernel:
     def __init__(self, module: EmuModule, name: str) -> None:
         self.module = module
         self.name = name
+        # as cupy.RawKernel's attribute: raise it to launch with more than 48 KiB
+        self.max_dynamic_shared_size_bytes = DEFAULT_SMEM_LIMIT
 
     def __call__(self, grid: tuple[int, ...], block: tuple[int, ...], args: Sequence[Any],
                  shared_mem: int = 0) -> None:
@@ -205,6 +210,7 @@ class EmuKernel:
                 raise TypeError(f"{self.name}: unsupported argument {i} of type {type(arg)}")
         lib = self.module.library()
         results = _WORKER.call((str(lib), self.name, grid3, block3, int(shared_mem),
+                                int(self.max_dynamic_shared_size_bytes),
                                 int(self.module.order_seed), specs))
         for target, result in zip(targets, results, strict=True):
             np.copyto(target, result.view(target.dtype).reshape(target.shape))
@@ -265,7 +271,9 @@ class EmuBackend:
             module = self._modules[source, defines] = EmuModule(KERNEL_DIR / source,
                                                                 (*self.defines, *defines))
         module.order_seed = self.order_seed
-        return module.get_function(name)
+        kernel = module.get_function(name)
+        kernel.max_dynamic_shared_size_bytes = SM90_SMEM_OPT_IN  # opted in, as CupyBackend
+        return kernel
 
     def pointer_array(self, arrays: Sequence[np.ndarray]) -> PointerArray:
         return PointerArray(tuple(arrays))

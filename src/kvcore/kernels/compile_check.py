@@ -6,7 +6,9 @@ NVRTC with CuPy's own options, and reports per kernel: registers, stack, spill b
 shared memory (ptxas' verbose log), the dynamic shared memory the launcher asks for, and facts
 read from the PTX of the same compile: 16-byte global loads (`ld.global*.v4` / `.v2.u64`) and
 tensor-core instructions (`wmma.mma` / `mma.sync`). It exits non-zero on a compile error, a
-spill, or a decode variant of a group up to 8 above DECODE_REGISTER_BUDGET registers.
+spill, shared memory above the arch's opt-in limit, a decode variant of a group up to 8 above
+DECODE_REGISTER_BUDGET registers or without 16-byte loads, or a tensor-core prefill variant
+without tensor-core instructions.
 cuda.py loads the kernels with the same `nvrtc_options()`.
 """
 
@@ -29,6 +31,7 @@ DECODE_REGISTER_BUDGET = 96  # sm_90, groups up to 8: 5 blocks of 4 warps (2.5 o
 CHECK_HEAD_DIMS = (64, 128, 256)
 CHECK_GROUPS = (1, 2, 3, 4, 8, 16)
 CHECK_DTYPES = (("f16", "f16"), ("bf16", "bf16"), ("f16", "fp8"), ("f32", "f32"))
+SMEM_OPT_IN = {"80": 163 * 1024, "90": 227 * 1024}  # most shared memory a block may opt in to
 
 _ENTRY = re.compile(r"Compiling entry function '(\w+)' for 'sm_(\d+)'")
 _STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -69,16 +72,27 @@ def kernel_sources() -> list[Path]:
 
 def variants(head_dims: tuple[int, ...] = CHECK_HEAD_DIMS, groups: tuple[int, ...] = CHECK_GROUPS,
              dtypes: tuple[tuple[str, str], ...] = CHECK_DTYPES) -> list[Variant]:
-    """Every source once, the decode kernel once per (head_dim, group, dtypes) asked for."""
-    from kvcore.kernels.cuda_attention import decode_defines, decode_smem_bytes
+    """Every source once, the decode kernel once per (head_dim, group, dtypes) asked for, the
+    tensor-core prefill once per (head_dim, dtypes) (16-bit activations only)."""
+    from kvcore.kernels.cuda_attention import (
+        decode_defines,
+        decode_smem_bytes,
+        prefill_tc_defines,
+        prefill_tc_smem_bytes,
+    )
 
     out: list[Variant] = []
     for path in kernel_sources():
-        if path.name != "paged_attention_decode.cu":
+        if path.name == "paged_attention_decode.cu":
+            out += [Variant(path.name, decode_defines(d, g, act, cache), g,
+                            decode_smem_bytes(g, d))
+                    for d in head_dims for g in groups for act, cache in dtypes]
+        elif path.name == "paged_attention_prefill_tc.cu":
+            out += [Variant(path.name, prefill_tc_defines(d, act, cache), 0,
+                            prefill_tc_smem_bytes(d))
+                    for d in head_dims for act, cache in dtypes if act != "f32"]
+        else:
             out.append(Variant(path.name))
-            continue
-        out += [Variant(path.name, decode_defines(d, g, act, cache), g, decode_smem_bytes(g, d))
-                for d in head_dims for g in groups for act, cache in dtypes]
     return out
 
 
@@ -168,7 +182,8 @@ def check_variants(chosen: list[Variant], archs: tuple[str, ...] = ARCHS) -> lis
 
 
 def problems(reports: list[KernelReport], chosen: list[Variant]) -> list[str]:
-    """What fails the check: spills anywhere, decode over budget, decode without 16-byte loads."""
+    """What fails the check: spills anywhere, shared memory over the arch's opt-in limit, decode
+    over budget or without 16-byte loads, the tensor-core prefill without tensor-core ops."""
     group_of = {" ".join(v.defines): v.group for v in chosen if v.group}
     found: list[str] = []
     for r in reports:
@@ -183,6 +198,11 @@ def problems(reports: list[KernelReport], chosen: list[Variant]) -> list[str]:
                              f"{DECODE_REGISTER_BUDGET}")
             if r.vector_loads == 0:
                 found.append(f"no 16-byte global loads: {where}")
+        if r.kernel == "paged_attention_prefill_tc" and r.tensor_core_ops == 0:
+            found.append(f"no tensor-core instructions: {where}")
+        if r.static_smem + r.dynamic_smem > SMEM_OPT_IN.get(r.arch, SMEM_OPT_IN["80"]):
+            found.append(f"shared memory over the sm_{r.arch} limit: {where} needs "
+                         f"{r.static_smem + r.dynamic_smem} bytes")
     return found
 
 

@@ -14,7 +14,7 @@ import cupy  # type: ignore[import-not-found]
 import numpy as np
 
 from kvcore.kernels.compile_check import KERNEL_DIR, nvrtc_options
-from kvcore.kernels.cuda_launch import DYNAMIC_SMEM_OPT_IN, Kernel
+from kvcore.kernels.cuda_launch import Kernel
 from kvcore.kernels.cuda_ops import CudaOps
 
 
@@ -27,6 +27,11 @@ class CupyBackend:
         self._modules: dict[tuple[str, tuple[str, ...]], Any] = {}
         self._functions: dict[tuple[str, str, tuple[str, ...]], Kernel] = {}
         self._num_sms: int | None = None
+
+    @property
+    def smem_opt_in(self) -> int:
+        """The most shared memory a block of the current device may opt in to."""
+        return int(cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
 
     @property
     def num_sms(self) -> int:
@@ -46,8 +51,9 @@ class CupyBackend:
                 module = cupy.RawModule(code=code, options=options)
                 self._modules[source, defines] = module
             kernel = self._functions[source, name, defines] = module.get_function(name)
-            # a kernel asking for more than 48 KB of dynamic shared memory must opt in
-            kernel.max_dynamic_shared_size_bytes = DYNAMIC_SMEM_OPT_IN
+            # a kernel asking for more than 48 KB of dynamic shared memory must opt in: allow
+            # what the device allows (227 KB on sm_90, 163 KB on sm_80), minus the static part
+            kernel.max_dynamic_shared_size_bytes = self.smem_opt_in - kernel.shared_size_bytes
         return kernel
 
     def pointer_array(self, arrays: Sequence[Any]) -> Any:

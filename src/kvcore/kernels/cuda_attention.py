@@ -24,6 +24,7 @@ from kvcore.kernels.cuda_launch import (
 _CTYPES = {"f32": "float", "f16": "__half", "bf16": "__nv_bfloat16", "fp8": "__nv_fp8_e4m3"}
 _PREFILL_THREADS = 128
 DECODE_HEAD_DIMS = (16, 32, 64, 128, 256)  # head_dim values the decode kernel compiles for
+PREFILL_TC_ROWS = 64  # query rows (positions x group) per tensor-core prefill block
 MAX_GROUP = 32  # largest GQA group (query heads per KV head) the decode kernel compiles for
 MAX_PARTITIONS = 32  # cap of the split-KV partitions per sequence (and of the scratch width)
 MIN_PARTITION_TOKENS = 256  # a partition shorter than this costs more to merge than it saves
@@ -57,6 +58,20 @@ def decode_partitions(units: int, max_span_blocks: int, block_size: int, num_sms
     wanted = -(-BLOCKS_PER_SM * num_sms // units)
     useful = max(1, (max_span_blocks * block_size) // MIN_PARTITION_TOKENS)
     return max(1, min(wanted, useful, MAX_PARTITIONS))
+
+
+def prefill_tc_defines(head_dim: int, suffix: str, cache_suffix: str) -> tuple[str, ...]:
+    """The -D options selecting the tensor-core prefill kernel's compiled variant."""
+    return (f"KVC_HEAD_DIM={head_dim}", f"KVC_SCALAR={_CTYPES[suffix]}",
+            f"KVC_CACHE={_CTYPES[cache_suffix]}")
+
+
+def prefill_tc_smem_bytes(head_dim: int) -> int:
+    """paged_attention_prefill_tc.cu's kSmemBytes: Q, K, V tiles (16-bit, rows padded by 8),
+    scores (fp32, +4), probabilities (16-bit, +8), output (fp32, +4)."""
+    rows, keys = PREFILL_TC_ROWS, 32 if head_dim > 128 else 64
+    return (2 * (rows + 2 * keys) * (head_dim + 8) + 4 * rows * (keys + 4)
+            + 2 * rows * (keys + 8) + 4 * rows * (head_dim + 4))
 
 
 def prefill_smem_bytes(group: int, head_dim: int, q_tile: int, k_tile: int) -> int:
@@ -185,7 +200,16 @@ def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: An
                 (out, tmp_out, max_logits, exp_sums, query_start_loc,
                  *(np.int32(v) for v in (num_heads, head_dim, parts))),
                 4 * (parts + 1)))
-    if has_prefill:
+    if has_prefill and suffix != "f32":  # tensor cores: fp16 / bf16 activations
+        tc_ints = (num_heads, num_kv_heads, block_size, max_blocks, window)
+        launches.append(Launch(
+            backend.function("paged_attention_prefill_tc.cu", "paged_attention_prefill_tc",
+                             prefill_tc_defines(head_dim, suffix, cache_suffix)),
+            (num_kv_heads, num_seqs, -(-max_q_len // (PREFILL_TC_ROWS // group))),
+            (_PREFILL_THREADS,),
+            (out, query, k_cache, v_cache, *metadata, *(np.int32(v) for v in tc_ints), *scales),
+            prefill_tc_smem_bytes(head_dim)))
+    elif has_prefill:  # fp32 activations: the fp32 kernel (the tensor cores would round them)
         q_tile, k_tile = prefill_tiles(group, head_dim)
         num_tiles = -(-max_q_len // q_tile)
         ints = (num_heads, num_kv_heads, head_dim, block_size, max_blocks, q_tile, k_tile,

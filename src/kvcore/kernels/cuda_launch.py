@@ -10,7 +10,6 @@ import numpy as np
 
 Kernel = Callable[..., None]  # kernel(grid, block, args, shared_mem=...) as cupy.RawKernel
 SMEM_LIMIT = 48 * 1024  # dynamic shared memory a kernel gets without opting in
-DYNAMIC_SMEM_OPT_IN = 99 * 1024  # what kernels opt in to (sm_80: 163 KB, sm_86/89: 99 KB)
 _SUFFIX = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 # CuPy has no bf16 or fp8 dtype: there caches hold the raw bits (uint16 / uint8, see KVCache)
 _CACHE_SUFFIX = {**_SUFFIX, "uint16": "bf16", "float8_e4m3fn": "fp8", "uint8": "fp8"}

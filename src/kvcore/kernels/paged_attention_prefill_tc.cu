@@ -1,0 +1,224 @@
+// Paged attention for prefill chunks on tensor cores (fp16 / bf16 activations), FlashAttention-2
+// style: a chunk's queries against the cached prefix and causally within the chunk, honouring a
+// sliding window.
+//
+// One compiled variant per (head_dim, activation dtype, cache dtype): KVC_HEAD_DIM, KVC_SCALAR,
+// KVC_CACHE are -D options. grid (num_kv_heads, num_seqs, query tiles), 128 threads (4 warps).
+// A block's Q tile has 64 rows: 64 / G query positions times the G query heads of one KV head
+// (row r = position r / G, head r % G), so the group shares every K/V tile it reads. Key tiles of
+// kKT keys (64; 32 for head_dim 256) are gathered through the block table into shared memory
+// with 16-byte loads, dequantized (fp8) to the activation type while staged; keys outside the
+// tile's span are zero-filled (free slots may hold NaN). Warp w owns rows 16w..16w+15:
+// S = Q K^T by nvcuda::wmma (m16n16k16, fp32 accumulate) into shared memory, an online softmax
+// in fp32 by two lanes per row (scale, causal / window mask, running max and sum in registers),
+// P written back as fp16 / bf16, then O += P V by wmma on an fp32 O tile kept in shared memory
+// (rescaled by the running max's change before each tile: WMMA's fragment layout is opaque, so
+// rows cannot be scaled inside a fragment). Shared memory exceeds 48 KB at head_dim >= 64: the
+// launcher opts in. Sequences with a single query token are left to the decode kernel.
+#include <mma.h>
+
+#include "common.cuh"
+
+#ifndef KVC_HEAD_DIM
+#define KVC_HEAD_DIM 128
+#endif
+#ifndef KVC_SCALAR
+#define KVC_SCALAR __half
+#endif
+#ifndef KVC_CACHE
+#define KVC_CACHE __half
+#endif
+
+#define KVC_PREFILL_TC_THREADS 128
+
+namespace wmma = nvcuda::wmma;
+
+constexpr int kD = KVC_HEAD_DIM;
+constexpr int kQT = 64;                     // query rows per block
+constexpr int kKT = kD > 128 ? 32 : 64;     // keys per tile
+constexpr int kLdQ = kD + 8;                // padded leading dimensions (elements): rows start
+constexpr int kLdS = kKT + 4;               // on different banks, every fragment pointer stays
+constexpr int kLdP = kKT + 8;               // 32-byte aligned
+constexpr int kLdO = kD + 4;
+constexpr int kColsPerLane = kKT / 2;       // a row's scores are split over two lanes
+static_assert(kD % 16 == 0 && kD <= 256, "head_dim: a multiple of 16 up to 256");
+
+// Byte offsets of the shared-memory regions (all multiples of 32 bytes).
+constexpr int kOffK = kQT * kLdQ * 2;
+constexpr int kOffV = kOffK + kKT * kLdQ * 2;
+constexpr int kOffS = kOffV + kKT * kLdQ * 2;
+constexpr int kOffP = kOffS + kQT * kLdS * 4;
+constexpr int kOffO = kOffP + kQT * kLdP * 2;
+constexpr int kSmemBytes = kOffO + kQT * kLdO * 4;
+
+// Eight consecutive cache elements converted to the activation type (16 bytes of output).
+template <typename scalar_t, typename cache_t>
+__device__ __forceinline__ void stage8(const cache_t* src, scalar_t* dst) {
+  float v[8];
+  load8(src, v);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) dst[i] = from_float<scalar_t>(v[i]);
+}
+__device__ __forceinline__ void stage8(const __half* src, __half* dst) {
+  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+}
+__device__ __forceinline__ void stage8(const __nv_bfloat16* src, __nv_bfloat16* dst) {
+  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+}
+
+template <typename scalar_t, typename cache_t>
+__device__ void prefill_tc_tile(
+    scalar_t* __restrict__ out,                // (T, H, D)
+    const scalar_t* __restrict__ query,        // (T, H, D)
+    const cache_t* __restrict__ k_cache,       // (num_blocks, block_size, Hkv, D)
+    const cache_t* __restrict__ v_cache,
+    const int* __restrict__ block_tables,      // (S, max_blocks)
+    const int* __restrict__ context_lens,      // (S,)
+    const int* __restrict__ query_start_loc,   // (S + 1,)
+    int num_heads, int num_kv_heads, int block_size, int max_blocks, int sliding_window,
+    float scale, float v_scale, unsigned char* smem) {
+  const int kvh = blockIdx.x, seq = blockIdx.y;
+  const int G = num_heads / num_kv_heads, positions = kQT / G;  // query positions per tile
+  const int q_start = query_start_loc[seq];
+  const int q_len = query_start_loc[seq + 1] - q_start;
+  const int i0 = blockIdx.z * positions;
+  if (q_len <= 1 || i0 >= q_len) return;
+  const int nq = min(positions, q_len - i0);
+  const int rows = nq * G;
+  const int ctx = context_lens[seq];
+  const int pos0 = ctx - q_len + i0;  // position of the tile's first query
+  const int tid = threadIdx.x, lane = tid % KVC_WARP, warp = tid / KVC_WARP;
+
+  scalar_t* q_s = reinterpret_cast<scalar_t*>(smem);           // (64, kLdQ)
+  scalar_t* k_s = reinterpret_cast<scalar_t*>(smem + kOffK);   // (kKT, kLdQ)
+  scalar_t* v_s = reinterpret_cast<scalar_t*>(smem + kOffV);   // (kKT, kLdQ)
+  float* s_s = reinterpret_cast<float*>(smem + kOffS);         // (64, kLdS) scores
+  scalar_t* p_s = reinterpret_cast<scalar_t*>(smem + kOffP);   // (64, kLdP) probabilities
+  float* o_s = reinterpret_cast<float*>(smem + kOffO);         // (64, kLdO) unnormalized output
+
+  constexpr int kChunks = kD / 8;  // 16-byte chunks of a 16-bit row
+  for (int i = tid; i < kQT * kChunks; i += KVC_PREFILL_TC_THREADS) {
+    const int r = i / kChunks, c = i % kChunks;
+    scalar_t* dst = q_s + r * kLdQ + c * 8;
+    if (r < rows) {
+      const int h = KVC_QHEAD(kvh, r % G, G, num_kv_heads);
+      stage8(query + ((long long)(q_start + i0 + r / G) * num_heads + h) * kD + c * 8, dst);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) dst[e] = from_float<scalar_t>(0.0f);
+    }
+  }
+  for (int i = tid; i < kQT * kD; i += KVC_PREFILL_TC_THREADS) o_s[(i / kD) * kLdO + i % kD] = 0.0f;
+
+  // softmax state of row `row`, columns [half * kColsPerLane, +kColsPerLane) of each tile
+  const int row = warp * 16 + lane / 2, half = lane % 2;
+  const int q_pos = pos0 + row / G;
+  const bool row_valid = row < rows;
+  float m = kvc_neg_inf(), l = 0.0f;
+
+  const int* table = block_tables + (long long)seq * max_blocks;
+  const long long row_stride = (long long)num_kv_heads * kD;
+  const int k_begin = sliding_window > 0 ? max(0, pos0 - sliding_window + 1) : 0;
+  const int k_end = pos0 + nq;  // the last query sees keys up to its own position
+  for (int kb = k_begin; kb < k_end; kb += kKT) {
+    __syncthreads();  // the previous tile's K / V are no longer read (and Q / O are staged)
+    for (int i = tid; i < kKT * kChunks; i += KVC_PREFILL_TC_THREADS) {
+      const int t = i / kChunks, c = i % kChunks, pos = kb + t;
+      scalar_t* kd = k_s + t * kLdQ + c * 8;
+      scalar_t* vd = v_s + t * kLdQ + c * 8;
+      if (pos < k_end) {
+        const long long slot = (long long)table[pos / block_size] * block_size + pos % block_size;
+        const long long src = slot * row_stride + (long long)kvh * kD + c * 8;
+        stage8(k_cache + src, kd);
+        stage8(v_cache + src, vd);
+      } else {  // past the span: zeros, never the slot's contents (0 x NaN would poison P V)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) kd[e] = vd[e] = from_float<scalar_t>(0.0f);
+      }
+    }
+    __syncthreads();
+
+    // S (16 x kKT per warp) = Q K^T: K staged as (keys, D) row-major is K^T column-major
+    for (int n0 = 0; n0 < kKT; n0 += 16) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      wmma::fill_fragment(acc, 0.0f);
+#pragma unroll
+      for (int k0 = 0; k0 < kD; k0 += 16) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, scalar_t, wmma::row_major> qa;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, scalar_t, wmma::col_major> kb_frag;
+        wmma::load_matrix_sync(qa, q_s + warp * 16 * kLdQ + k0, kLdQ);
+        wmma::load_matrix_sync(kb_frag, k_s + n0 * kLdQ + k0, kLdQ);
+        wmma::mma_sync(acc, qa, kb_frag, acc);
+      }
+      wmma::store_matrix_sync(s_s + warp * 16 * kLdS + n0, acc, kLdS, wmma::mem_row_major);
+    }
+    __syncwarp();
+
+    // online softmax of this lane's half row, in fp32
+    const float* srow = s_s + row * kLdS + half * kColsPerLane;
+    scalar_t* prow = p_s + row * kLdP + half * kColsPerLane;
+    float tile_max = kvc_neg_inf();
+    for (int j = 0; j < kColsPerLane; ++j) {
+      const int k_pos = kb + half * kColsPerLane + j;
+      const bool allowed = row_valid && k_pos <= q_pos &&
+                           (sliding_window <= 0 || k_pos > q_pos - sliding_window);
+      if (allowed) tile_max = fmaxf(tile_max, srow[j] * scale);
+    }
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(KVC_FULL_MASK, tile_max, 1));
+    const float m_new = fmaxf(m, tile_max);
+    const float alpha = m == kvc_neg_inf() ? 0.0f : __expf(m - m_new);
+    float sum = 0.0f;
+    for (int j = 0; j < kColsPerLane; ++j) {
+      const int k_pos = kb + half * kColsPerLane + j;
+      const bool allowed = row_valid && k_pos <= q_pos &&
+                           (sliding_window <= 0 || k_pos > q_pos - sliding_window);
+      const float p = allowed ? __expf(srow[j] * scale - m_new) : 0.0f;
+      // P V sums the probabilities as rounded to the activation type: so does l
+      const scalar_t p16 = from_float<scalar_t>(p);
+      prow[j] = p16;
+      sum += to_float(p16);
+    }
+    l = l * alpha + sum;  // this lane's columns; the two halves are added at the end
+    m = m_new;
+    float* orow = o_s + row * kLdO + half * (kD / 2);
+    for (int d = 0; d < kD / 2; ++d) orow[d] *= alpha;
+    __syncwarp();
+
+    // O (16 x D per warp) += P V
+    for (int n0 = 0; n0 < kD; n0 += 16) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      wmma::load_matrix_sync(acc, o_s + warp * 16 * kLdO + n0, kLdO, wmma::mem_row_major);
+#pragma unroll
+      for (int k0 = 0; k0 < kKT; k0 += 16) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, scalar_t, wmma::row_major> pa;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, scalar_t, wmma::row_major> vb;
+        wmma::load_matrix_sync(pa, p_s + warp * 16 * kLdP + k0, kLdP);
+        wmma::load_matrix_sync(vb, v_s + k0 * kLdQ + n0, kLdQ);
+        wmma::mma_sync(acc, pa, vb, acc);
+      }
+      wmma::store_matrix_sync(o_s + warp * 16 * kLdO + n0, acc, kLdO, wmma::mem_row_major);
+    }
+    __syncwarp();
+  }
+
+  l += __shfl_xor_sync(KVC_FULL_MASK, l, 1);
+  if (!row_valid) return;
+  const int h = KVC_QHEAD(kvh, row % G, G, num_kv_heads);
+  scalar_t* dst = out + ((long long)(q_start + i0 + row / G) * num_heads + h) * kD;
+  const float inv = v_scale / l;  // l > 0: every query sees at least its own key
+  for (int d = half * (kD / 2); d < (half + 1) * (kD / 2); ++d) {
+    dst[d] = from_float<scalar_t>(o_s[row * kLdO + d] * inv);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(KVC_PREFILL_TC_THREADS) paged_attention_prefill_tc(
+    KVC_SCALAR* out, const KVC_SCALAR* query, const KVC_CACHE* k_cache, const KVC_CACHE* v_cache,
+    const int* block_tables, const int* context_lens, const int* query_start_loc, int num_heads,
+    int num_kv_heads, int block_size, int max_blocks, int sliding_window, float scale,
+    float k_scale, float v_scale) {
+  extern __shared__ __align__(128) unsigned char kvc_tc_smem[];
+  prefill_tc_tile<KVC_SCALAR, KVC_CACHE>(out, query, k_cache, v_cache, block_tables,
+                                         context_lens, query_start_loc, num_heads, num_kv_heads,
+                                         block_size, max_blocks, sliding_window,
+                                         scale * k_scale, v_scale, kvc_tc_smem);
+}
