@@ -122,6 +122,11 @@ def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: An
                          f"{num_partitions}")
     if v_cache.dtype != k_cache.dtype:
         raise ValueError("k_cache and v_cache must share their dtype")
+    for name, value in (("scale", scale), ("k_scale", k_scale), ("v_scale", v_scale)):
+        if not np.isfinite(value) or value <= 0:
+            raise ValueError(f"{name} must be a finite number > 0, got {value}")
+    if context_lens.ndim != 1:
+        raise ValueError(f"context_lens must be 1-D (num_seqs,), got shape {context_lens.shape}")
     suffix = suffix_of("query", query)
     cache_suffix = cache_suffix_of("k_cache", k_cache, suffix)
     for name, array in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache)):

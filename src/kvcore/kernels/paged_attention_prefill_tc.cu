@@ -136,7 +136,9 @@ __device__ void prefill_tc_tile(
         for (int e = 0; e < 8; ++e) kd[e] = vd[e] = from_float<scalar_t>(0.0f);
       }
     }
+#ifndef KVC_BREAK_SYNC  // the tests' mutant: warps read K / V tiles before they are staged
     __syncthreads();
+#endif
 
     // S (16 x kKT per warp) = Q K^T: K staged as (keys, D) row-major is K^T column-major
     for (int n0 = 0; n0 < kKT; n0 += 16) {
