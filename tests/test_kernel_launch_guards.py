@@ -9,10 +9,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kernel_problems import paged_problem
 from kvcore.kernels.cuda_attention import plan_paged_attention
 from kvcore.kernels.cuda_ops import CudaOps
-
-from kernel_problems import paged_problem
 
 
 class RecordingBackend:
