@@ -37,16 +37,25 @@ def decode_defines(head_dim: int, group: int, suffix: str, cache_suffix: str) ->
             f"KVC_CACHE={_CTYPES[cache_suffix]}")
 
 
+def decode_layout(group: int) -> tuple[int, int]:
+    """(warps, head warps) of the decode kernel (KVC_DECODE_WARPS, kHW): the head warps split
+    the group's query heads, warps / head warps walk different KV blocks."""
+    warps = 8 if group > 4 else 4
+    return warps, min(group, warps)
+
+
 def decode_threads(group: int) -> int:
     """KVC_DECODE_THREADS: 8 warps for groups over 4, else 4."""
-    return 256 if group > 4 else 128
+    return 32 * decode_layout(group)[0]
 
 
 def decode_smem_bytes(group: int, head_dim: int) -> int:
-    """Merge records of the warps that walk different KV blocks: (warps, heads/warp, D + 2)."""
-    if group >= 3:
-        return 0  # every (active) warp walks all the KV blocks: nothing to merge across warps
-    return 4 * 4 * (head_dim + 2)  # 4 warps, one head each
+    """Merge records (fp32 o, m, l) per (warp, head of the warp) when several warps walk
+    different KV blocks; none when one warp walks them all."""
+    warps, head_warps = decode_layout(group)
+    if warps // head_warps == 1:
+        return 0
+    return 4 * warps * -(-group // head_warps) * (head_dim + 2)
 
 
 def decode_partitions(units: int, max_span_blocks: int, block_size: int, num_sms: int) -> int:

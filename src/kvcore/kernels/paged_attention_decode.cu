@@ -40,6 +40,8 @@ constexpr int kG = KVC_GROUP;
 // head warps: the warps split the group's query heads among them, one head each up to 8 heads
 // (every warp reads the KV blocks of its heads, the re-reads hit L1); a group smaller than the
 // block's warps leaves warps over, which walk other KV blocks (or idle: 1 of 4 for a group of 3)
+// (two heads per warp for groups of 5-8 would double the distinct bytes in flight per block, but
+// takes 110-116 registers on sm_90: over the 96 budget)
 constexpr int kHW = kG < KVC_DECODE_WARPS ? kG : KVC_DECODE_WARPS;
 constexpr int kGW = (kG + kHW - 1) / kHW;  // query heads per warp
 constexpr int kTW = KVC_DECODE_WARPS / kHW;  // warps walking different KV blocks
@@ -134,8 +136,9 @@ __device__ void decode_partition(
   constexpr int kLanesPerRow = kD / E < KVC_WARP ? kD / E : KVC_WARP;
   constexpr int kRowsPerStep = KVC_WARP / kLanesPerRow;  // token rows one warp load covers
   // steps whose K and V loads are all in flight at once: 8 x 16 bytes per lane for 16-bit
-  // caches; fp8 rows are half as long, so 4 loads cover as many tokens per byte in flight
-  constexpr int kUnroll = sizeof(cache_t) == 2 ? 4 : 2;
+  // caches, 6 for fp8 (16 elements per lane: its q and o take more registers), 4 (of 32 bytes)
+  // for fp32
+  constexpr int kUnroll = sizeof(cache_t) == 2 ? 4 : (sizeof(cache_t) == 1 ? 3 : 2);
   static_assert(kD / E <= KVC_WARP, "a row must fit one warp");
 
   const int kvh = blockIdx.x, seq = blockIdx.y, part = blockIdx.z;
