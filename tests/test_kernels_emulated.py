@@ -132,7 +132,8 @@ def test_prefill_attention(case: tuple) -> None:
 def test_grids_sized_from_shapes_alone(window: int | None) -> None:
     """Device metadata: no values read back, grids from the shapes; same results."""
     rng = np.random.default_rng()
-    problem = paged_problem(rng, [37, 12, 20, 5], [1, 12, 4, 1], 6, 2, 16, 8, "f16-fp8",
+    # the variants of the MQA decode case and the MQA prefill case: no extra builds
+    problem = paged_problem(rng, [37, 12, 20, 5], [1, 12, 4, 1], 12, 1, 16, 8, "f16-fp8",
                             0.05, 0.02)
     out = ops().paged_attention(**problem, sliding_window=window, num_partitions=3,
                                 host_metadata=False)
@@ -145,9 +146,9 @@ def test_thread_order_does_not_change_results() -> None:
     rng = np.random.default_rng()
     problem = paged_problem(rng, [37, 12, 20], [1, 12, 4], 6, 2, 16, 8, "f32")
     outs = [check_attention(problem, None, 3, seed) for seed in (0, 1, 2)]
-    # decode with split KV and the cross-warp merge (group 2: two warps walk KV blocks), and the
+    # decode with split KV and the cross-warp merge (group 1: four warps walk KV blocks), and the
     # tensor-core prefill beside it
-    problem = paged_problem(rng, [300, 17, 90], [1, 1, 70], 4, 2, 64, 16, "f16", poison=True)
+    problem = paged_problem(rng, [300, 17, 90], [1, 1, 70], 2, 2, 64, 16, "f16", poison=True)
     outs = [check_attention(problem, None, 2, seed) for seed in (0, 1, 2)]
     assert all(np.array_equal(outs[0], o) for o in outs[1:])
     assert all(np.array_equal(outs[0], o) for o in outs[1:])
@@ -162,7 +163,7 @@ def test_broken_decode_kernel_fails(defines: tuple[str, ...]) -> None:
     rng = np.random.default_rng()
     # group 2: two warps walk different KV blocks and merge through shared memory, so a missing
     # barrier lets one read the other's partial state before it is written
-    problem = paged_problem(rng, [70, 41], [1, 1], 4, 2, 16, 8, "f32")
+    problem = paged_problem(rng, [70, 41], [1, 1], 4, 2, 32, 8, "f32-f16")
     expected = reference.paged_attention(**problem)
     good = ops().paged_attention(**problem, num_partitions=1)
     np.testing.assert_allclose(good, expected, rtol=2e-5, atol=2e-5)
@@ -174,7 +175,7 @@ def test_broken_decode_kernel_fails(defines: tuple[str, ...]) -> None:
 @pytest.mark.parametrize("dtypes", ["f32", "f16"])  # the fp32 and the tensor-core kernel
 def test_broken_prefill_kernel_fails(dtypes: str) -> None:
     rng = np.random.default_rng()
-    problem = paged_problem(rng, [30, 20], [30, 8], 6, 2, 16, 8, dtypes)
+    problem = paged_problem(rng, [30, 20], [30, 8], 6, 2, 32, 8, dtypes)
     expected = attention_f64(problem)
     for defines in [("KVC_BREAK_GQA",)] + ([("KVC_BREAK_SYNC",)] if dtypes == "f16" else []):
         broken = ops(0, defines).paged_attention(**problem)

@@ -215,12 +215,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="decode GQA groups to compile (default: %(default)s)")
     parser.add_argument("--dtypes", nargs="+", default=[f"{a}-{c}" for a, c in CHECK_DTYPES],
                         help="decode activation-cache dtype pairs (default: %(default)s)")
+    parser.add_argument("--sources", nargs="+", metavar="NAME.cu",
+                        help="only these sources (default: every .cu)")
     args = parser.parse_args(argv)
     pairs = tuple(tuple(d.split("-", 1)) for d in args.dtypes)
     if any(len(p) != 2 for p in pairs):
         parser.error(f"--dtypes wants ACT-CACHE pairs such as f16-fp8, got {args.dtypes}")
     chosen = variants(tuple(args.head_dims), tuple(args.groups),
                       tuple((p[0], p[1]) for p in pairs))
+    if args.sources:
+        unknown = set(args.sources) - {p.name for p in kernel_sources()}
+        if unknown:
+            parser.error(f"--sources: no such kernel source {sorted(unknown)}")
+        chosen = [v for v in chosen if v.source in args.sources]
     try:
         reports = check_variants(chosen)
     except Exception as exc:  # a compile error: print NVRTC's log, fail
