@@ -45,7 +45,8 @@ def check_attention(problem: dict, sliding_window: int | None = None,
 
 
 DECODE_CASES = [
-    # (H, Hkv, D, block_size, context_lens, dtypes, num_partitions, window)
+    # (H, Hkv, D, block_size, context_lens, dtypes, num_partitions, window); groups of 4+ with
+    # fp16 / bf16 activations run on the tensor-core kernel in decode mode
     (4, 4, 64, 16, [1, 15, 16, 17], "f16", None, None),     # GQA 1, block edges
     (6, 2, 64, 16, [100, 513, 17], "bf16", 3, None),        # 3:1, split KV
     (16, 2, 128, 16, [513, 1, 100], "f16", 4, None),        # 8:1
@@ -56,6 +57,7 @@ DECODE_CASES = [
     (12, 1, 16, 4, [9, 30], "f16-fp8", 3, None),            # MQA 12: rows narrower than a warp
     (4, 2, 32, 8, [23, 9], "f32-f16", 2, 10),               # fp32 model, fp16 cache
     (6, 2, 32, 8, [19, 45], "f32-bf16", None, 20),
+    (16, 2, 64, 16, [100, 513], "f32-f16", 3, None),        # 8:1 on the fp32 (CUDA-core) kernel
 ]
 
 
@@ -151,6 +153,10 @@ def test_thread_order_does_not_change_results() -> None:
     problem = paged_problem(rng, [300, 17, 90], [1, 1, 70], 2, 2, 64, 16, "f16", poison=True)
     outs = [check_attention(problem, None, 2, seed) for seed in (0, 1, 2)]
     assert all(np.array_equal(outs[0], o) for o in outs[1:])
+    # group 8: decode on tensor cores, split in 3 partitions
+    problem = paged_problem(rng, [300, 90], [1, 1], 16, 2, 64, 16, "f16", poison=True)
+    outs = [check_attention(problem, None, 3, seed) for seed in (0, 1)]
+    assert np.array_equal(outs[0], outs[1])
     assert all(np.array_equal(outs[0], o) for o in outs[1:])
     x = rng.standard_normal((3, 300)).astype(np.float32)
     w = rng.standard_normal(300).astype(np.float32)

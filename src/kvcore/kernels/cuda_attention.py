@@ -25,6 +25,7 @@ _CTYPES = {"f32": "float", "f16": "__half", "bf16": "__nv_bfloat16", "fp8": "__n
 _PREFILL_THREADS = 128
 DECODE_HEAD_DIMS = (16, 32, 64, 128, 256)  # head_dim values the decode kernel compiles for
 PREFILL_TC_ROWS = 64  # query rows (positions x group) per tensor-core prefill block
+TC_DECODE_MIN_GROUP = 4  # decode groups from this size on run on tensor cores (16-bit only)
 MAX_GROUP = 32  # largest GQA group (query heads per KV head) the decode kernel compiles for
 MAX_PARTITIONS = 32  # cap of the split-KV partitions per sequence (and of the scratch width)
 MIN_PARTITION_TOKENS = 256  # a partition shorter than this costs more to merge than it saves
@@ -35,6 +36,13 @@ def decode_defines(head_dim: int, group: int, suffix: str, cache_suffix: str) ->
     """The -D options selecting the decode kernel's compiled variant."""
     return (f"KVC_HEAD_DIM={head_dim}", f"KVC_GROUP={group}", f"KVC_SCALAR={_CTYPES[suffix]}",
             f"KVC_CACHE={_CTYPES[cache_suffix]}")
+
+
+def uses_tensor_core_decode(group: int, suffix: str) -> bool:
+    """Decode of groups of 4+ with fp16 / bf16 activations runs on the tensor-core kernel
+    (paged_attention_prefill_tc.cu in decode mode): one head per warp would repeat each K/V
+    conversion and score reduction per head and keep too few distinct bytes in flight."""
+    return group >= TC_DECODE_MIN_GROUP and suffix != "f32"
 
 
 def decode_layout(group: int) -> tuple[int, int]:
@@ -200,13 +208,25 @@ def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: An
         max_logits = xp.empty(stats_shape, np.float32)  # (S, H, P)
         exp_sums = xp.empty(stats_shape, np.float32)
         defines = decode_defines(head_dim, group, suffix, cache_suffix)
-        decode_ints = (num_heads, num_kv_heads, block_size, max_blocks, parts, window)
-        launches.append(Launch(
-            backend.function("paged_attention_decode.cu", "paged_attention_decode", defines),
-            (num_kv_heads, num_seqs, parts), (decode_threads(group),),
-            (out, tmp_out, max_logits, exp_sums, query, k_cache, v_cache, *metadata,
-             *(np.int32(v) for v in decode_ints), *scales),
-            decode_smem_bytes(group, head_dim)))
+        if uses_tensor_core_decode(group, suffix):
+            # the group's query heads as the rows of a tensor-core tile: K/V staged once per
+            # block with every thread loading distinct bytes, no per-head conversions
+            tc_ints = (num_heads, num_kv_heads, block_size, max_blocks, window, parts)
+            launches.append(Launch(
+                backend.function("paged_attention_prefill_tc.cu", "paged_attention_prefill_tc",
+                                 prefill_tc_defines(head_dim, suffix, cache_suffix)),
+                (num_kv_heads, num_seqs, parts), (_PREFILL_THREADS,),
+                (out, query, k_cache, v_cache, *metadata, tmp_out, max_logits, exp_sums,
+                 *(np.int32(v) for v in tc_ints), *scales),
+                prefill_tc_smem_bytes(head_dim)))
+        else:
+            decode_ints = (num_heads, num_kv_heads, block_size, max_blocks, parts, window)
+            launches.append(Launch(
+                backend.function("paged_attention_decode.cu", "paged_attention_decode", defines),
+                (num_kv_heads, num_seqs, parts), (decode_threads(group),),
+                (out, tmp_out, max_logits, exp_sums, query, k_cache, v_cache, *metadata,
+                 *(np.int32(v) for v in decode_ints), *scales),
+                decode_smem_bytes(group, head_dim)))
         if parts > 1:
             launches.append(Launch(
                 backend.function("paged_attention_decode.cu", "paged_attention_reduce", defines),
@@ -215,13 +235,15 @@ def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: An
                  *(np.int32(v) for v in (num_heads, head_dim, parts))),
                 4 * (parts + 1)))
     if has_prefill and suffix != "f32":  # tensor cores: fp16 / bf16 activations
-        tc_ints = (num_heads, num_kv_heads, block_size, max_blocks, window)
+        unused = xp.empty((1,), np.float32)  # the decode-mode partial outputs
+        tc_ints = (num_heads, num_kv_heads, block_size, max_blocks, window, 0)
         launches.append(Launch(
             backend.function("paged_attention_prefill_tc.cu", "paged_attention_prefill_tc",
                              prefill_tc_defines(head_dim, suffix, cache_suffix)),
             (num_kv_heads, num_seqs, -(-max_q_len // (PREFILL_TC_ROWS // group))),
             (_PREFILL_THREADS,),
-            (out, query, k_cache, v_cache, *metadata, *(np.int32(v) for v in tc_ints), *scales),
+            (out, query, k_cache, v_cache, *metadata, unused, unused, unused,
+             *(np.int32(v) for v in tc_ints), *scales),
             prefill_tc_smem_bytes(head_dim)))
     elif has_prefill:  # fp32 activations: the fp32 kernel (the tensor cores would round them)
         q_tile, k_tile = prefill_tiles(group, head_dim)

@@ -75,14 +75,20 @@ __device__ void prefill_tc_tile(
     const int* __restrict__ block_tables,      // (S, max_blocks)
     const int* __restrict__ context_lens,      // (S,)
     const int* __restrict__ query_start_loc,   // (S + 1,)
+    float* __restrict__ tmp_out,               // (S, H, P, D) decode partials, P > 1
+    float* __restrict__ max_logits,            // (S, H, P)
+    float* __restrict__ exp_sums,              // (S, H, P)
     int num_heads, int num_kv_heads, int block_size, int max_blocks, int sliding_window,
-    float scale, float v_scale, unsigned char* smem) {
+    int num_partitions, float scale, float v_scale, unsigned char* smem) {
   const int kvh = blockIdx.x, seq = blockIdx.y;
   const int G = num_heads / num_kv_heads, positions = kQT / G;  // query positions per tile
   const int q_start = query_start_loc[seq];
   const int q_len = query_start_loc[seq + 1] - q_start;
-  const int i0 = blockIdx.z * positions;
-  if (q_len <= 1 || i0 >= q_len) return;
+  // decode mode (num_partitions >= 1): one-token sequences only, blockIdx.z = KV partition
+  const bool decode = num_partitions > 0;
+  const int part = blockIdx.z;
+  const int i0 = decode ? 0 : blockIdx.z * positions;
+  if (decode ? q_len != 1 : (q_len <= 1 || i0 >= q_len)) return;
   const int nq = min(positions, q_len - i0);
   const int rows = nq * G;
   const int ctx = context_lens[seq];
@@ -118,8 +124,16 @@ __device__ void prefill_tc_tile(
 
   const int* table = block_tables + (long long)seq * max_blocks;
   const long long row_stride = (long long)num_kv_heads * kD;
-  const int k_begin = sliding_window > 0 ? max(0, pos0 - sliding_window + 1) : 0;
-  const int k_end = pos0 + nq;  // the last query sees keys up to its own position
+  int k_begin = sliding_window > 0 ? max(0, pos0 - sliding_window + 1) : 0;
+  int k_end = pos0 + nq;  // the last query sees keys up to its own position
+  if (decode) {  // this partition's run of whole KV blocks, as paged_attention_decode splits
+    const int kb_first = k_begin / block_size, kb_end = (k_end + block_size - 1) / block_size;
+    const int per_part = (kb_end - kb_first + num_partitions - 1) / num_partitions;
+    const int kb_lo = kb_first + part * per_part;
+    k_begin = max(k_begin, kb_lo * block_size);
+    k_end = min(k_end, min(kb_end, kb_lo + per_part) * block_size);
+  }
+  const bool warp_has_rows = warp * 16 < rows;  // warps past the last row only stage tiles
   for (int kb = k_begin; kb < k_end; kb += kKT) {
     __syncthreads();  // the previous tile's K / V are no longer read (and Q / O are staged)
     for (int i = tid; i < kKT * kChunks; i += KVC_PREFILL_TC_THREADS) {
@@ -140,6 +154,7 @@ __device__ void prefill_tc_tile(
     __syncthreads();
 #endif
 
+    if (!warp_has_rows) continue;
     // S (16 x kKT per warp) = Q K^T: K staged as (keys, D) row-major is K^T column-major
     for (int n0 = 0; n0 < kKT; n0 += 16) {
       wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
@@ -162,7 +177,7 @@ __device__ void prefill_tc_tile(
     float tile_max = kvc_neg_inf();
     for (int j = 0; j < kColsPerLane; ++j) {
       const int k_pos = kb + half * kColsPerLane + j;
-      const bool allowed = row_valid && k_pos <= q_pos &&
+      const bool allowed = row_valid && k_pos <= q_pos && k_pos < k_end &&
                            (sliding_window <= 0 || k_pos > q_pos - sliding_window);
       if (allowed) tile_max = fmaxf(tile_max, srow[j] * scale);
     }
@@ -172,7 +187,7 @@ __device__ void prefill_tc_tile(
     float sum = 0.0f;
     for (int j = 0; j < kColsPerLane; ++j) {
       const int k_pos = kb + half * kColsPerLane + j;
-      const bool allowed = row_valid && k_pos <= q_pos &&
+      const bool allowed = row_valid && k_pos <= q_pos && k_pos < k_end &&
                            (sliding_window <= 0 || k_pos > q_pos - sliding_window);
       const float p = allowed ? __expf(srow[j] * scale - m_new) : 0.0f;
       // P V sums the probabilities as rounded to the activation type: so does l
@@ -206,8 +221,20 @@ __device__ void prefill_tc_tile(
   l += __shfl_xor_sync(KVC_FULL_MASK, l, 1);
   if (!row_valid) return;
   const int h = KVC_QHEAD(kvh, row % G, G, num_kv_heads);
+  // l = 0 only for an empty decode partition: zeros and a zero weight for the reduction
+  const float inv = l > 0.0f ? v_scale / l : 0.0f;
+  if (num_partitions > 1) {
+    const long long idx = ((long long)seq * num_heads + h) * num_partitions + part;
+    for (int d = half * (kD / 2); d < (half + 1) * (kD / 2); ++d) {
+      tmp_out[idx * kD + d] = o_s[row * kLdO + d] * inv;
+    }
+    if (half == 0) {
+      max_logits[idx] = m;
+      exp_sums[idx] = l;
+    }
+    return;
+  }
   scalar_t* dst = out + ((long long)(q_start + i0 + row / G) * num_heads + h) * kD;
-  const float inv = v_scale / l;  // l > 0: every query sees at least its own key
   for (int d = half * (kD / 2); d < (half + 1) * (kD / 2); ++d) {
     dst[d] = from_float<scalar_t>(o_s[row * kLdO + d] * inv);
   }
@@ -215,12 +242,14 @@ __device__ void prefill_tc_tile(
 
 extern "C" __global__ void __launch_bounds__(KVC_PREFILL_TC_THREADS) paged_attention_prefill_tc(
     KVC_SCALAR* out, const KVC_SCALAR* query, const KVC_CACHE* k_cache, const KVC_CACHE* v_cache,
-    const int* block_tables, const int* context_lens, const int* query_start_loc, int num_heads,
-    int num_kv_heads, int block_size, int max_blocks, int sliding_window, float scale,
-    float k_scale, float v_scale) {
+    const int* block_tables, const int* context_lens, const int* query_start_loc, float* tmp_out,
+    float* max_logits, float* exp_sums, int num_heads, int num_kv_heads, int block_size,
+    int max_blocks, int sliding_window, int num_partitions, float scale, float k_scale,
+    float v_scale) {
   extern __shared__ __align__(128) unsigned char kvc_tc_smem[];
   prefill_tc_tile<KVC_SCALAR, KVC_CACHE>(out, query, k_cache, v_cache, block_tables,
-                                         context_lens, query_start_loc, num_heads, num_kv_heads,
-                                         block_size, max_blocks, sliding_window,
+                                         context_lens, query_start_loc, tmp_out, max_logits,
+                                         exp_sums, num_heads, num_kv_heads, block_size,
+                                         max_blocks, sliding_window, num_partitions,
                                          scale * k_scale, v_scale, kvc_tc_smem);
 }
