@@ -136,7 +136,11 @@ __device__ void prefill_tc_tile(
   const bool warp_has_rows = warp * 16 < rows;  // warps past the last row only stage tiles
   for (int kb = k_begin; kb < k_end; kb += kKT) {
     __syncthreads();  // the previous tile's K / V are no longer read (and Q / O are staged)
-    for (int i = tid; i < kKT * kChunks; i += KVC_PREFILL_TC_THREADS) {
+    // unrolled: all of a thread's 16-byte K and V loads of the tile are in flight at once
+    static_assert(kKT * kChunks % KVC_PREFILL_TC_THREADS == 0, "whole staging rounds");
+#pragma unroll
+    for (int round = 0; round < kKT * kChunks / KVC_PREFILL_TC_THREADS; ++round) {
+      const int i = tid + round * KVC_PREFILL_TC_THREADS;
       const int t = i / kChunks, c = i % kChunks, pos = kb + t;
       scalar_t* kd = k_s + t * kLdQ + c * 8;
       scalar_t* vd = v_s + t * kLdQ + c * 8;
@@ -240,7 +244,7 @@ __device__ void prefill_tc_tile(
   }
 }
 
-extern "C" __global__ void __launch_bounds__(KVC_PREFILL_TC_THREADS) paged_attention_prefill_tc(
+extern "C" __global__ void __launch_bounds__(KVC_PREFILL_TC_THREADS, 1) paged_attention_prefill_tc(
     KVC_SCALAR* out, const KVC_SCALAR* query, const KVC_CACHE* k_cache, const KVC_CACHE* v_cache,
     const int* block_tables, const int* context_lens, const int* query_start_loc, float* tmp_out,
     float* max_logits, float* exp_sums, int num_heads, int num_kv_heads, int block_size,
