@@ -66,6 +66,23 @@ __device__ __forceinline__ void stage8(const __nv_bfloat16* src, __nv_bfloat16* 
   *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
 }
 
+// One 16-byte load of K or V staged as activations: 8 elements of a 16-bit cache, 16 of fp8
+// (two conversions of 8: the cache dequantized while staged).
+template <typename cache_t> struct StageChunk { static constexpr int kElems = 8; };
+template <> struct StageChunk<__nv_fp8_e4m3> { static constexpr int kElems = 16; };
+
+template <typename scalar_t, typename cache_t>
+__device__ __forceinline__ void stage_chunk(const cache_t* src, scalar_t* dst) {
+  if constexpr (StageChunk<cache_t>::kElems == 16) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(src);  // 16 fp8 values
+    const cache_t* e = reinterpret_cast<const cache_t*>(&raw);
+    stage8(e, dst);
+    stage8(e + 8, dst + 8);
+  } else {
+    stage8(src, dst);
+  }
+}
+
 template <typename scalar_t, typename cache_t>
 __device__ void prefill_tc_tile(
     scalar_t* __restrict__ out,                // (T, H, D)
@@ -137,21 +154,25 @@ __device__ void prefill_tc_tile(
   for (int kb = k_begin; kb < k_end; kb += kKT) {
     __syncthreads();  // the previous tile's K / V are no longer read (and Q / O are staged)
     // unrolled: all of a thread's 16-byte K and V loads of the tile are in flight at once
-    static_assert(kKT * kChunks % KVC_PREFILL_TC_THREADS == 0, "whole staging rounds");
+    constexpr int kCE = StageChunk<cache_t>::kElems;
+    constexpr int kCacheChunks = kD / kCE;  // 16-byte chunks of a cache row
+    constexpr int kRounds = (kKT * kCacheChunks + KVC_PREFILL_TC_THREADS - 1) /
+                            KVC_PREFILL_TC_THREADS;
 #pragma unroll
-    for (int round = 0; round < kKT * kChunks / KVC_PREFILL_TC_THREADS; ++round) {
+    for (int round = 0; round < kRounds; ++round) {
       const int i = tid + round * KVC_PREFILL_TC_THREADS;
-      const int t = i / kChunks, c = i % kChunks, pos = kb + t;
-      scalar_t* kd = k_s + t * kLdQ + c * 8;
-      scalar_t* vd = v_s + t * kLdQ + c * 8;
+      if (kKT * kCacheChunks % KVC_PREFILL_TC_THREADS != 0 && i >= kKT * kCacheChunks) break;
+      const int t = i / kCacheChunks, c = i % kCacheChunks, pos = kb + t;
+      scalar_t* kd = k_s + t * kLdQ + c * kCE;
+      scalar_t* vd = v_s + t * kLdQ + c * kCE;
       if (pos < k_end) {
         const long long slot = (long long)table[pos / block_size] * block_size + pos % block_size;
-        const long long src = slot * row_stride + (long long)kvh * kD + c * 8;
-        stage8(k_cache + src, kd);
-        stage8(v_cache + src, vd);
+        const long long src = slot * row_stride + (long long)kvh * kD + c * kCE;
+        stage_chunk(k_cache + src, kd);
+        stage_chunk(v_cache + src, vd);
       } else {  // past the span: zeros, never the slot's contents (0 x NaN would poison P V)
 #pragma unroll
-        for (int e = 0; e < 8; ++e) kd[e] = vd[e] = from_float<scalar_t>(0.0f);
+        for (int e = 0; e < kCE; ++e) kd[e] = vd[e] = from_float<scalar_t>(0.0f);
       }
     }
 #ifndef KVC_BREAK_SYNC  // the tests' mutant: warps read K / V tiles before they are staged
