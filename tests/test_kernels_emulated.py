@@ -58,6 +58,7 @@ DECODE_CASES = [
     (4, 2, 32, 8, [23, 9], "f32-f16", 2, 10),               # fp32 model, fp16 cache
     (6, 2, 32, 8, [19, 45], "f32-bf16", None, 20),
     (16, 2, 64, 16, [100, 513], "f32-f16", 3, None),        # 8:1 on the fp32 (CUDA-core) kernel
+    (32, 1, 64, 16, [200, 3], "f16", 2, None),              # 32:1: two row tiles, keys unsplit
 ]
 
 

@@ -40,7 +40,6 @@ constexpr int kLdQ = kD + 8;                // padded leading dimensions (elemen
 constexpr int kLdS = kKT + 4;               // on different banks, every fragment pointer stays
 constexpr int kLdP = kKT + 8;               // 32-byte aligned
 constexpr int kLdO = kD + 4;
-constexpr int kColsPerLane = kKT / 2;       // a row's scores are split over two lanes
 static_assert(kD % 16 == 0 && kD <= 256, "head_dim: a multiple of 16 up to 256");
 
 // Byte offsets of the shared-memory regions (all multiples of 32 bytes).
@@ -133,8 +132,17 @@ __device__ void prefill_tc_tile(
   }
   for (int i = tid; i < kQT * kD; i += KVC_PREFILL_TC_THREADS) o_s[(i / kD) * kLdO + i % kD] = 0.0f;
 
-  // softmax state of row `row`, columns [half * kColsPerLane, +kColsPerLane) of each tile
-  const int row = warp * 16 + lane / 2, half = lane % 2;
+  // Decode of a group of at most 16 heads: one 16-row tile holds every query, so the four
+  // warps split each key tile instead (16 keys each, own softmax state and O rows in shared
+  // memory, merged after the last tile). Otherwise warp w owns query rows 16w..16w+15.
+  const bool split_keys = decode && rows <= 16;
+  const int q_row0 = split_keys ? 0 : warp * 16;          // the warp's first query row
+  const int key0 = split_keys ? warp * 16 : 0;            // the warp's first key of a tile
+  const int keys = split_keys ? 16 : kKT;                 // its keys per tile
+  const int cols = keys / 2;                              // of which each lane takes half
+  const bool warp_works = split_keys ? key0 < kKT : warp * 16 < rows;
+  // softmax state of query row `row`, kept in smem row `srow_i` of S / P / O
+  const int row = q_row0 + lane / 2, srow_i = warp * 16 + lane / 2, half = lane % 2;
   const int q_pos = pos0 + row / G;
   const bool row_valid = row < rows;
   float m = kvc_neg_inf(), l = 0.0f;
@@ -150,7 +158,6 @@ __device__ void prefill_tc_tile(
     k_begin = max(k_begin, kb_lo * block_size);
     k_end = min(k_end, min(kb_end, kb_lo + per_part) * block_size);
   }
-  const bool warp_has_rows = warp * 16 < rows;  // warps past the last row only stage tiles
   for (int kb = k_begin; kb < k_end; kb += kKT) {
     __syncthreads();  // the previous tile's K / V are no longer read (and Q / O are staged)
     // unrolled: all of a thread's 16-byte K and V loads of the tile are in flight at once
@@ -179,29 +186,30 @@ __device__ void prefill_tc_tile(
     __syncthreads();
 #endif
 
-    if (!warp_has_rows) continue;
-    // S (16 x kKT per warp) = Q K^T: K staged as (keys, D) row-major is K^T column-major
-    for (int n0 = 0; n0 < kKT; n0 += 16) {
+    if (!warp_works) continue;  // a warp past the last row (or key) only stages tiles
+    // S (16 x keys per warp) = Q K^T: K staged as (keys, D) row-major is K^T column-major
+    for (int n0 = key0; n0 < key0 + keys; n0 += 16) {
       wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
       wmma::fill_fragment(acc, 0.0f);
 #pragma unroll
       for (int k0 = 0; k0 < kD; k0 += 16) {
         wmma::fragment<wmma::matrix_a, 16, 16, 16, scalar_t, wmma::row_major> qa;
         wmma::fragment<wmma::matrix_b, 16, 16, 16, scalar_t, wmma::col_major> kb_frag;
-        wmma::load_matrix_sync(qa, q_s + warp * 16 * kLdQ + k0, kLdQ);
+        wmma::load_matrix_sync(qa, q_s + q_row0 * kLdQ + k0, kLdQ);
         wmma::load_matrix_sync(kb_frag, k_s + n0 * kLdQ + k0, kLdQ);
         wmma::mma_sync(acc, qa, kb_frag, acc);
       }
-      wmma::store_matrix_sync(s_s + warp * 16 * kLdS + n0, acc, kLdS, wmma::mem_row_major);
+      wmma::store_matrix_sync(s_s + warp * 16 * kLdS + n0 - key0, acc, kLdS,
+                              wmma::mem_row_major);
     }
     __syncwarp();
 
     // online softmax of this lane's half row, in fp32
-    const float* srow = s_s + row * kLdS + half * kColsPerLane;
-    scalar_t* prow = p_s + row * kLdP + half * kColsPerLane;
+    const float* srow = s_s + srow_i * kLdS + half * cols;
+    scalar_t* prow = p_s + srow_i * kLdP + half * cols;
     float tile_max = kvc_neg_inf();
-    for (int j = 0; j < kColsPerLane; ++j) {
-      const int k_pos = kb + half * kColsPerLane + j;
+    for (int j = 0; j < cols; ++j) {
+      const int k_pos = kb + key0 + half * cols + j;
       const bool allowed = row_valid && k_pos <= q_pos && k_pos < k_end &&
                            (sliding_window <= 0 || k_pos > q_pos - sliding_window);
       if (allowed) tile_max = fmaxf(tile_max, srow[j] * scale);
@@ -210,8 +218,8 @@ __device__ void prefill_tc_tile(
     const float m_new = fmaxf(m, tile_max);
     const float alpha = m == kvc_neg_inf() ? 0.0f : __expf(m - m_new);
     float sum = 0.0f;
-    for (int j = 0; j < kColsPerLane; ++j) {
-      const int k_pos = kb + half * kColsPerLane + j;
+    for (int j = 0; j < cols; ++j) {
+      const int k_pos = kb + key0 + half * cols + j;
       const bool allowed = row_valid && k_pos <= q_pos && k_pos < k_end &&
                            (sliding_window <= 0 || k_pos > q_pos - sliding_window);
       const float p = allowed ? __expf(srow[j] * scale - m_new) : 0.0f;
@@ -222,7 +230,7 @@ __device__ void prefill_tc_tile(
     }
     l = l * alpha + sum;  // this lane's columns; the two halves are added at the end
     m = m_new;
-    float* orow = o_s + row * kLdO + half * (kD / 2);
+    float* orow = o_s + srow_i * kLdO + half * (kD / 2);
     for (int d = 0; d < kD / 2; ++d) orow[d] *= alpha;
     __syncwarp();
 
@@ -231,11 +239,11 @@ __device__ void prefill_tc_tile(
       wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
       wmma::load_matrix_sync(acc, o_s + warp * 16 * kLdO + n0, kLdO, wmma::mem_row_major);
 #pragma unroll
-      for (int k0 = 0; k0 < kKT; k0 += 16) {
+      for (int k0 = 0; k0 < keys; k0 += 16) {
         wmma::fragment<wmma::matrix_a, 16, 16, 16, scalar_t, wmma::row_major> pa;
         wmma::fragment<wmma::matrix_b, 16, 16, 16, scalar_t, wmma::row_major> vb;
         wmma::load_matrix_sync(pa, p_s + warp * 16 * kLdP + k0, kLdP);
-        wmma::load_matrix_sync(vb, v_s + k0 * kLdQ + n0, kLdQ);
+        wmma::load_matrix_sync(vb, v_s + (key0 + k0) * kLdQ + n0, kLdQ);
         wmma::mma_sync(acc, pa, vb, acc);
       }
       wmma::store_matrix_sync(o_s + warp * 16 * kLdO + n0, acc, kLdO, wmma::mem_row_major);
@@ -244,6 +252,38 @@ __device__ void prefill_tc_tile(
   }
 
   l += __shfl_xor_sync(KVC_FULL_MASK, l, 1);
+  if (split_keys) {
+    // merge the warps' states per row, in a fixed order; the scores are no longer needed, so
+    // their buffer holds the (m, l) of every (warp, row)
+    float* stats = s_s;  // (4 warps, 16 rows, 2)
+    __syncthreads();     // every warp is done reading its scores
+    if (half == 0) {
+      stats[(warp * 16 + row) * 2] = m;
+      stats[(warp * 16 + row) * 2 + 1] = l;
+    }
+    __syncthreads();
+    if (warp != 0 || !row_valid) return;
+    float mx = kvc_neg_inf();
+    for (int w = 0; w < KVC_PREFILL_TC_THREADS / KVC_WARP; ++w) {
+      mx = fmaxf(mx, stats[(w * 16 + row) * 2]);
+    }
+    float weight[KVC_PREFILL_TC_THREADS / KVC_WARP];
+    float total = 0.0f;
+    for (int w = 0; w < KVC_PREFILL_TC_THREADS / KVC_WARP; ++w) {
+      const float mw = stats[(w * 16 + row) * 2];
+      weight[w] = mw == kvc_neg_inf() ? 0.0f : __expf(mw - mx);
+      total += weight[w] * stats[(w * 16 + row) * 2 + 1];
+    }
+    for (int d = half * (kD / 2); d < (half + 1) * (kD / 2); ++d) {
+      float acc = 0.0f;
+      for (int w = 0; w < KVC_PREFILL_TC_THREADS / KVC_WARP; ++w) {
+        acc += weight[w] * o_s[(w * 16 + row) * kLdO + d];
+      }
+      o_s[row * kLdO + d] = acc;  // warp 0's own rows: each lane rewrites only what it read
+    }
+    m = mx;
+    l = total;
+  }
   if (!row_valid) return;
   const int h = KVC_QHEAD(kvh, row % G, G, num_kv_heads);
   // l = 0 only for an empty decode partition: zeros and a zero weight for the reduction
