@@ -14,7 +14,13 @@
 // P written back as fp16 / bf16, then O += P V by wmma on an fp32 O tile kept in shared memory
 // (rescaled by the running max's change before each tile: WMMA's fragment layout is opaque, so
 // rows cannot be scaled inside a fragment). Shared memory exceeds 48 KB at head_dim >= 64: the
-// launcher opts in. Sequences with a single query token are left to the decode kernel.
+// launcher opts in. Sequences with a single query token are skipped.
+//
+// Decode mode (num_partitions >= 1, used for GQA groups of 4+): only one-token sequences, the
+// grid's z is the split-KV partition (a run of whole KV blocks, as paged_attention_decode.cu
+// splits), the Q tile holds the group's heads; with up to 16 heads the four warps split each key
+// tile instead of the rows and merge their states at the end. With several partitions a block
+// writes its normalized partial output, max logit and exp-sum for paged_attention_reduce.
 #include <mma.h>
 
 #include "common.cuh"
