@@ -16,6 +16,7 @@ from cuda_emu import EmuModule  # noqa: E402
 
 SOURCE = r"""
 #include <cuda_fp16.h>
+#include <mma.h>
 // warp 1 publishes values in shared memory that warp 0 reads; SYNC decides whether it waits
 extern "C" __global__ void publish(float* out, int sync) {
   extern __shared__ float buf[];
@@ -41,6 +42,24 @@ extern "C" __global__ void collectives(float* out, unsigned* votes, const __half
 }
 extern "C" __global__ void wild(float* out, long long address) {
   *reinterpret_cast<float*>(address) = out[0];
+}
+// c (16 x 16, row-major, ld 20) += a (16 x 32, row-major) b (32 x 16, b stored column-major);
+// then the result is stored column-major to out2; each warp of the block does the same
+extern "C" __global__ void wmma_gemm(float* c, float* out2, const __half* a, const __half* b) {
+  namespace w = nvcuda::wmma;
+  w::fragment<w::accumulator, 16, 16, 16, float> acc;
+  w::load_matrix_sync(acc, c, 20, w::mem_row_major);
+  for (int k0 = 0; k0 < 32; k0 += 16) {
+    w::fragment<w::matrix_a, 16, 16, 16, __half, w::row_major> fa;
+    w::fragment<w::matrix_b, 16, 16, 16, __half, w::col_major> fb;
+    w::load_matrix_sync(fa, a + k0, 32);
+    w::load_matrix_sync(fb, b + k0, 32);
+    w::mma_sync(acc, fa, fb, acc);
+  }
+  if (threadIdx.x < 32) w::store_matrix_sync(c, acc, 20, w::mem_row_major);
+  w::fragment<w::accumulator, 16, 16, 16, float> ones;
+  w::fill_fragment(ones, 1.0f);
+  if (threadIdx.x < 32) w::store_matrix_sync(out2, ones, 16, w::mem_col_major);
 }
 extern "C" __global__ void divergent(float* out) {
   if (threadIdx.x < 16) out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, 1.0f, 1);
@@ -106,6 +125,20 @@ def test_argument_types_are_checked(module: EmuModule) -> None:
         module.get_function("publish")((1,), (64,), (out, 1), shared_mem=128)  # Python int: int64
     with pytest.raises(RuntimeError, match="takes 2 arguments"):
         module.get_function("publish")((1,), (64,), (out,), shared_mem=128)
+
+
+def test_wmma_is_a_warp_collective_gemm(module: EmuModule) -> None:
+    """load / mma / store read and write whole tiles, once per warp (a lane's load happens
+    before any lane of its warp stores the result: c += a b, not 32 times)."""
+    rng = np.random.default_rng()
+    a = rng.standard_normal((16, 32)).astype(np.float16)
+    b = rng.standard_normal((32, 16)).astype(np.float16)
+    c = rng.standard_normal((16, 20)).astype(np.float32)
+    want = c[:, :16].astype(np.float64) + a.astype(np.float64) @ b.astype(np.float64)
+    ones = np.zeros((16, 16), np.float32)
+    module.get_function("wmma_gemm")((1,), (32,), (c, ones, a, np.ascontiguousarray(b.T)))
+    np.testing.assert_allclose(c[:, :16], want, rtol=1e-5, atol=1e-5)
+    assert np.all(ones == 1.0)
 
 
 def test_divergent_collective_and_smem_limit_are_errors(module: EmuModule) -> None:

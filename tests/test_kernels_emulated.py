@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from kvcore.kernels import cpu as reference
+from kvcore.kernels.cuda_attention import MAX_PARTITIONS, decode_partitions
 from kvcore.kernels.cuda_ops import CudaOps
 
 pytest.importorskip("cupy", reason="cupy's CCCL headers provide <nv/target> for cuda_fp16.h")
@@ -20,7 +21,7 @@ if shutil.which("g++") is None:
     pytest.skip("the emulation harness needs g++", allow_module_level=True)
 
 from cuda_emu import EmuBackend  # noqa: E402
-from kernel_problems import BF16, DTYPES, FP8, paged_problem  # noqa: E402
+from kernel_problems import BF16, DTYPES, FP8, attention_f64, paged_problem  # noqa: E402
 
 TOL = {np.dtype(np.float32): 2e-5, np.dtype(np.float16): 2e-3, BF16: 1.6e-2}
 
@@ -30,37 +31,52 @@ def ops(seed: int = 0, defines: tuple[str, ...] = ()) -> CudaOps:
 
 
 def check_attention(problem: dict, sliding_window: int | None = None,
-                    partition_size: int | None = None, seed: int = 0) -> np.ndarray:
-    out = ops(seed).paged_attention(**problem, sliding_window=sliding_window,
-                                    partition_size=partition_size)
-    expected = reference.paged_attention(**problem, sliding_window=sliding_window)
-    assert out.dtype == expected.dtype and out.shape == expected.shape
+                    num_partitions: int | None = None, seed: int = 0,
+                    num_sms: int = 8) -> np.ndarray:
+    """The kernels' output against the float64 oracle (and the CPU path's dtype and shape)."""
+    backend = EmuBackend(order_seed=seed, num_sms=num_sms)
+    out = CudaOps(backend).paged_attention(**problem, sliding_window=sliding_window,
+                                           num_partitions=num_partitions)
+    expected = attention_f64(problem, sliding_window)
+    assert out.dtype == problem["query"].dtype and out.shape == expected.shape
     tol = TOL[out.dtype]
-    np.testing.assert_allclose(out.astype(np.float32), expected.astype(np.float32),
-                               rtol=tol, atol=tol)
+    np.testing.assert_allclose(out.astype(np.float32), expected, rtol=tol, atol=tol)
     return out
 
 
 DECODE_CASES = [
-    # (H, Hkv, D, block_size, context_lens, dtypes, partition_size, window)
-    (4, 4, 16, 8, [1, 13, 40, 27], "f32", None, None),      # GQA 1:1, one partition
-    (6, 2, 16, 8, [13, 40, 27], "f32", 16, None),           # 3:1, up to 3 partitions
-    (16, 2, 32, 16, [70, 5, 33], "f16", 32, None),          # 8:1
-    (12, 1, 16, 4, [9, 30], "f16-fp8", 8, None),            # MQA, 12 heads: two group chunks
-    (6, 2, 16, 8, [19, 45], "f32-fp8", 16, 20),             # sliding window over partitions
-    (8, 4, 128, 16, [37, 18], "f16", 16, None),             # head_dim 128
-    (4, 2, 64, 8, [23, 9], "bf16", None, 10),
-    (4, 2, 16, 8, [23, 9], "f32-f16", 8, None),            # fp32 model, fp16 cache
+    # (H, Hkv, D, block_size, context_lens, dtypes, num_partitions, window); groups of 4+ with
+    # fp16 / bf16 activations run on the tensor-core kernel in decode mode
+    (4, 4, 64, 16, [1, 15, 16, 17], "f16", None, None),     # GQA 1, block edges
+    (6, 2, 64, 16, [100, 513, 17], "bf16", 3, None),        # 3:1, split KV
+    (16, 2, 128, 16, [513, 1, 100], "f16", 4, None),        # 8:1
+    (16, 1, 128, 8, [4097], "f16-fp8", None, None),         # 16:1, partitions from the SM count
+    (8, 1, 256, 16, [15, 100], "bf16-fp8", 2, 50),          # 8:1 head_dim 256, window
+    (3, 1, 256, 16, [513, 2], "f32", 5, None),              # 3:1 fp32, empty partitions
+    (8, 8, 128, 16, [100, 33], "f32-fp8", 2, 40),           # 1:1 fp8, window over partitions
+    (12, 1, 16, 4, [9, 30], "f16-fp8", 3, None),            # MQA 12: rows narrower than a warp
+    (4, 2, 32, 8, [23, 9], "f32-f16", 2, 10),               # fp32 model, fp16 cache
+    (6, 2, 32, 8, [19, 45], "f32-bf16", None, 20),
+    (16, 2, 64, 16, [100, 513], "f32-f16", 3, None),        # 8:1 on the fp32 (CUDA-core) kernel
+    (32, 1, 64, 16, [200, 3], "f16", 2, None),              # 32:1: two row tiles, keys unsplit
 ]
 
 
 @pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"H{c[0]}kv{c[1]}D{c[2]}-{c[5]}")
 def test_decode_attention(case: tuple) -> None:
-    heads, kv_heads, dim, bs, ctx, dtypes, part, window = case
+    heads, kv_heads, dim, bs, ctx, dtypes, parts, window = case
     rng = np.random.default_rng()
     scales = (0.05, 0.02) if dtypes.endswith("fp8") else (1.0, 1.0)
-    problem = paged_problem(rng, ctx, [1] * len(ctx), heads, kv_heads, dim, bs, dtypes, *scales)
-    check_attention(problem, window, part)
+    problem = paged_problem(rng, ctx, [1] * len(ctx), heads, kv_heads, dim, bs, dtypes, *scales,
+                            poison=True)
+    check_attention(problem, window, parts)
+
+
+def test_decode_16k_context() -> None:
+    """One long context: 16,385 tokens (1,025 blocks of 16), split by the SM count."""
+    rng = np.random.default_rng()
+    problem = paged_problem(rng, [16385], [1], 8, 1, 128, 16, "f16", poison=True)
+    check_attention(problem, num_sms=16)
 
 
 def test_random_decode_cases() -> None:
@@ -70,27 +86,48 @@ def test_random_decode_cases() -> None:
         heads = kv_heads * int(rng.choice([1, 2, 3, 4, 8]))
         ctx = rng.integers(1, 90, size=int(rng.integers(1, 4))).tolist()
         problem = paged_problem(rng, ctx, [1] * len(ctx), heads, kv_heads, 16,
-                                int(rng.choice([4, 8, 16])), str(rng.choice(list(DTYPES))))
+                                int(rng.choice([4, 8, 16])), str(rng.choice(list(DTYPES))),
+                                poison=True)
         window = int(rng.integers(1, 60)) if rng.random() < 0.5 else None
-        check_attention(problem, window, int(rng.choice([8, 16, 32, 512])))
+        check_attention(problem, window, int(rng.integers(1, 5)))
+
+
+def test_decode_partitions_follow_the_sm_count() -> None:
+    """Few (sequences x KV heads) on many SMs split more; long spans allow more partitions;
+    the count never exceeds the cap, whatever max_model_len a CUDA graph pads to."""
+    assert decode_partitions(1, 1024, 16, 132) == MAX_PARTITIONS  # batch 1 x 16k
+    assert decode_partitions(64 * 8, 256, 16, 132) == 2  # batch 64 x 4k, 8 KV heads
+    assert decode_partitions(256 * 8, 1024, 16, 132) == 1
+    assert decode_partitions(1, 32, 16, 132) == 2  # 512 tokens: 256 per partition at least
+    assert decode_partitions(4, 8192, 16, 132) == MAX_PARTITIONS  # 128k-wide graph tables
+    with pytest.raises(ValueError, match="num_sms must be >= 1"):
+        decode_partitions(1, 4, 16, 0)
 
 
 PREFILL_CASES = [
-    # (H, Hkv, D, block_size, context_lens, q_lens, dtypes, window)
+    # (H, Hkv, D, block_size, context_lens, q_lens, dtypes, window); f16 / bf16 activations run
+    # the tensor-core kernel, f32 ones the fp32 kernel
     (6, 2, 16, 8, [13, 40, 6], [1, 17, 6], "f32", None),    # decode + chunk after a prefix + prompt
     (4, 4, 16, 4, [30, 21], [30, 5], "f32", 7),             # 1:1, sliding window
     (8, 1, 16, 8, [25, 3], [9, 3], "f16-fp8", None),        # MQA 8:1
     (16, 2, 32, 16, [40, 1], [20, 1], "f16", 12),           # 8:1, window, with a decode row
     (4, 2, 16, 8, [12, 7], [12, 3], "f32-bf16", None),      # fp32 model, bf16 cache
+    (2, 2, 64, 16, [100, 17, 15], [100, 16, 1], "f16", None),  # 1:1: two Q tiles, decode row
+    (6, 2, 128, 16, [150, 40], [70, 40], "bf16", None),     # 3:1, chunk over a cached prefix
+    (16, 2, 128, 8, [90, 33], [37, 1], "f16-fp8", 50),      # 8:1 fp8, window, mixed batch
+    (16, 1, 256, 16, [70], [9], "bf16-fp8", None),          # 16:1 head_dim 256 (32-key tiles)
+    (3, 1, 256, 16, [33, 80], [33, 80], "f16", 20),         # 3:1 (63 of 64 rows), window
 ]
 
 
-@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: f"H{c[0]}kv{c[1]}-{c[6]}-w{c[7]}")
+@pytest.mark.parametrize("case", PREFILL_CASES,
+                         ids=lambda c: f"H{c[0]}kv{c[1]}D{c[2]}-{c[6]}-w{c[7]}")
 def test_prefill_attention(case: tuple) -> None:
     heads, kv_heads, dim, bs, ctx, q_lens, dtypes, window = case
     rng = np.random.default_rng()
     scales = (0.05, 0.02) if dtypes.endswith("fp8") else (1.0, 1.0)
-    problem = paged_problem(rng, ctx, q_lens, heads, kv_heads, dim, bs, dtypes, *scales)
+    problem = paged_problem(rng, ctx, q_lens, heads, kv_heads, dim, bs, dtypes, *scales,
+                            poison=True)
     check_attention(problem, window)
 
 
@@ -98,9 +135,10 @@ def test_prefill_attention(case: tuple) -> None:
 def test_grids_sized_from_shapes_alone(window: int | None) -> None:
     """Device metadata: no values read back, grids from the shapes; same results."""
     rng = np.random.default_rng()
-    problem = paged_problem(rng, [37, 12, 20, 5], [1, 12, 4, 1], 6, 2, 16, 8, "f16-fp8",
+    # the variants of the MQA decode case and the MQA prefill case: no extra builds
+    problem = paged_problem(rng, [37, 12, 20, 5], [1, 12, 4, 1], 12, 1, 16, 8, "f16-fp8",
                             0.05, 0.02)
-    out = ops().paged_attention(**problem, sliding_window=window, partition_size=16,
+    out = ops().paged_attention(**problem, sliding_window=window, num_partitions=3,
                                 host_metadata=False)
     expected = reference.paged_attention(**problem, sliding_window=window)
     np.testing.assert_allclose(out.astype(np.float32), expected.astype(np.float32),
@@ -110,7 +148,16 @@ def test_grids_sized_from_shapes_alone(window: int | None) -> None:
 def test_thread_order_does_not_change_results() -> None:
     rng = np.random.default_rng()
     problem = paged_problem(rng, [37, 12, 20], [1, 12, 4], 6, 2, 16, 8, "f32")
-    outs = [check_attention(problem, None, 16, seed) for seed in (0, 1, 2)]
+    outs = [check_attention(problem, None, 3, seed) for seed in (0, 1, 2)]
+    # decode with split KV and the cross-warp merge (group 1: four warps walk KV blocks), and the
+    # tensor-core prefill beside it
+    problem = paged_problem(rng, [300, 17, 90], [1, 1, 70], 2, 2, 64, 16, "f16", poison=True)
+    outs = [check_attention(problem, None, 2, seed) for seed in (0, 1, 2)]
+    assert all(np.array_equal(outs[0], o) for o in outs[1:])
+    # group 8: decode on tensor cores, split in 3 partitions
+    problem = paged_problem(rng, [300, 90], [1, 1], 16, 2, 64, 16, "f16", poison=True)
+    outs = [check_attention(problem, None, 3, seed) for seed in (0, 1)]
+    assert np.array_equal(outs[0], outs[1])
     assert all(np.array_equal(outs[0], o) for o in outs[1:])
     x = rng.standard_normal((3, 300)).astype(np.float32)
     w = rng.standard_normal(300).astype(np.float32)
@@ -121,23 +168,25 @@ def test_thread_order_does_not_change_results() -> None:
 @pytest.mark.parametrize("defines", [("KVC_BREAK_SYNC",), ("KVC_BREAK_GQA",)])
 def test_broken_decode_kernel_fails(defines: tuple[str, ...]) -> None:
     rng = np.random.default_rng()
-    # 64-token partitions: two warps score a partition, so a missing barrier lets one read the
-    # other's scores before they are written
-    problem = paged_problem(rng, [70, 41], [1, 1], 6, 2, 16, 8, "f32")
+    # group 2: two warps walk different KV blocks and merge through shared memory, so a missing
+    # barrier lets one read the other's partial state before it is written
+    problem = paged_problem(rng, [70, 41], [1, 1], 4, 2, 32, 8, "f32-f16")
     expected = reference.paged_attention(**problem)
-    good = ops().paged_attention(**problem, partition_size=64)
+    good = ops().paged_attention(**problem, num_partitions=1)
     np.testing.assert_allclose(good, expected, rtol=2e-5, atol=2e-5)
     for seed in (0, 1):
-        broken = ops(seed, defines).paged_attention(**problem, partition_size=64)
+        broken = ops(seed, defines).paged_attention(**problem, num_partitions=1)
         assert not np.allclose(broken, expected, rtol=1e-3, atol=1e-3, equal_nan=False)
 
 
-def test_broken_prefill_kernel_fails() -> None:
+@pytest.mark.parametrize("dtypes", ["f32", "f16"])  # the fp32 and the tensor-core kernel
+def test_broken_prefill_kernel_fails(dtypes: str) -> None:
     rng = np.random.default_rng()
-    problem = paged_problem(rng, [30, 20], [30, 8], 6, 2, 16, 8, "f32")
-    expected = reference.paged_attention(**problem)
-    broken = ops(0, ("KVC_BREAK_GQA",)).paged_attention(**problem)
-    assert not np.allclose(broken, expected, rtol=1e-3, atol=1e-3)
+    problem = paged_problem(rng, [30, 20], [30, 8], 6, 2, 32, 8, dtypes)
+    expected = attention_f64(problem)
+    for defines in [("KVC_BREAK_GQA",)] + ([("KVC_BREAK_SYNC",)] if dtypes == "f16" else []):
+        broken = ops(0, defines).paged_attention(**problem)
+        assert not np.allclose(broken.astype(np.float32), expected, rtol=1e-2, atol=1e-2), defines
 
 
 @pytest.mark.parametrize("dtypes", ["f32", "f16", "bf16", "f32-fp8", "f16-fp8", "f32-bf16"])
@@ -203,7 +252,7 @@ def test_wrappers_check_arguments() -> None:
         np.repeat(problem["query"], 2, axis=2))[:, :, ::2])
     with pytest.raises(ValueError, match="query must be C-contiguous"):
         ops().paged_attention(**bad)
-    with pytest.raises(ValueError, match="head_dim must be a power of two"):
+    with pytest.raises(ValueError, match="head_dim must be one of"):
         p = paged_problem(rng, [9], [1], 4, 2, 24, 4, "f32")
         ops().paged_attention(**p)
     with pytest.raises(ValueError, match="slot_mapping holds a slot outside"):

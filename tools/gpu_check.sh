@@ -35,10 +35,10 @@ export KVCORE_EMU_CACHE="${KVCORE_EMU_CACHE:-/tmp/kvcore_cuda_emu}"
 "$PY" -c 'import cupy; p = cupy.cuda.runtime.getDeviceProperties(0); print("gpu_check:", p["name"].decode(), "cupy", cupy.__version__)'
 status=0
 echo "== pytest -m gpu"
-timeout 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gpu.py \
+timeout 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gpu.py \
     tests/test_cuda_graph_gpu.py tests/test_sampling_xp_gpu.py || status=1
 echo "== tools/bench_kernels.py"
 timeout 150 "$PY" tools/bench_kernels.py --iters 10 || status=1
 echo "== tools/check_sampler_devices.py"
-timeout 90 "$PY" tools/check_sampler_devices.py || status=1
+timeout 60 "$PY" tools/check_sampler_devices.py || status=1
 exit $status

@@ -31,6 +31,8 @@ KERNEL_DIR = HERE.parents[1] / "src" / "kvcore" / "kernels"
 CACHE_DIR = Path(os.environ.get("KVCORE_EMU_CACHE")
                  or Path(tempfile.gettempdir()) / "kvcore_cuda_emu")
 DYNAMIC_SMEM_CAPACITY = 228 * 1024
+DEFAULT_SMEM_LIMIT = 48 * 1024  # what a kernel may use without opting in
+SM90_SMEM_OPT_IN = 227 * 1024  # cudaDevAttrMaxSharedMemoryPerBlockOptin of an H100 / H200
 
 _KERNEL_RE = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?'
                         r"(\w+)\s*\(")
@@ -79,6 +81,26 @@ def kernel_names(source: str) -> list[str]:
     return names
 
 
+def _runtime_object(includes: list[str]) -> Path:
+    """emu_runtime.cpp compiled once (cached by content): half of a kernel build's time."""
+    flags = ["-std=c++17", "-O1", "-fPIC", "-c", "-fno-strict-aliasing", "-fvisibility=hidden",
+             "-w", *(f"-I{d}" for d in includes[:1] + includes[2:])]
+    deps = [(HERE / name).read_text() for name in ("emu_runtime.cpp", "cuda_emu.h",
+                                                   "crt/host_defines.h")]
+    key = hashlib.sha256("\0".join([*deps, " ".join(flags)]).encode()).hexdigest()[:20]
+    obj = CACHE_DIR / f"emu_runtime-{key}.o"
+    if not obj.exists():
+        CACHE_DIR.mkdir(parents=True, exist_ok=True)
+        tmp = CACHE_DIR / f"emu_runtime-{key}-{os.getpid()}.o"
+        cmd = ["g++", *flags, "-include", str(HERE / "cuda_emu.h"), str(HERE / "emu_runtime.cpp"),
+               "-o", str(tmp)]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"g++ failed on emu_runtime.cpp:\n{result.stderr[-6000:]}")
+        os.replace(tmp, obj)
+    return obj
+
+
 def build(path: Path, defines: Sequence[str] = ()) -> tuple[Path, list[str]]:
     """Compile `path` with the harness into a shared library (cached by content hash)."""
     source = path.read_text()
@@ -89,7 +111,8 @@ def build(path: Path, defines: Sequence[str] = ()) -> tuple[Path, list[str]]:
              "-fvisibility=hidden", "-w", *(f"-D{d}" for d in defines),
              *(f"-I{d}" for d in includes)]
     deps = [source, (HERE / "cuda_emu.h").read_text(), (HERE / "emu_runtime.cpp").read_text(),
-            (HERE / "crt" / "host_defines.h").read_text(), " ".join(flags)]
+            (HERE / "crt" / "host_defines.h").read_text(), (HERE / "mma.h").read_text(),
+            " ".join(flags)]
     deps += [p.read_text() for p in sorted(path.parent.glob("*.cuh"))]
     key = hashlib.sha256("\0".join(deps).encode()).hexdigest()[:20]
     lib = CACHE_DIR / f"{path.stem}-{key}.so"
@@ -111,7 +134,7 @@ def build(path: Path, defines: Sequence[str] = ()) -> tuple[Path, list[str]]:
         + f"{{ return {DYNAMIC_SMEM_CAPACITY}; }}\n")
     tmp = work / "lib.so"
     cmd = ["g++", *flags, "-include", str(HERE / "cuda_emu.h"), str(kernels), str(shared),
-           str(HERE / "emu_runtime.cpp"), "-o", str(tmp)]
+           str(_runtime_object(includes)), "-o", str(tmp)]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"g++ failed on {path.name}:\n{result.stderr[-6000:]}")
@@ -177,6 +200,8 @@ class EmuKernel:
     def __init__(self, module: EmuModule, name: str) -> None:
         self.module = module
         self.name = name
+        # as cupy.RawKernel's attribute: raise it to launch with more than 48 KiB
+        self.max_dynamic_shared_size_bytes = DEFAULT_SMEM_LIMIT
 
     def __call__(self, grid: tuple[int, ...], block: tuple[int, ...], args: Sequence[Any],
                  shared_mem: int = 0) -> None:
@@ -205,6 +230,7 @@ class EmuKernel:
                 raise TypeError(f"{self.name}: unsupported argument {i} of type {type(arg)}")
         lib = self.module.library()
         results = _WORKER.call((str(lib), self.name, grid3, block3, int(shared_mem),
+                                int(self.max_dynamic_shared_size_bytes),
                                 int(self.module.order_seed), specs))
         for target, result in zip(targets, results, strict=True):
             np.copyto(target, result.view(target.dtype).reshape(target.shape))
@@ -253,17 +279,21 @@ class EmuBackend:
 
     xp = _PoisonedNumpy()
 
-    def __init__(self, defines: Sequence[str] = (), order_seed: int = 0) -> None:
+    def __init__(self, defines: Sequence[str] = (), order_seed: int = 0, num_sms: int = 8) -> None:
         self.defines = tuple(defines)
         self.order_seed = order_seed
-        self._modules: dict[str, EmuModule] = {}
+        self.num_sms = num_sms  # a small device, so that split-KV partitions show up in tests
+        self._modules: dict[tuple[str, tuple[str, ...]], EmuModule] = {}
 
-    def function(self, source: str, name: str) -> EmuKernel:
-        module = self._modules.get(source)
+    def function(self, source: str, name: str, defines: tuple[str, ...] = ()) -> EmuKernel:
+        module = self._modules.get((source, defines))
         if module is None:
-            module = self._modules[source] = EmuModule(KERNEL_DIR / source, self.defines)
+            module = self._modules[source, defines] = EmuModule(KERNEL_DIR / source,
+                                                                (*self.defines, *defines))
         module.order_seed = self.order_seed
-        return module.get_function(name)
+        kernel = module.get_function(name)
+        kernel.max_dynamic_shared_size_bytes = SM90_SMEM_OPT_IN  # opted in, as CupyBackend
+        return kernel
 
     def pointer_array(self, arrays: Sequence[np.ndarray]) -> PointerArray:
         return PointerArray(tuple(arrays))

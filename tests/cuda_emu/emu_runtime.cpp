@@ -221,8 +221,8 @@ void fail(const char* message) {
 
 extern "C" __attribute__((visibility("default"))) int emu_launch(
     void (*tramp)(void**), void** args, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
-    unsigned by, unsigned bz, unsigned long shared_mem, unsigned long long seed, char* message,
-    int message_len) {
+    unsigned by, unsigned bz, unsigned long shared_mem, unsigned long smem_limit,
+    unsigned long long seed, char* message, int message_len) {
   error.clear();
   const unsigned long threads = static_cast<unsigned long>(bx) * by * bz;
   if (threads == 0 || threads > 1024 || bz > 64 || gx == 0 || gy == 0 || gz == 0 || gy > 65535 ||
@@ -230,9 +230,9 @@ extern "C" __attribute__((visibility("default"))) int emu_launch(
     error = "invalid launch configuration: grid (" + std::to_string(gx) + ", " +
             std::to_string(gy) + ", " + std::to_string(gz) + "), block (" + std::to_string(bx) +
             ", " + std::to_string(by) + ", " + std::to_string(bz) + ")";
-  } else if (shared_mem > 48 * 1024) {
-    error = "dynamic shared memory of " + std::to_string(shared_mem) +
-            " bytes exceeds the 48 KiB a kernel gets without opting in";
+  } else if (shared_mem > smem_limit) {
+    error = "dynamic shared memory of " + std::to_string(shared_mem) + " bytes exceeds the " +
+            std::to_string(smem_limit) + " the kernel may use (48 KiB unless it opted in)";
   } else if (shared_mem > 0 && emu_num_dynamic_smem() == 0) {
     error = "shared_mem requested but the source declares no extern __shared__ array";
   }

@@ -32,7 +32,8 @@ def _aligned_copy(array: np.ndarray) -> np.ndarray:
 
 
 def launch(lib_path: str, name: str, grid: tuple[int, int, int], block: tuple[int, int, int],
-           shared_mem: int, seed: int, specs: list[tuple[str, Any]]) -> list[np.ndarray]:
+           shared_mem: int, smem_limit: int, seed: int, specs: list[tuple[str, Any]]
+           ) -> list[np.ndarray]:
     lib = _LIBS.get(lib_path)
     if lib is None:
         lib = _LIBS[lib_path] = ctypes.CDLL(lib_path)
@@ -68,7 +69,8 @@ def launch(lib_path: str, name: str, grid: tuple[int, int, int], block: tuple[in
     tramp = ctypes.cast(getattr(lib, f"emu_tramp_{name}"), ctypes.c_void_p)
     message = ctypes.create_string_buffer(4096)
     rc = lib.emu_launch(tramp, argv, *(ctypes.c_uint(v) for v in (*grid, *block)),
-                        ctypes.c_ulong(shared_mem), ctypes.c_ulonglong(seed), message,
+                        ctypes.c_ulong(shared_mem), ctypes.c_ulong(smem_limit),
+                        ctypes.c_ulonglong(seed), message,
                         ctypes.c_int(len(message)))
     if rc != 0:
         raise RuntimeError(f"{name}: {message.value.decode()}")

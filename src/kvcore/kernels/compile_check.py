@@ -1,13 +1,23 @@
-"""Compile every .cu kernel source through CuPy's NVRTC with CuPy's own options, without a GPU.
+"""Static evidence for the CUDA kernels, without a GPU: NVRTC compiles every kernel variant.
 
-`python -m kvcore.kernels.compile_check` compiles each source to a cubin for sm_80 and sm_90,
-prints the registers, stack and spills of every kernel from ptxas' report, and exits non-zero on
-any compile error or register spill. cuda.py loads the kernels with the same `nvrtc_options()`.
+`python -m kvcore.kernels.compile_check [--json]` compiles each .cu source (each decode variant:
+head_dim x GQA group x activation/cache dtype) to a cubin for sm_80 and sm_90 through CuPy's
+NVRTC with CuPy's own options, and reports per kernel: registers, stack, spill bytes, static
+shared memory (ptxas' verbose log), the dynamic shared memory the launcher asks for, and facts
+read from the PTX of the same compile: 16-byte global loads (`ld.global*.v4` / `.v2.u64`) and
+tensor-core instructions (`wmma.mma` / `mma.sync`). It exits non-zero on a compile error, a
+spill, shared memory above the arch's opt-in limit, a decode variant of a group up to 8 above
+DECODE_REGISTER_BUDGET registers or without 16-byte loads, or a tensor-core prefill variant
+without tensor-core instructions.
+cuda.py loads the kernels with the same `nvrtc_options()`.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import io
+import json
 import os
 import re
 import sys
@@ -16,11 +26,20 @@ from pathlib import Path
 
 KERNEL_DIR = Path(__file__).resolve().parent
 ARCHS = ("80", "90")
+DECODE_REGISTER_BUDGET = 96  # sm_90, groups up to 8: 5 blocks of 4 warps (2.5 of 8) per SM
+# decode variants compiled by the check: the head_dims and groups of common models
+CHECK_HEAD_DIMS = (64, 128, 256)
+CHECK_GROUPS = (1, 2, 3, 4, 8, 16)
+CHECK_DTYPES = (("f16", "f16"), ("bf16", "bf16"), ("f16", "fp8"), ("f32", "f32"))
+SMEM_OPT_IN = {"80": 163 * 1024, "90": 227 * 1024}  # most shared memory a block may opt in to
 
 _ENTRY = re.compile(r"Compiling entry function '(\w+)' for 'sm_(\d+)'")
 _STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGS = re.compile(r"Used (\d+) registers")
 _SMEM = re.compile(r"(\d+) bytes smem")
+_PTX_ENTRY = re.compile(r"\.entry\s+(\w+)\s*\(")
+_VECTOR_LOAD = re.compile(r"\bld\.global[\w.]*\.(?:v4|v2\.(?:u64|b64|s64|f64))\b")
+_TENSOR_CORE = re.compile(r"\b(?:wmma\.mma|mma\.sync)\b")
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,10 +52,48 @@ class KernelReport:
     spill_stores: int
     spill_loads: int
     static_smem: int
+    variant: str = ""  # the -D options of the compile ("" = the source as is)
+    dynamic_smem: int = 0  # what the launcher requests for this variant
+    vector_loads: int = 0  # 16-byte global loads in the kernel's PTX
+    tensor_core_ops: int = 0  # wmma.mma / mma.sync in the kernel's PTX
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    source: str
+    defines: tuple[str, ...] = ()
+    group: int = 0  # decode: the GQA group the variant serves (its register budget depends on it)
+    dynamic_smem: int = 0
 
 
 def kernel_sources() -> list[Path]:
     return sorted(KERNEL_DIR.glob("*.cu"))
+
+
+def variants(head_dims: tuple[int, ...] = CHECK_HEAD_DIMS, groups: tuple[int, ...] = CHECK_GROUPS,
+             dtypes: tuple[tuple[str, str], ...] = CHECK_DTYPES) -> list[Variant]:
+    """Every source once, the decode kernel once per (head_dim, group, dtypes) asked for, the
+    tensor-core prefill once per (head_dim, dtypes) (16-bit activations only)."""
+    from kvcore.kernels.cuda_attention import (
+        decode_defines,
+        decode_smem_bytes,
+        prefill_tc_defines,
+        prefill_tc_smem_bytes,
+    )
+
+    out: list[Variant] = []
+    for path in kernel_sources():
+        if path.name == "paged_attention_decode.cu":
+            out += [Variant(path.name, decode_defines(d, g, act, cache), g,
+                            decode_smem_bytes(g, d))
+                    for d in head_dims for g in groups for act, cache in dtypes]
+        elif path.name == "paged_attention_prefill_tc.cu":
+            out += [Variant(path.name, prefill_tc_defines(d, act, cache), 0,
+                            prefill_tc_smem_bytes(d))
+                    for d in head_dims for act, cache in dtypes if act != "f32"]
+        else:
+            out.append(Variant(path.name))
+    return out
 
 
 def cuda_include_dirs() -> list[str]:
@@ -71,15 +128,33 @@ def cupy_options(arch: str) -> tuple[str, ...]:
             f"-arch=sm_{arch}", "--device-as-default-execution-space")
 
 
-def compile_source(path: Path, arch: str, defines: tuple[str, ...] = ()) -> list[KernelReport]:
-    """Compile one source for one arch; raises cupy's CompileException on an error."""
-    from cupy.cuda import compiler  # type: ignore[import-not-found]
+def compile_source(path: Path, arch: str, defines: tuple[str, ...] = (),
+                   dynamic_smem: int = 0) -> list[KernelReport]:
+    """Compile one source (one variant) for one arch; raises cupy's CompileException on an
+    error. NVRTC keeps the PTX of a cubin compile, so one compile gives both reports."""
+    from cupy.cuda import compiler
+    from cupy_backends.cuda.libs import nvrtc  # type: ignore[import-not-found]
 
-    options = (*nvrtc_options(), *cupy_options(arch), *defines, "--ptxas-options=-v")
+    options = (*nvrtc_options(), *cupy_options(arch), *(f"-D{d}" for d in defines),
+               "--ptxas-options=-v")
     program = compiler._NVRTCProgram(path.read_text(), path.name, method="cubin")
     log = io.StringIO()
     program.compile(options, log)
-    return parse_ptxas_log(path.name, log.getvalue())
+    ptx = nvrtc.getPTX(program.ptr)
+    facts = ptx_facts(ptx.decode() if isinstance(ptx, bytes) else ptx)
+    return [dataclasses.replace(r, variant=" ".join(defines), dynamic_smem=dynamic_smem,
+                                vector_loads=facts.get(r.kernel, (0, 0))[0],
+                                tensor_core_ops=facts.get(r.kernel, (0, 0))[1])
+            for r in parse_ptxas_log(path.name, log.getvalue())]
+
+
+def ptx_facts(ptx: str) -> dict[str, tuple[int, int]]:
+    """kernel -> (16-byte global loads, tensor-core instructions) counted in its PTX body."""
+    parts = _PTX_ENTRY.split(ptx)
+    # split gives [prefix, name, body, name, body, ...]
+    return {parts[i]: (len(_VECTOR_LOAD.findall(parts[i + 1])),
+                       len(_TENSOR_CORE.findall(parts[i + 1])))
+            for i in range(1, len(parts) - 1, 2)}
 
 
 def parse_ptxas_log(source: str, log: str) -> list[KernelReport]:
@@ -98,28 +173,81 @@ def parse_ptxas_log(source: str, log: str) -> list[KernelReport]:
     return reports
 
 
-def check_all(archs: tuple[str, ...] = ARCHS) -> list[KernelReport]:
-    reports = [r for src in kernel_sources() for arch in archs for r in compile_source(src, arch)]
+def check_variants(chosen: list[Variant], archs: tuple[str, ...] = ARCHS) -> list[KernelReport]:
+    reports = [r for v in chosen for arch in archs
+               for r in compile_source(KERNEL_DIR / v.source, arch, v.defines, v.dynamic_smem)]
     if not reports:
         raise RuntimeError(f"no kernels found under {KERNEL_DIR}")
     return reports
 
 
-def main() -> int:
+def problems(reports: list[KernelReport], chosen: list[Variant]) -> list[str]:
+    """What fails the check: spills anywhere, shared memory over the arch's opt-in limit, decode
+    over budget or without 16-byte loads, the tensor-core prefill without tensor-core ops."""
+    group_of = {" ".join(v.defines): v.group for v in chosen if v.group}
+    found: list[str] = []
+    for r in reports:
+        where = f"{r.kernel} [{r.variant}] sm_{r.arch}"
+        if r.spill_stores or r.spill_loads:
+            found.append(f"register spill: {where} ({r.spill_stores} bytes stored, "
+                         f"{r.spill_loads} loaded)")
+        if r.kernel == "paged_attention_decode":
+            if group_of.get(r.variant, 0) <= 8 and r.arch == "90" and \
+                    r.registers > DECODE_REGISTER_BUDGET:
+                found.append(f"over the register budget: {where} uses {r.registers} > "
+                             f"{DECODE_REGISTER_BUDGET}")
+            if r.vector_loads == 0:
+                found.append(f"no 16-byte global loads: {where}")
+        if r.kernel == "paged_attention_prefill_tc" and r.tensor_core_ops == 0:
+            found.append(f"no tensor-core instructions: {where}")
+        if r.static_smem + r.dynamic_smem > SMEM_OPT_IN.get(r.arch, SMEM_OPT_IN["80"]):
+            found.append(f"shared memory over the sm_{r.arch} limit: {where} needs "
+                         f"{r.static_smem + r.dynamic_smem} bytes")
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="one JSON object per line")
+    parser.add_argument("--head-dims", type=int, nargs="+", default=list(CHECK_HEAD_DIMS),
+                        help="decode head_dims to compile (default: %(default)s)")
+    parser.add_argument("--groups", type=int, nargs="+", default=list(CHECK_GROUPS),
+                        help="decode GQA groups to compile (default: %(default)s)")
+    parser.add_argument("--dtypes", nargs="+", default=[f"{a}-{c}" for a, c in CHECK_DTYPES],
+                        help="decode activation-cache dtype pairs (default: %(default)s)")
+    parser.add_argument("--sources", nargs="+", metavar="NAME.cu",
+                        help="only these sources (default: every .cu)")
+    args = parser.parse_args(argv)
+    pairs = tuple(tuple(d.split("-", 1)) for d in args.dtypes)
+    if any(len(p) != 2 for p in pairs):
+        parser.error(f"--dtypes wants ACT-CACHE pairs such as f16-fp8, got {args.dtypes}")
+    chosen = variants(tuple(args.head_dims), tuple(args.groups),
+                      tuple((p[0], p[1]) for p in pairs))
+    if args.sources:
+        unknown = set(args.sources) - {p.name for p in kernel_sources()}
+        if unknown:
+            parser.error(f"--sources: no such kernel source {sorted(unknown)}")
+        chosen = [v for v in chosen if v.source in args.sources]
     try:
-        reports = check_all()
+        reports = check_variants(chosen)
     except Exception as exc:  # a compile error: print NVRTC's log, fail
         print(f"compile failed: {exc}", file=sys.stderr)
         return 1
-    print(f"{'source':28} {'kernel':36} {'arch':>5} {'regs':>5} {'stack':>6} {'spills':>7}")
-    for r in reports:
-        print(f"{r.source:28} {r.kernel:36} sm_{r.arch:>2} {r.registers:5d} {r.stack_bytes:6d} "
-              f"{r.spill_stores + r.spill_loads:7d}")
-    spilled = [r for r in reports if r.spill_stores or r.spill_loads]
-    for r in spilled:
-        print(f"register spill: {r.kernel} sm_{r.arch} ({r.spill_stores} bytes stored, "
-              f"{r.spill_loads} bytes loaded)", file=sys.stderr)
-    return 1 if spilled else 0
+    if args.json:
+        for r in reports:
+            print(json.dumps(dataclasses.asdict(r)))
+    else:
+        print(f"{'kernel':30} {'variant':70} {'arch':>5} {'regs':>5} {'spill':>6} {'smem':>7} "
+              f"{'v4 ld':>6} {'mma':>5}")
+        for r in reports:
+            variant = r.variant.replace("KVC_", "")
+            print(f"{r.kernel:30} {variant:70} sm_{r.arch:>2} {r.registers:5d} "
+                  f"{r.spill_stores + r.spill_loads:6d} {r.static_smem + r.dynamic_smem:7d} "
+                  f"{r.vector_loads:6d} {r.tensor_core_ops:5d}")
+    found = problems(reports, chosen)
+    for line in found:
+        print(line, file=sys.stderr)
+    return 1 if found else 0
 
 
 if __name__ == "__main__":

@@ -24,18 +24,36 @@ class CupyBackend:
     xp = cupy
 
     def __init__(self) -> None:
-        self._modules: dict[str, Any] = {}
-        self._functions: dict[tuple[str, str], Kernel] = {}
+        self._modules: dict[tuple[str, tuple[str, ...]], Any] = {}
+        self._functions: dict[tuple[str, str, tuple[str, ...]], Kernel] = {}
+        self._num_sms: int | None = None
 
-    def function(self, source: str, name: str) -> Kernel:
-        kernel = self._functions.get((source, name))
+    @property
+    def smem_opt_in(self) -> int:
+        """The most shared memory a block of the current device may opt in to."""
+        return int(cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
+
+    @property
+    def num_sms(self) -> int:
+        """The current device's SM count, queried once."""
+        if self._num_sms is None:
+            self._num_sms = int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+        return self._num_sms
+
+    def function(self, source: str, name: str, defines: tuple[str, ...] = ()) -> Kernel:
+        """Kernel `name` of `source` compiled with -D`defines` (one module per variant)."""
+        kernel = self._functions.get((source, name, defines))
         if kernel is None:
-            module = self._modules.get(source)
+            module = self._modules.get((source, defines))
             if module is None:
                 code = (KERNEL_DIR / source).read_text()
-                module = cupy.RawModule(code=code, options=nvrtc_options())
-                self._modules[source] = module
-            kernel = self._functions[source, name] = module.get_function(name)
+                options = (*nvrtc_options(), *(f"-D{d}" for d in defines))
+                module = cupy.RawModule(code=code, options=options)
+                self._modules[source, defines] = module
+            kernel = self._functions[source, name, defines] = module.get_function(name)
+            # a kernel asking for more than 48 KB of dynamic shared memory must opt in: allow
+            # what the device allows (227 KB on sm_90, 163 KB on sm_80), minus the static part
+            kernel.max_dynamic_shared_size_bytes = self.smem_opt_in - kernel.shared_size_bytes
         return kernel
 
     def pointer_array(self, arrays: Sequence[Any]) -> Any:

@@ -21,15 +21,74 @@ from kvcore.kernels.cuda_launch import (
     suffix_of,
 )
 
-DEFAULT_PARTITION_SIZE = 512
-_DECODE_THREADS = 128  # fixed in paged_attention_decode.cu (KVC_DECODE_THREADS)
+_CTYPES = {"f32": "float", "f16": "__half", "bf16": "__nv_bfloat16", "fp8": "__nv_fp8_e4m3"}
 _PREFILL_THREADS = 128
-_GCHUNK = 8  # KVC_GCHUNK
+DECODE_HEAD_DIMS = (16, 32, 64, 128, 256)  # head_dim values the decode kernel compiles for
+PREFILL_TC_ROWS = 64  # query rows (positions x group) per tensor-core prefill block
+TC_DECODE_MIN_GROUP = 4  # decode groups from this size on run on tensor cores (16-bit only)
+MAX_GROUP = 32  # largest GQA group (query heads per KV head) the decode kernel compiles for
+MAX_PARTITIONS = 32  # cap of the split-KV partitions per sequence (and of the scratch width)
+MIN_PARTITION_TOKENS = 256  # a partition shorter than this costs more to merge than it saves
+BLOCKS_PER_SM = 4  # 4-warp decode blocks wanted per SM for one full wave
 
 
-def decode_smem_bytes(group: int, head_dim: int, partition_size: int) -> int:
-    """q (G, D) + logits (G, P) + cross-warp sums (8, D) + stats (2, G), fp32."""
-    return 4 * (group * head_dim + group * partition_size + _GCHUNK * head_dim + 2 * group)
+def decode_defines(head_dim: int, group: int, suffix: str, cache_suffix: str) -> tuple[str, ...]:
+    """The -D options selecting the decode kernel's compiled variant."""
+    return (f"KVC_HEAD_DIM={head_dim}", f"KVC_GROUP={group}", f"KVC_SCALAR={_CTYPES[suffix]}",
+            f"KVC_CACHE={_CTYPES[cache_suffix]}")
+
+
+def uses_tensor_core_decode(group: int, suffix: str) -> bool:
+    """Decode of groups of 4+ with fp16 / bf16 activations runs on the tensor-core kernel
+    (paged_attention_prefill_tc.cu in decode mode): one head per warp would repeat each K/V
+    conversion and score reduction per head and keep too few distinct bytes in flight."""
+    return group >= TC_DECODE_MIN_GROUP and suffix != "f32"
+
+
+def decode_layout(group: int) -> tuple[int, int]:
+    """(warps, head warps) of the decode kernel (KVC_DECODE_WARPS, kHW): the head warps split
+    the group's query heads, warps / head warps walk different KV blocks."""
+    warps = 8 if group > 4 else 4
+    return warps, min(group, warps)
+
+
+def decode_threads(group: int) -> int:
+    """KVC_DECODE_THREADS: 8 warps for groups over 4, else 4."""
+    return 32 * decode_layout(group)[0]
+
+
+def decode_smem_bytes(group: int, head_dim: int) -> int:
+    """Merge records (fp32 o, m, l) per (warp, head of the warp) when several warps walk
+    different KV blocks; none when one warp walks them all."""
+    warps, head_warps = decode_layout(group)
+    if warps // head_warps == 1:
+        return 0
+    return 4 * warps * -(-group // head_warps) * (head_dim + 2)
+
+
+def decode_partitions(units: int, max_span_blocks: int, block_size: int, num_sms: int) -> int:
+    """Split-KV partitions per sequence: enough blocks for BLOCKS_PER_SM per SM over `units`
+    (decode sequences x KV heads), never partitions under MIN_PARTITION_TOKENS, at most
+    MAX_PARTITIONS (a CUDA graph sized from max_model_len keeps this cap)."""
+    if units < 1 or num_sms < 1:
+        raise ValueError(f"units and num_sms must be >= 1, got {units} and {num_sms}")
+    wanted = -(-BLOCKS_PER_SM * num_sms // units)
+    useful = max(1, (max_span_blocks * block_size) // MIN_PARTITION_TOKENS)
+    return max(1, min(wanted, useful, MAX_PARTITIONS))
+
+
+def prefill_tc_defines(head_dim: int, suffix: str, cache_suffix: str) -> tuple[str, ...]:
+    """The -D options selecting the tensor-core prefill kernel's compiled variant."""
+    return (f"KVC_HEAD_DIM={head_dim}", f"KVC_SCALAR={_CTYPES[suffix]}",
+            f"KVC_CACHE={_CTYPES[cache_suffix]}")
+
+
+def prefill_tc_smem_bytes(head_dim: int) -> int:
+    """paged_attention_prefill_tc.cu's kSmemBytes: Q, K, V tiles (16-bit, rows padded by 8),
+    scores (fp32, +4), probabilities (16-bit, +8), output (fp32, +4)."""
+    rows, keys = PREFILL_TC_ROWS, 32 if head_dim > 128 else 64
+    return (2 * (rows + 2 * keys) * (head_dim + 8) + 4 * rows * (keys + 4)
+            + 2 * rows * (keys + 8) + 4 * rows * (head_dim + 4))
 
 
 def prefill_smem_bytes(group: int, head_dim: int, q_tile: int, k_tile: int) -> int:
@@ -51,7 +110,7 @@ def prefill_tiles(group: int, head_dim: int) -> tuple[int, int]:
 def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: Any,
                          block_tables: Any, context_lens: Any, query_start_loc: Any, scale: float,
                          sliding_window: int | None = None, k_scale: float = 1.0,
-                         v_scale: float = 1.0, *, partition_size: int | None = None,
+                         v_scale: float = 1.0, *, num_partitions: int | None = None,
                          host_metadata: bool | None = None) -> tuple[Any, list[Launch]]:
     """Check the arguments and prepare the launches; returns (out (T, H, D), launches).
 
@@ -69,10 +128,22 @@ def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: An
     if cache_dim != head_dim or num_heads % num_kv_heads:
         raise ValueError(f"query {query.shape} does not fit cache {k_cache.shape}: head_dim "
                          "must match and H be a multiple of Hkv")
-    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
+    if head_dim not in DECODE_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {DECODE_HEAD_DIMS} (the compiled variants), "
+                         f"got {head_dim}")
+    if num_heads // num_kv_heads > MAX_GROUP:
+        raise ValueError(f"GQA group (num_heads / num_kv_heads) must be <= {MAX_GROUP}, got "
+                         f"{num_heads // num_kv_heads}")
+    if num_partitions is not None and not 1 <= num_partitions <= MAX_PARTITIONS:
+        raise ValueError(f"num_partitions must be in [1, {MAX_PARTITIONS}], got "
+                         f"{num_partitions}")
     if v_cache.dtype != k_cache.dtype:
         raise ValueError("k_cache and v_cache must share their dtype")
+    for name, value in (("scale", scale), ("k_scale", k_scale), ("v_scale", v_scale)):
+        if not np.isfinite(value) or value <= 0:
+            raise ValueError(f"{name} must be a finite number > 0, got {value}")
+    if context_lens.ndim != 1:
+        raise ValueError(f"context_lens must be 1-D (num_seqs,), got shape {context_lens.shape}")
     suffix = suffix_of("query", query)
     cache_suffix = cache_suffix_of("k_cache", k_cache, suffix)
     for name, array in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -99,6 +170,7 @@ def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: An
             raise ValueError("context_lens must cover each sequence's queries and fit its "
                              "block table")
         decode_ctx = ctx[q_lens == 1]
+        num_decode: int | None = int(decode_ctx.shape[0])
         decode_span = int((decode_ctx - np.maximum(decode_ctx - window, 0) if window
                            else decode_ctx).max(initial=0))
         max_q_len = int(q_lens.max(initial=0))
@@ -108,6 +180,7 @@ def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: An
         decode_span = max_blocks * block_size if not window else min(window,
                                                                       max_blocks * block_size)
         max_q_len = num_tokens - num_seqs + 1
+        num_decode = None  # unknown: every sequence may be a decode row
         has_prefill = num_tokens > num_seqs
     xp = backend.xp
     if num_tokens == 0 or num_seqs == 0:
@@ -124,30 +197,55 @@ def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: An
     scales = (np.float32(scale), np.float32(k_scale), np.float32(v_scale))
     launches: list[Launch] = []
     if decode_span > 0:
-        part = _partition_size(group, head_dim, decode_span, partition_size)
-        num_parts = -(-decode_span // part)
-        stats_shape = (num_seqs, num_heads, num_parts) if num_parts > 1 else (1,)
+        span_blocks = -(-decode_span // block_size) + (1 if window else 0)  # window: +1 partial
+        if num_partitions is None:
+            units = (num_decode or num_seqs) * num_kv_heads
+            parts = decode_partitions(units, span_blocks, block_size, backend.num_sms)
+        else:
+            parts = num_partitions
+        stats_shape = (num_seqs, num_heads, parts) if parts > 1 else (1,)
         tmp_out = xp.empty((*stats_shape, head_dim), np.float32)  # (S, H, P, D) partials
         max_logits = xp.empty(stats_shape, np.float32)  # (S, H, P)
         exp_sums = xp.empty(stats_shape, np.float32)
-        ints = (num_heads, num_kv_heads, head_dim, block_size, max_blocks, part, num_parts,
-                window)
-        launches.append(Launch(
-            backend.function("paged_attention_decode.cu",
-                             f"paged_attention_decode_{suffix}_{cache_suffix}"),
-            (num_kv_heads, num_seqs, num_parts), (_DECODE_THREADS,),
-            (out, tmp_out, max_logits, exp_sums, query, k_cache, v_cache, *metadata,
-             *(np.int32(v) for v in ints), *scales),
-            decode_smem_bytes(group, head_dim, part)))
-        if num_parts > 1:
-            reduce_ints = (num_heads, head_dim, part, num_parts, window)
+        defines = decode_defines(head_dim, group, suffix, cache_suffix)
+        if uses_tensor_core_decode(group, suffix):
+            # the group's query heads as the rows of a tensor-core tile: K/V staged once per
+            # block with every thread loading distinct bytes, no per-head conversions
+            tc_ints = (num_heads, num_kv_heads, block_size, max_blocks, window, parts)
             launches.append(Launch(
-                backend.function("paged_attention_decode.cu", f"paged_attention_reduce_{suffix}"),
-                (num_heads, num_seqs), (_DECODE_THREADS,),
-                (out, tmp_out, max_logits, exp_sums, context_lens, query_start_loc,
-                 *(np.int32(v) for v in reduce_ints)),
-                4 * (num_parts + 1)))
-    if has_prefill:
+                backend.function("paged_attention_prefill_tc.cu", "paged_attention_prefill_tc",
+                                 prefill_tc_defines(head_dim, suffix, cache_suffix)),
+                (num_kv_heads, num_seqs, parts), (_PREFILL_THREADS,),
+                (out, query, k_cache, v_cache, *metadata, tmp_out, max_logits, exp_sums,
+                 *(np.int32(v) for v in tc_ints), *scales),
+                prefill_tc_smem_bytes(head_dim)))
+        else:
+            decode_ints = (num_heads, num_kv_heads, block_size, max_blocks, parts, window)
+            launches.append(Launch(
+                backend.function("paged_attention_decode.cu", "paged_attention_decode", defines),
+                (num_kv_heads, num_seqs, parts), (decode_threads(group),),
+                (out, tmp_out, max_logits, exp_sums, query, k_cache, v_cache, *metadata,
+                 *(np.int32(v) for v in decode_ints), *scales),
+                decode_smem_bytes(group, head_dim)))
+        if parts > 1:
+            launches.append(Launch(
+                backend.function("paged_attention_decode.cu", "paged_attention_reduce", defines),
+                (num_heads, num_seqs), (128,),
+                (out, tmp_out, max_logits, exp_sums, query_start_loc,
+                 *(np.int32(v) for v in (num_heads, head_dim, parts))),
+                4 * (parts + 1)))
+    if has_prefill and suffix != "f32":  # tensor cores: fp16 / bf16 activations
+        unused = xp.empty((1,), np.float32)  # the decode-mode partial outputs
+        tc_ints = (num_heads, num_kv_heads, block_size, max_blocks, window, 0)
+        launches.append(Launch(
+            backend.function("paged_attention_prefill_tc.cu", "paged_attention_prefill_tc",
+                             prefill_tc_defines(head_dim, suffix, cache_suffix)),
+            (num_kv_heads, num_seqs, -(-max_q_len // (PREFILL_TC_ROWS // group))),
+            (_PREFILL_THREADS,),
+            (out, query, k_cache, v_cache, *metadata, unused, unused, unused,
+             *(np.int32(v) for v in tc_ints), *scales),
+            prefill_tc_smem_bytes(head_dim)))
+    elif has_prefill:  # fp32 activations: the fp32 kernel (the tensor cores would round them)
         q_tile, k_tile = prefill_tiles(group, head_dim)
         num_tiles = -(-max_q_len // q_tile)
         ints = (num_heads, num_kv_heads, head_dim, block_size, max_blocks, q_tile, k_tile,
@@ -160,16 +258,3 @@ def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: An
             prefill_smem_bytes(group, head_dim, q_tile, k_tile)))
     return out, launches
 
-
-def _partition_size(group: int, head_dim: int, max_span: int, requested: int | None) -> int:
-    """The requested (or default) partition, shrunk until its scores fit shared memory."""
-    part = requested if requested is not None else DEFAULT_PARTITION_SIZE
-    if part < 1:
-        raise ValueError(f"partition_size must be >= 1, got {part}")
-    part = min(part, max_span)
-    while part > 32 and decode_smem_bytes(group, head_dim, part) > SMEM_LIMIT:
-        part //= 2
-    if decode_smem_bytes(group, head_dim, part) > SMEM_LIMIT:
-        raise ValueError(f"GQA group {group} x head_dim {head_dim} exceeds the decode "
-                         "kernel's shared memory")
-    return part

@@ -35,7 +35,11 @@ class Launch:
 class Backend(Protocol):
     xp: Any
 
-    def function(self, source: str, name: str) -> Kernel: ...
+    @property
+    def num_sms(self) -> int:
+        """Streaming multiprocessors of the device (split-KV sizing)."""
+
+    def function(self, source: str, name: str, defines: tuple[str, ...] = ()) -> Kernel: ...
 
     def pointer_array(self, arrays: Sequence[Any]) -> Any: ...
 

@@ -90,11 +90,11 @@ class CudaOps:
     def paged_attention(self, query: Any, k_cache: Any, v_cache: Any, block_tables: Any,
                         context_lens: Any, query_start_loc: Any, scale: float,
                         sliding_window: int | None = None, k_scale: float = 1.0,
-                        v_scale: float = 1.0, *, partition_size: int | None = None,
+                        v_scale: float = 1.0, *, num_partitions: int | None = None,
                         host_metadata: bool | None = None) -> Any:
         out, launches = plan_paged_attention(
             self.backend, query, k_cache, v_cache, block_tables, context_lens, query_start_loc,
-            scale, sliding_window, k_scale, v_scale, partition_size=partition_size,
+            scale, sliding_window, k_scale, v_scale, num_partitions=num_partitions,
             host_metadata=host_metadata)
         for launch in launches:
             launch()
