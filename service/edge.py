@@ -109,6 +109,7 @@ class _Connection(asyncio.Protocol):
         self._cancel_timer()
         if self.handler is None:
             return
+        self.edge.num_open -= 1
         if self.transport is not None:
             self.edge.connections.pop(self.transport, None)
         self.handler.connection_lost(exc)
@@ -151,6 +152,7 @@ class Edge:
         self.max_connections = max_connections
         self.header_timeout = header_timeout
         self.connections: dict[asyncio.BaseTransport, _Connection] = {}
+        self.num_open = 0  # accepted connections not yet lost (the cap counts these)
         # RequestHandler's options: no access log (the app logs one line per request), bodies
         # are never decompressed (a Content-Encoding is refused with 415)
         self.handler_args: dict[str, Any] = {"access_log": None, "auto_decompress": False,
@@ -179,8 +181,11 @@ class Edge:
         loop = asyncio.get_running_loop()
 
         def make() -> _Connection:
-            if len(self.connections) >= self.max_connections:
+            # counted here, not in connection_made: one accept batch calls the factory for
+            # every connection before any of them is made
+            if self.num_open >= self.max_connections:
                 return _Connection(self, None)
+            self.num_open += 1
             return _Connection(self, JSONErrorHandler(server, loop=loop, **self.handler_args))
 
         return make

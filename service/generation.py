@@ -138,6 +138,8 @@ class Generation:
         for position, completion in enumerate(output.outputs[: self.req.n]):
             choice = self.choices[job.index * self.req.n + (position if beam else
                                                             completion.index)]
+            if choice.finish_reason is not None:
+                continue  # ended earlier (the final output repeats every choice): sent once
             if beam:
                 text, token_ids = completion.text, list(completion.token_ids)
                 logprobs: list[TokenLogprob] = []

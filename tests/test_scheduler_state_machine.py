@@ -51,10 +51,12 @@ class SchedulerMachine(RuleBasedStateMachine):
     def add(self, prompt_len: int, max_tokens: int, priority: int, stops_early: bool) -> str:
         self.num_added += 1
         request_id = f"q{self.num_added}"
+        # the engine's check, before a sequence reaches here: prompt + max_tokens fit the context
+        max_tokens = max(1, min(max_tokens, MAX_MODEL_LEN - prompt_len))
         request = make_request(request_id, prompt_len, max_tokens, priority,
                                ignore_eos=not stops_early)
         worst = prompt_len + max_tokens
-        fits = worst <= MAX_MODEL_LEN and -(-worst // BLOCK_SIZE) <= NUM_BLOCKS
+        fits = -(-worst // BLOCK_SIZE) <= NUM_BLOCKS
         try:
             self.s.add(request)
         except ValueError:
