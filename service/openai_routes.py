@@ -21,6 +21,7 @@ from kvcore.service.generation import (
     cancel_on_disconnect,
     raise_if_busy,
 )
+from kvcore.service.inspector import forget_tenants
 from kvcore.service.protocol import GenerationRequest, parse_chat, parse_completion
 from kvcore.service.state import STATE_KEY, TENANT_KEY, ServiceState, read_json
 from kvcore.service.streaming import (
@@ -172,6 +173,8 @@ async def _respond(request: web.Request, state: ServiceState, req: GenerationReq
     task = asyncio.current_task()
     assert task is not None
     state.track(task)
+    for job in jobs:  # the KV inspector names each request's tenant
+        state.tenants[job.request_id] = tenant
     outcome = "ok"
     try:
         async with cancel_on_disconnect(request):
@@ -191,6 +194,7 @@ async def _respond(request: web.Request, state: ServiceState, req: GenerationReq
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.shield(gen.close())
         state.untrack(task)
+        forget_tenants(state, [job.request_id for job in jobs])
         _account(state, gen, call_id, tenant, req, outcome)
 
 

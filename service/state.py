@@ -32,6 +32,9 @@ class ServiceState:
     load_error: str | None = None
     in_flight: set[asyncio.Task[Any]] = field(default_factory=set)
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # set while nothing is in flight
+    # the KV inspector: engine request id -> tenant name, and the last /debug/kv body encoded
+    tenants: dict[str, str] = field(default_factory=dict)
+    inspector_body: tuple[dict[str, Any], bytes] | None = None
 
     def ready_engine(self) -> AsyncEngine:
         """The engine, or 503 while loading, draining, or after a failed load."""

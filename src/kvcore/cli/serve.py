@@ -17,7 +17,7 @@ from kvcore.device import resolve_device
 from kvcore.engine import AsyncEngine
 from kvcore.planner import format_size, parse_size, plan_for_model
 from kvcore.service import STATE_KEY, drain, make_app
-from kvcore.service.auth import keys_from_list, load_keys_file
+from kvcore.service.auth import keys_from_list, read_keys_file
 from kvcore.service.state import FAILED, LOADING
 
 log = structlog.get_logger("kvcore.serve")
@@ -31,7 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
                         help="accept `Authorization: Bearer KEY` (repeatable; each key a tenant)")
     parser.add_argument("--api-keys-file", metavar="PATH",
-                        help="keys and their tenants: JSON {key: tenant} or `KEY TENANT` lines")
+                        help="keys and their tenants: JSON {key: tenant} or `KEY TENANT` lines "
+                             "(`KEY TENANT admin` or {key: {tenant, admin: true}}: an admin key)")
+    parser.add_argument("--admin-key", action="append", default=[], metavar="KEY",
+                        help="a key that may also open /inspector and /debug/kv (repeatable; "
+                             "without any key those are open)")
     parser.add_argument("--served-model-name", action="append", metavar="NAME",
                         help="name(s) clients use in `model` (default: the model directory's)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
@@ -149,8 +153,11 @@ def run(args: argparse.Namespace) -> int:
         # before the model is fetched: --device cuda without a GPU is a one-line error
         resolve_device(args.device)
         keys = keys_from_list(args.api_key)
+        admins = list(args.admin_key)
         if args.api_keys_file:
-            keys |= load_keys_file(args.api_keys_file)
+            file_keys, file_admins = read_keys_file(args.api_keys_file)
+            keys |= file_keys
+            admins += sorted(file_admins)
         model_dir = resolve_model(args.model)
         config = _config(args, str(model_dir))
         max_body = parse_size(args.max_body_size)
@@ -160,5 +167,5 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(str(e)) from e
     names = args.served_model_name or [args.model if args.model else model_dir.name]
     app = make_app(lambda: _build_engine(config), api_keys=keys, served_model_name=names,
-                   max_body_size=max_body, max_waiting=args.max_waiting)
+                   max_body_size=max_body, max_waiting=args.max_waiting, admin_keys=admins)
     return asyncio.run(serve(app, args.host, args.port, args.drain_timeout))
