@@ -13,7 +13,8 @@ from kvcore.service.errors import APIError
 from kvcore.service.state import STATE_KEY, ServiceState
 
 PAGE = Path(__file__).parent / "static" / "inspector.html"  # package data of kvcore.service
-FIRST_SNAPSHOT_TIMEOUT_S = 3.0  # an idle driver publishes within one tick of the first poll
+# the driver publishes the first snapshot after the step in progress (a long prefill on a CPU)
+FIRST_SNAPSHOT_TIMEOUT_S = 30.0
 TENANT_GRACE_S = 10.0  # a finished request's tenant stays known to snapshots taken before
 REALM = 'Basic realm="kvcore inspector", charset="UTF-8"'  # browsers ask for the key
 
