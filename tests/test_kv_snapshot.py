@@ -204,3 +204,49 @@ def test_a_full_100k_block_pool_encodes_under_300_kb(churn: bool) -> None:
     print(f"/debug/kv of a full 100k-block pool: {size} bytes")
     assert size < 300_000, size
     check_against_pool(snapshot, kv)
+
+
+def test_async_engine_publishes_only_while_polled_and_at_a_bounded_rate(
+        tiny_model_dir: Path) -> None:
+    import asyncio
+    import time
+
+    from kvcore.engine import AsyncEngine
+    from kvcore.engine.kv_snapshot import PUBLISH_INTERVAL_S
+
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+    async def run_all(ae: AsyncEngine, num: int) -> None:
+        async def one(i: int) -> None:
+            async for _ in ae.generate([5 + i] * 9, params):
+                pass
+        await asyncio.gather(*(one(i) for i in range(num)))
+
+    async def main() -> None:
+        async with AsyncEngine(make_engine(tiny_model_dir, num_blocks=64)) as ae:
+            await run_all(ae, 4)
+            assert ae.kv_snapshot() is None  # nobody asked: nothing was ever built
+            assert ae._kv_probe._seq == 0
+            snapshot = None
+            for _ in range(200):  # idle: the poll wakes the driver, which publishes
+                snapshot = ae.kv_snapshot()
+                if snapshot is not None:
+                    break
+                await asyncio.sleep(0.01)
+            assert snapshot is not None and snapshot["seq"] == 1
+            assert snapshot["requests"] == [] and snapshot["counts"]["cached"] > 0
+            start = time.monotonic()
+            task = asyncio.create_task(run_all(ae, 6))
+            seqs = set()
+            while not task.done():
+                latest = ae.kv_snapshot()
+                assert latest is not None
+                seqs.add(latest["seq"])
+                await asyncio.sleep(0.005)
+            await task
+            elapsed = time.monotonic() - start
+            # at most one build per PUBLISH_INTERVAL_S however often it is polled
+            assert ae._kv_probe._seq - 1 <= elapsed / PUBLISH_INTERVAL_S + 1
+            assert len(seqs) >= 1
+
+    asyncio.run(main())
