@@ -22,6 +22,8 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from kvcore.planner import plan_for_model
 from kvcore.request import RequestOutput, RequestStatus
 
@@ -38,7 +40,9 @@ NUM_AGE_BUCKETS = 32
 SERIES_INTERVAL_S = 1.0  # one time-series sample per second ...
 SERIES_LENGTH = 600  # ... for ten minutes
 PUBLISH_INTERVAL_S = 0.5  # at most two snapshots a second ...
-POLL_WINDOW_S = 5.0  # ... and only while someone asked for one this recently
+POLL_WINDOW_S = 5.0  # ... and only while someone asked for one this recently; a pool so large
+MAX_BUILD_SHARE = 0.02  # that a build takes over 2% of the interval is published less often,
+MAX_PUBLISH_INTERVAL_S = 1.0  # but still once a second
 SERIES_NAMES = ("kv_usage", "prefix_hit_rate", "running", "waiting", "preemptions",
                 "cow_copies", "tokens_per_s")
 
@@ -47,30 +51,36 @@ def encode_block_states(kv: KVCacheManager) -> tuple[bytes, dict[str, int], list
     """The block map (one byte per block, see the module docstring), the count per state and
     the [block_id, ref_count] pairs of shared blocks."""
     pool = kv.pool
-    states = bytearray(pool.num_blocks)  # (num_blocks,) one state byte per block id, 0 = free
-    shared: list[list[int]] = []
-    num_used = 0
-    for block in pool.blocks:
-        ref_count = block.ref_count
-        if ref_count == 0:
-            continue  # free, or cached: the LRU pass below marks those
-        num_used += 1
-        flag = IN_PREFIX_CACHE if block.block_hash is not None else 0
-        if ref_count == 1:
-            states[block.block_id] = USED | flag
-        else:
-            states[block.block_id] = SHARED | flag
-            shared.append([block.block_id, ref_count])
-    # the evictable blocks in free-queue order (evicted next first); their rank is their LRU age
     blocks = pool.blocks
-    evictable = [i for i in pool.free_queue() if blocks[i].block_hash is not None]
-    num_cached = len(evictable)
-    for rank, block_id in enumerate(evictable):
-        states[block_id] = (CACHED | IN_PREFIX_CACHE
-                            | (rank * NUM_AGE_BUCKETS // num_cached) << AGE_SHIFT)
+    # two attribute reads per block are the whole Python cost; the rest is array arithmetic
+    ref_counts = np.array([b.ref_count for b in blocks], np.int32)  # (num_blocks,)
+    hashed = np.array([b.block_hash is not None for b in blocks], np.bool_)  # (num_blocks,)
+    used = ref_counts > 0
+    states = np.where(ref_counts > 1, SHARED, np.where(used, USED, FREE)).astype(np.uint8)
+    states |= (hashed * IN_PREFIX_CACHE).astype(np.uint8)  # (num_blocks,) uint8
+    cached = hashed & ~used
+    num_cached = int(cached.sum())
+    if num_cached:
+        # a cached block's LRU age is its rank among the cached blocks of the free queue. Blocks
+        # are freed to the tail, so walk from the tail and stop once every cached one is seen.
+        order: list[int] = []
+        block = pool.free_queue_tail()
+        remaining = num_cached
+        while remaining:
+            assert block is not None
+            if block.block_hash is not None:
+                order.append(block.block_id)
+                remaining -= 1
+            block = block.prev_free
+        ids = np.array(order[::-1], np.int64)  # (num_cached,) evicted next first
+        ages = (np.arange(num_cached) * NUM_AGE_BUCKETS // num_cached).astype(np.uint8)
+        states[ids] = CACHED | IN_PREFIX_CACHE | (ages << AGE_SHIFT)
+    shared_ids = np.flatnonzero(ref_counts > 1)
+    shared = [[int(i), int(ref_counts[i])] for i in shared_ids]
+    num_used = int(used.sum())
     counts = {"free": pool.num_blocks - num_used - num_cached, "cached": num_cached,
               "used": num_used - len(shared), "shared": len(shared)}
-    return bytes(states), counts, shared
+    return states.tobytes(), counts, shared
 
 
 def table_runs(table: Sequence[int | None]) -> list[list[int | None]]:
@@ -198,7 +208,8 @@ class KVHistory:
 
 class KVProbe:
     """What AsyncEngine's driver calls between steps: samples the series, and publishes a
-    snapshot at most every PUBLISH_INTERVAL_S while someone polled within POLL_WINDOW_S."""
+    snapshot at most every PUBLISH_INTERVAL_S (longer, up to MAX_PUBLISH_INTERVAL_S, for pools
+    whose build takes over MAX_BUILD_SHARE of that) while someone polled within POLL_WINDOW_S."""
 
     def __init__(self) -> None:
         self.history = KVHistory()
@@ -206,6 +217,7 @@ class KVProbe:
         self._seq = 0
         self._published = float("-inf")
         self._polled = float("-inf")
+        self._interval_s = PUBLISH_INTERVAL_S
 
     def poll(self) -> dict[str, Any] | None:
         self._polled = time.monotonic()
@@ -218,12 +230,15 @@ class KVProbe:
     def due(self) -> bool:
         now = time.monotonic()
         return (now - self._polled <= POLL_WINDOW_S
-                and now - self._published >= PUBLISH_INTERVAL_S)
+                and now - self._published >= self._interval_s)
 
     def publish(self, engine: Engine) -> None:
         """Build a snapshot; run it where nothing else touches the engine (the step thread)."""
-        self._published = time.monotonic()
+        self._published = start = time.monotonic()
         snapshot = build_kv_snapshot(engine)
+        build_s = time.monotonic() - start
+        self._interval_s = min(MAX_PUBLISH_INTERVAL_S,
+                               max(PUBLISH_INTERVAL_S, build_s / MAX_BUILD_SHARE))
         self._seq += 1
         snapshot["seq"] = self._seq
         snapshot["series"] = self.history.series()
