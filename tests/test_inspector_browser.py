@@ -94,6 +94,10 @@ def test_inspector_page_live_in_chromium(tiny_model_dir: Path, tmp_path: Path) -
             driver.find_element("css selector", row).click()  # the table is re-rendered
             assert "sel" in driver.find_element("css selector", row).get_attribute("class")
             assert driver.execute_script("return kvInspector.selected;") == owners[0]
+            table = next(r["blocks"] for r in snapshot["requests"] if r["id"] == owners[0])
+            expected = [b for first, count in table for b in (
+                range(first, first + count) if count > 0 else range(first, first + count, -1))]
+            assert driver.execute_script("return kvInspector.selectedTable;") == expected
             rows = driver.find_elements("css selector", "#requests tr")
             assert len(rows) == len(snapshot["requests"])
             driver.save_screenshot(str(tmp_path / "inspector.png"))
