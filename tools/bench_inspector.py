@@ -1,13 +1,16 @@
 """The KV inspector's cost: engine step time with the page open (clients polling /debug/kv, as
 the page does, twice a second) against closed, side by side in one run on the default model.
 
-    .venv/bin/python tools/bench_inspector.py [--clients 10] [--requests 16] [--repeats 3]
+    .venv/bin/python tools/bench_inspector.py [--clients 10] [--cycles 16] [--phase-s 10]
 
-Runs alternate closed / open on one engine (open: a separate process polls /debug/kv with
-`--clients` clients). Reported per mode, the median over the repeats: the wall time per step of
-the driver (steps plus everything between them: the snapshot builds included), the engine.step
-time alone, and how many snapshots were built and served. The closed runs start more than
-POLL_WINDOW_S after the pollers stopped, so no snapshot is built in them.
+One engine serves a steady load (clients sending requests back to back) while the page is
+alternately closed and open for --phase-s seconds each (open: a separate process polls /debug/kv
+with --clients clients; closed: that process is stopped with SIGSTOP and the engine's poll window
+reset, as if the page had been closed for longer than POLL_WINDOW_S). Short alternating phases in
+ABBA order pair each open phase with a closed one of the same minute, which is what makes a
+comparison possible on a machine whose speed drifts. Per phase: the wall time per step (from one
+step's start to the next: the step and everything the driver does between steps, snapshot builds
+included), the engine.step time alone, and the snapshot builds.
 """
 
 from __future__ import annotations
@@ -39,52 +42,68 @@ async def poll(url: str, clients: int, interval_s: float) -> None:
         await asyncio.gather(*(one(session) for _ in range(clients)))
 
 
-async def run_workload(ae: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
+class Recorder:
+    """Wraps engine.step and the probe's publish (the driver looks both up at every call) to
+    record when each step started, how long it took, and how long each snapshot build took."""
+
+    def __init__(self, ae: Any) -> None:
+        engine, probe = ae.engine, ae._kv_probe
+        step, publish = type(engine).step, type(probe).publish
+        self.steps: list[tuple[float, float]] = []  # (start, duration) in perf_counter seconds
+        self.publishes: list[tuple[float, float]] = []
+
+        def timed_step() -> Any:
+            start = time.perf_counter()
+            out = step(engine)
+            self.steps.append((start, time.perf_counter() - start))
+            return out
+
+        def timed_publish(target: Any) -> None:
+            start = time.perf_counter()
+            publish(probe, target)
+            self.publishes.append((start, time.perf_counter() - start))
+
+        engine.step = timed_step
+        probe.publish = timed_publish
+
+
+async def steady_load(ae: Any, num: int, prefix: list[int], max_tokens: int,
+                      stop: asyncio.Event) -> None:
+    """`num` clients that each send a request as soon as the previous one ends."""
     from kvcore.sampling import SamplingParams
 
-    engine = ae.engine
-    step, publish = type(engine).step, type(ae._kv_probe).publish
-    step_s: list[float] = []
-    publish_s: list[float] = []
-
-    def timed_step() -> Any:
-        start = time.perf_counter()
-        out = step(engine)
-        step_s.append(time.perf_counter() - start)
-        return out
-
-    def timed_publish(target: Any) -> None:
-        start = time.perf_counter()
-        publish(ae._kv_probe, target)
-        publish_s.append(time.perf_counter() - start)
-
-    engine.step = timed_step  # the driver looks both up at every call
-    ae._kv_probe.publish = timed_publish
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
-    async def one(i: int, prompt: list[int]) -> int:
-        async for out in ae.generate(prompt, params, f"bench-{time.monotonic_ns()}-{i}"):
-            last = out
-        return len(last.outputs[0].token_ids)
+    async def client(i: int) -> None:
+        call = 0
+        while not stop.is_set():
+            async for _ in ae.generate(prefix + [11 + i, 12 + call % 100], params):
+                pass
+            call += 1
 
-    start, cpu = time.perf_counter(), time.process_time()
-    tokens = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-    del engine.step, ae._kv_probe.publish
-    assert sum(tokens) == len(prompts) * max_tokens
-    return {"wall_per_step_ms": 1e3 * wall / len(step_s),
-            # the server process's CPU time (all threads): steps, snapshots, serving the polls
-            "cpu_per_step_ms": 1e3 * cpu / len(step_s),
-            "step_ms": 1e3 * statistics.fmean(step_s), "steps": len(step_s),
-            "snapshots": len(publish_s),
-            "snapshot_ms": 1e3 * statistics.fmean(publish_s) if publish_s else 0.0}
+    await asyncio.gather(*(client(i) for i in range(num)))
+
+
+def phase_stats(recorder: Recorder, start: float, end: float) -> dict[str, float]:
+    """Steps that started in [start, end): wall per step (start to start: the step and all
+    that runs between steps), the engine.step time alone, and the snapshot builds' time."""
+    steps = [s for s in recorder.steps if start <= s[0] < end]
+    builds = [p for p in recorder.publishes if start <= p[0] < end]
+    if len(steps) < 3:
+        raise RuntimeError("too few steps in a phase: make --phase-s longer")
+    return {"wall_per_step_ms": 1e3 * (steps[-1][0] - steps[0][0]) / (len(steps) - 1),
+            "step_ms": 1e3 * statistics.fmean(d for _, d in steps),
+            "builds_per_s": len(builds) / (end - start),
+            "build_ms": 1e3 * statistics.fmean(d for _, d in builds) if builds else 0.0,
+            "build_share": sum(d for _, d in builds) / (end - start)}
 
 
 async def bench(args: argparse.Namespace) -> None:
+    import signal
+
     from aiohttp import web
 
     from kvcore.engine import AsyncEngine
-    from kvcore.engine.kv_snapshot import POLL_WINDOW_S
     from kvcore.engine.llm import engine_config
     from kvcore.model.hub import resolve_model
     from kvcore.service import make_app
@@ -98,73 +117,76 @@ async def bench(args: argparse.Namespace) -> None:
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     url = f"http://127.0.0.1:{port}/debug/kv"
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    vocab = ae.engine.model_config.vocab_size
-    prefix = rng.integers(10, vocab, args.prompt_len // 2).tolist()  # shared: prefix hits
-    results: dict[str, list[dict[str, float]]] = {"closed": [], "open": []}
-    served = 0
+    recorder = Recorder(ae)
+    prefix = list(range(1000, 1000 + args.prompt_len))  # shared by every request: prefix hits
+    stop = asyncio.Event()
+    load = asyncio.create_task(steady_load(ae, args.requests, prefix, args.max_tokens, stop))
+    poller = subprocess.Popen([sys.executable, __file__, "--poll", url,
+                               "--clients", str(args.clients)])
+    phases: list[tuple[str, float, float]] = []
     try:
-        await run_workload(ae, [prefix + [11]], 4)  # warm-up
-        for repeat in range(args.repeats):
-            for mode in ("closed", "open"):
-                prompts = [prefix + rng.integers(10, vocab, args.prompt_len // 2).tolist()
-                           for _ in range(args.requests)]
-                poller = None
-                before_poll = ae._kv_probe._seq
+        await asyncio.sleep(args.phase_s)  # warm-up, the pollers connect
+        for cycle in range(args.cycles):
+            # ABBA order so a drift of the machine's speed cancels within each pair of cycles
+            for mode in (("closed", "open") if cycle % 2 == 0 else ("open", "closed")):
                 if mode == "open":
-                    poller = subprocess.Popen([sys.executable, __file__, "--poll", url,
-                                               "--clients", str(args.clients)])
-                    while ae._kv_probe.last is None or ae._kv_probe._seq == before_poll:
-                        await asyncio.sleep(0.1)  # the pollers are up and polling
-                    await asyncio.sleep(1.0)
-                    if poller.poll() is not None:
-                        raise RuntimeError("the poller process failed")
-                before = ae._kv_probe._seq
-                result = await run_workload(ae, prompts, args.max_tokens)
-                if poller is not None:
-                    if poller.poll() is not None:
-                        raise RuntimeError("the poller process failed")
-                    poller.terminate()
-                    poller.wait()
-                    served += ae._kv_probe._seq - before
-                    await asyncio.sleep(POLL_WINDOW_S + 1.0)  # publishing stops before closed
-                results[mode].append(result)
-                print(f"repeat {repeat} {mode:6s} " + " ".join(
-                    f"{k}={v:.2f}" for k, v in result.items()), flush=True)
+                    poller.send_signal(signal.SIGCONT)
+                else:
+                    poller.send_signal(signal.SIGSTOP)
+                    await asyncio.sleep(0.3)  # the polls already sent are answered ...
+                    ae._kv_probe._polled = float("-inf")  # ... then the page is closed
+                start = time.perf_counter()
+                await asyncio.sleep(args.phase_s)
+                if poller.poll() is not None:
+                    raise RuntimeError("the poller process failed")
+                # the first second of a phase settles (pollers resume, the last build ends)
+                phases.append((mode, start + 1.0, time.perf_counter()))
     finally:
+        poller.send_signal(signal.SIGCONT)
+        poller.terminate()
+        poller.wait()
+        stop.set()
+        await load
         await runner.cleanup()
+    stats = {mode: [phase_stats(recorder, a, b) for m, a, b in phases if m == mode]
+             for mode in ("closed", "open")}
     med = {mode: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
-           for mode, rs in results.items()}
-    print(f"\nmodel {model_dir.name}, {args.requests} requests x ({args.prompt_len} prompt + "
-          f"{args.max_tokens} output) tokens, {ae.engine.kv.num_blocks} blocks, "
-          f"{args.clients} clients polling every 0.5 s while open; medians of {args.repeats}")
-    print("| page | wall per step (ms) | server CPU per step (ms) | engine.step (ms) | "
-          "snapshots built | snapshot build (ms) |")
+           for mode, rs in stats.items()}
+    # paired: each open phase against the closed phase of the same cycle
+    ratios = [o["wall_per_step_ms"] / c["wall_per_step_ms"]
+              for o, c in zip(stats["open"], stats["closed"], strict=True)]
+    step_ratios = [o["step_ms"] / c["step_ms"]
+                   for o, c in zip(stats["open"], stats["closed"], strict=True)]
+    print(f"model {model_dir.name}, {ae.engine.kv.num_blocks} blocks; {args.requests} clients "
+          f"back to back, {args.prompt_len}-token shared prefix + 2, {args.max_tokens} output "
+          f"tokens; {args.cycles} cycles of {args.phase_s:.0f} s closed + {args.phase_s:.0f} s "
+          f"open ({args.clients} clients polling /debug/kv every 0.5 s), medians")
+    print("| page | wall per step (ms) | engine.step (ms) | snapshots / s | snapshot build (ms) "
+          "| builds' share of the wall time |")
     print("|---|---|---|---|---|---|")
     for mode in ("closed", "open"):
         m = med[mode]
-        print(f"| {mode} | {m['wall_per_step_ms']:.2f} | {m['cpu_per_step_ms']:.2f} | "
-              f"{m['step_ms']:.2f} | {m['snapshots']:.0f} | {m['snapshot_ms']:.2f} |")
-    for key in ("wall_per_step_ms", "cpu_per_step_ms"):
-        ratio = med["open"][key] / med["closed"][key]
-        print(f"open / closed {key}: {ratio:.4f} ({100 * (ratio - 1):+.2f}%)")
-    # what the driver itself spent on snapshots, as a share of the open runs' wall time
-    share = [r["snapshots"] * r["snapshot_ms"] / (r["wall_per_step_ms"] * r["steps"])
-             for r in results["open"]]
-    print(f"snapshot builds in the driver: {100 * statistics.median(share):.3f}% of the wall "
-          f"time; /debug/kv served {served} distinct snapshots")
+        print(f"| {mode} | {m['wall_per_step_ms']:.1f} | {m['step_ms']:.1f} | "
+              f"{m['builds_per_s']:.2f} | {m['build_ms']:.2f} | {100 * m['build_share']:.3f}% |")
+    print(f"open / closed, paired by cycle: wall per step median "
+          f"{statistics.median(ratios):.4f} (quartiles {_quartiles(ratios)}), engine.step "
+          f"median {statistics.median(step_ratios):.4f} (quartiles {_quartiles(step_ratios)})")
+
+
+def _quartiles(values: list[float]) -> str:
+    q = statistics.quantiles(values, n=4)
+    return f"{q[0]:.3f}-{q[2]:.3f}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="model directory (default: the default)")
     parser.add_argument("--clients", type=int, default=10)
-    parser.add_argument("--requests", type=int, default=16)
-    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--requests", type=int, default=8, help="concurrent clients")
+    parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cycles", type=int, default=16)
+    parser.add_argument("--phase-s", type=float, default=10.0)
     parser.add_argument("--poll", metavar="URL", help=argparse.SUPPRESS)  # the poller process
     args = parser.parse_args()
     if args.poll:
