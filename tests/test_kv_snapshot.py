@@ -19,6 +19,7 @@ from kvcore.engine.kv_snapshot import (
     SHARED,
     USED,
     KVHistory,
+    _table_runs_loop,
     build_kv_snapshot,
     pool_snapshot,
     table_runs,
@@ -47,9 +48,22 @@ def test_table_runs_exact() -> None:
     assert table_runs([3, 4, 5, 9, 8, 7, 2, 2]) == [[3, 3], [9, -3], [2, 1], [2, 1]]
     assert table_runs([None, None, 5, 6, 1]) == [[None, 2], [5, 2], [1, 1]]
     rng = random.Random(0)
-    for _ in range(200):
-        table: list[int | None] = [rng.choice([None, rng.randrange(9)]) for _ in range(12)]
-        assert expand_runs(table_runs(table)) == table
+    for length in (12, 70, 300):  # the loop below 64 blocks, the array path above
+        for _ in range(100):
+            table: list[int | None] = [None if rng.random() < 0.1 else rng.randrange(9)
+                                       for _ in range(length)]
+            assert expand_runs(table_runs(table)) == table
+            assert table_runs(table) == _table_runs_loop(table)
+            walk: list[int | None] = [rng.randrange(1000)]  # runs up and down, as tables
+            for _ in range(length - 1):
+                last = walk[-1]
+                if last is None:
+                    walk.append(None if rng.random() < 0.5 else rng.randrange(1000))
+                else:
+                    walk.append(None if rng.random() < 0.05
+                                else last + rng.choice([1, 1, 1, -1, -1, 5, 0]))
+            assert table_runs(walk) == _table_runs_loop(walk)
+            assert expand_runs(table_runs(walk)) == walk
 
 
 def check_against_pool(snapshot: dict, kv: KVCacheManager) -> None:

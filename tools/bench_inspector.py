@@ -173,6 +173,41 @@ async def bench(args: argparse.Namespace) -> None:
           f"median {statistics.median(step_ratios):.4f} (quartiles {_quartiles(step_ratios)})")
 
 
+def build_only(num_blocks: int, repeats: int) -> None:
+    """The snapshot build alone on a pool of num_blocks blocks of 16 tokens, 90% full (256
+    sequences through the real scheduler, half of them sharing a prefix, then a quarter freed,
+    so the free queue holds cached blocks); no model."""
+    import json
+    import random
+
+    from kvcore.cache import KVCacheManager
+    from kvcore.engine.kv_snapshot import pool_snapshot
+    from kvcore.request import Request
+    from kvcore.sampling.params import SamplingParams
+    from kvcore.scheduler import Scheduler
+
+    tokens_per_seq = int(num_blocks * 16 * 0.9 / 256)
+    scheduler = Scheduler(KVCacheManager(num_blocks, 16), 1 << 30, 256, tokens_per_seq + 64)
+    rng = random.Random(0)
+    prefix = [rng.randrange(1, 1000) for _ in range(tokens_per_seq // 4)]
+    for i in range(256):
+        own = [rng.randrange(1, 1000) for _ in range(tokens_per_seq - len(prefix))]
+        prompt = (prefix if i % 2 else own[:len(prefix)]) + own
+        scheduler.add_request(Request(request_id=f"r{i}", prompt_token_ids=prompt,
+                                      params=SamplingParams(max_tokens=8), max_tokens=8))
+    scheduler.schedule()
+    for request in rng.sample(scheduler.running, 64):
+        scheduler.abort_request(request.request_id)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        snapshot = pool_snapshot(scheduler.kv, scheduler)
+        times.append(time.perf_counter() - start)
+    size = len(json.dumps(snapshot, separators=(",", ":")))
+    print(f"| {num_blocks:,} | {scheduler.kv.usage():.0%} | {snapshot['counts']['cached']:,} | "
+          f"{1e3 * statistics.median(times):.1f} | {size / 1e3:.0f} KB |")
+
+
 def _quartiles(values: list[float]) -> str:
     q = statistics.quantiles(values, n=4)
     return f"{q[0]:.3f}-{q[2]:.3f}"
@@ -187,8 +222,16 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--cycles", type=int, default=16)
     parser.add_argument("--phase-s", type=float, default=10.0)
+    parser.add_argument("--build-only", type=int, nargs="*", metavar="NUM_BLOCKS",
+                        help="time the snapshot build alone on pools of these sizes (no model)")
     parser.add_argument("--poll", metavar="URL", help=argparse.SUPPRESS)  # the poller process
     args = parser.parse_args()
+    if args.build_only:
+        print("| blocks | in use | cached | build (ms, median of 5) | JSON |")
+        print("|---|---|---|---|---|")
+        for num_blocks in args.build_only:
+            build_only(num_blocks, 5)
+        return
     if args.poll:
         asyncio.run(poll(args.poll, args.clients, 0.5))
         return

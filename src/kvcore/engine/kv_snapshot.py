@@ -83,8 +83,43 @@ def encode_block_states(kv: KVCacheManager) -> tuple[bytes, dict[str, int], list
     return states.tobytes(), counts, shared
 
 
+_RELEASED = -(1 << 62)  # a released block in table_runs' arrays: no id is within 1 of it
+
+
 def table_runs(table: Sequence[int | None]) -> list[list[int | None]]:
-    """A block table as runs [first, count] (count < 0: descending ids; first None: released)."""
+    """A block table as runs [first, count] (count < 0: descending ids; first None: released).
+
+    Greedy from the left: a run takes the longest stretch of equal steps (+1, -1, or released
+    after released) from its first block. Array work finds the stretches, so the Python loop runs
+    once per run, not once per block."""
+    n = len(table)
+    if n < 64:  # below this the arrays' fixed cost is more than the loop's
+        return _table_runs_loop(table)
+    ids = np.fromiter((_RELEASED if b is None else b for b in table), np.int64, n)  # (n,)
+    steps = np.diff(ids)  # (n - 1,)
+    # for every step index, the last index of the stretch of equal steps it belongs to
+    ends = np.append(np.flatnonzero(steps[1:] != steps[:-1]), n - 2)
+    stretch_end = np.repeat(ends, np.diff(ends, prepend=-1)).tolist()
+    step_list = steps.tolist()
+    id_list = ids.tolist()
+    runs: list[list[int | None]] = []
+    pos = 0
+    while pos < n:
+        first = id_list[pos]
+        released = first == _RELEASED
+        step = step_list[pos] if pos < n - 1 else None
+        if step == 0 if released else step in (1, -1):
+            count = stretch_end[pos] - pos + 2
+            runs.append([None, count] if released else [first, count if step == 1 else -count])
+            pos += count
+        else:
+            runs.append([None if released else first, 1])
+            pos += 1
+    return runs
+
+
+def _table_runs_loop(table: Sequence[int | None]) -> list[list[int | None]]:
+    """table_runs, one block at a time."""
     runs: list[list[int | None]] = []
     for block_id in table:
         if runs:
