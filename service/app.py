@@ -13,7 +13,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
 from kvcore.engine import AsyncEngine
-from kvcore.service import routes
+from kvcore.service import inspector, routes
 from kvcore.service.auth import TenantAuth, keys_from_list
 from kvcore.service.errors import APIError
 from kvcore.service.metrics import ServiceMetrics
@@ -56,9 +56,11 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 
 def _auth_middleware(auth: TenantAuth) -> Middleware:
+    own_auth = routes.PUBLIC_HANDLERS | inspector.ADMIN_HANDLERS
+
     @web.middleware
     async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.match_info.handler not in routes.PUBLIC_HANDLERS:
+        if request.match_info.handler not in own_auth:
             request[TENANT_KEY] = auth.tenant_for(request)
         return await handler(request)
     return _auth
@@ -127,12 +129,15 @@ def make_app(engine: AsyncEngine | Callable[[], AsyncEngine], *,
              max_body_size: int = DEFAULT_MAX_BODY_SIZE, max_waiting: int | None = None,
              cache_salt_secret: bytes | None = None,
              max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST,
-             body_timeout: float | None = DEFAULT_BODY_TIMEOUT_S) -> web.Application:
+             body_timeout: float | None = DEFAULT_BODY_TIMEOUT_S,
+             admin_keys: Iterable[str] = ()) -> web.Application:
     """The OpenAI-compatible application around an AsyncEngine.
 
     `engine` is a ready AsyncEngine, or a callable that builds one (it runs in a worker thread at
     startup while /health answers 503). `api_keys`: keys (each its own tenant) or a mapping
-    key -> tenant; None or empty: no auth, one tenant. The app's cleanup_ctx starts the engine and
+    key -> tenant; None or empty: no auth, one tenant. `admin_keys`: keys that may also open the
+    KV inspector (/inspector, /debug/kv; open to all without keys); one not among `api_keys` is
+    added as tenant `admin<i>`. The app's cleanup_ctx starts the engine and
     stops it at cleanup, so mount it (`root.add_subapp("/llm", app)`) or run it as is.
     `max_waiting` counts sequences (n > 1 and batched prompts count each); a call is admitted
     whole or answered 429. `max_sequences_per_request` bounds prompts x n of one call (400);
@@ -157,7 +162,12 @@ def make_app(engine: AsyncEngine | Callable[[], AsyncEngine], *,
         names = [Path(engine.config.model).name]
     else:
         raise ValueError("served_model_name is required when the engine is built lazily")
-    auth = TenantAuth(keys, cache_salt_secret)
+    admins = list(admin_keys)
+    for i, key in enumerate(admins):
+        if not key:
+            raise ValueError("admin keys must be non-empty")
+        keys.setdefault(key, f"admin{i}")
+    auth = TenantAuth(keys, cache_salt_secret, admins)
     state = ServiceState(
         engine_factory=None if isinstance(engine, AsyncEngine) else engine,
         auth=auth, served_model_names=names, max_body_size=max_body_size,
@@ -179,4 +189,5 @@ def make_app(engine: AsyncEngine | Callable[[], AsyncEngine], *,
     app.router.add_get("/metrics", routes.metrics)
     app.router.add_get("/version", routes.version)
     app.router.add_get("/openapi.json", routes.openapi)
+    inspector.add_routes(app)
     return app

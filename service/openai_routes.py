@@ -22,6 +22,7 @@ from kvcore.service.generation import (
     build_params,
     raise_if_busy,
 )
+from kvcore.service.inspector import forget_tenants
 from kvcore.service.protocol import (
     GenerationRequest,
     check_prompt_chars,
@@ -199,6 +200,8 @@ async def _respond(request: web.Request, state: ServiceState, req: GenerationReq
         raise_if_busy(async_engine, state.max_waiting, len(jobs) * req.n)
         state.track(task, gen)
         tracked = True
+        for job in jobs:  # the KV inspector names each request's tenant
+            state.tenants[job.request_id] = tenant
         # a client that goes away cancels this handler (aiohttp's handler_cancellation, which
         # `kvcore serve` and aiohttp's test server turn on): the finally below aborts
         gen.start()
@@ -222,6 +225,7 @@ async def _respond(request: web.Request, state: ServiceState, req: GenerationReq
             await asyncio.shield(gen.close())
         if tracked:
             state.untrack(task)
+        forget_tenants(state, [job.request_id for job in jobs])
         _account(state, gen, call_id, tenant, req, outcome)
 
 

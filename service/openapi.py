@@ -59,9 +59,11 @@ def _post(summary: str, schema: dict[str, Any], produces: dict[str, Any]) -> dic
                      "responses": {"200": {"description": "OK", "content": produces}} | _ERRORS}}
 
 
-def _get(summary: str, content_type: str = "application/json") -> dict[str, Any]:
+def _get(summary: str, content_type: str = "application/json",
+         admin: bool = False) -> dict[str, Any]:
+    errors = _ERRORS | ({"403": _ERROR} if admin else {})  # 403: a key that is not an admin's
     return {"get": {"summary": summary, "responses": {
-        "200": {"description": "OK", "content": {content_type: {}}}} | _ERRORS}}
+        "200": {"description": "OK", "content": {content_type: {}}}} | errors}}
 
 
 def openapi_document() -> dict[str, Any]:
@@ -88,6 +90,10 @@ def openapi_document() -> dict[str, Any]:
             "/metrics": _get("Prometheus metrics", "text/plain"),
             "/version": _get("kvcore version"),
             "/openapi.json": _get("This document"),
+            "/inspector": _get("The KV inspector page (admin key when keys are configured)",
+                               "text/html", admin=True),
+            "/debug/kv": _get("The KV inspector's snapshot: block map, requests, planner, "
+                              "10-minute series (admin key when keys are configured)", admin=True),
         },
         "security": [{"bearer": []}],
     }

@@ -51,6 +51,9 @@ class ServiceState:
         if num_seqs > self.max_sequences_per_request:
             raise bad_request(f"this call asks for {num_seqs} sequences (prompts x n); at most "
                               f"{self.max_sequences_per_request} per request", "n")
+    # the KV inspector: engine request id -> tenant name, and the last /debug/kv body encoded
+    tenants: dict[str, str] = field(default_factory=dict)
+    inspector_body: tuple[dict[str, Any], bytes] | None = None
 
     def ready_engine(self) -> AsyncEngine:
         """The engine, or 503 while loading, draining, or after a failed load."""

@@ -40,12 +40,12 @@ def _events(proc: subprocess.Popen[str], until: str) -> list[dict[str, Any]]:
 
 def test_serve_process(tiny_model_dir: Path, tmp_path: Path) -> None:
     keys = tmp_path / "keys.txt"
-    keys.write_text("kfile tenant-f\n")
+    keys.write_text("kfile tenant-f\nkops ops admin\n")
     proc = subprocess.Popen(
         [*SERVE, str(tiny_model_dir), "--port", "0", "--api-key", "k1", "--api-keys-file",
          str(keys), "--block-size", "4", "--num-blocks", "64", "--max-model-len", "128",
          "--max-num-seqs", "8", "--device", "cpu", "--drain-timeout", "30",
-         "--served-model-name", "tiny"],
+         "--served-model-name", "tiny", "--admin-key", "kadm"],
         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     try:
         url = _events(proc, "serving")[-1]["url"]
@@ -62,6 +62,16 @@ def test_serve_process(tiny_model_dir: Path, tmp_path: Path) -> None:
                 assert e.code == 503
         body = {"model": "tiny", "prompt": "hi", "max_tokens": 4, "ignore_eos": True}
         assert _post(f"{url}/v1/completions", body)[0] == 401
+        # the KV inspector: admin keys only (--admin-key, or marked in the keys file)
+        for key, expected in ((None, 401), ("k1", 403), ("kops", 200), ("kadm", 200)):
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            try:
+                with urllib.request.urlopen(urllib.request.Request(
+                        f"{url}/debug/kv", headers=headers), timeout=30) as resp:
+                    status = resp.status
+            except urllib.error.HTTPError as e:
+                status = e.code
+            assert status == expected, key
         status, raw = _post(f"{url}/v1/completions", body, key="kfile")
         assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 4
         # a stream in flight when SIGTERM arrives still finishes (drain), then the process exits

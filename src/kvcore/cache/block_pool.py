@@ -239,6 +239,11 @@ class BlockPool:
             block = block.next_free
         return out
 
+    def free_queue_tail(self) -> Block | None:
+        """The most recently freed block (walk `prev_free` towards the head); None when empty."""
+        block = self._tail.prev_free
+        return None if block is self._head else block
+
     def _append_free(self, block: Block) -> None:
         last = self._tail.prev_free
         assert last is not None

@@ -54,6 +54,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching and sliding_window is None
         self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_prefix_hits = 0  # of those, tokens served from cached blocks
+        self.num_cow_copies = 0  # copy-on-write block copies handed to the runner
         self._seqs: dict[str, _Sequence] = {}
 
     @property
@@ -128,6 +129,7 @@ class KVCacheManager:
             assert last is not None
             dst = new[0]  # the copy takes the first block allocated, the new tail blocks follow
             ops.append((last.block_id, dst.block_id))
+            self.num_cow_copies += 1
             self.pool.free(last)  # one reference less; the other holders keep the original
             blocks[-1] = dst
             seq.block_ids[-1] = dst.block_id

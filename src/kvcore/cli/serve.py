@@ -19,7 +19,7 @@ from kvcore.engine import AsyncEngine
 from kvcore.planner import format_size, parse_size, plan_for_model
 from kvcore.service import STATE_KEY, drain, make_app
 from kvcore.service.app import DEFAULT_BODY_TIMEOUT_S
-from kvcore.service.auth import keys_from_list, load_keys_file
+from kvcore.service.auth import keys_from_list, read_keys_file
 from kvcore.service.edge import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, Edge
 from kvcore.service.state import DEFAULT_MAX_SEQUENCES_PER_REQUEST, FAILED, LOADING
 
@@ -34,7 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
                         help="accept `Authorization: Bearer KEY` (repeatable; each key a tenant)")
     parser.add_argument("--api-keys-file", metavar="PATH",
-                        help="keys and their tenants: JSON {key: tenant} or `KEY TENANT` lines")
+                        help="keys and their tenants: JSON {key: tenant} or `KEY TENANT` lines "
+                             "(`KEY TENANT admin` or {key: {tenant, admin: true}}: an admin key)")
+    parser.add_argument("--admin-key", action="append", default=[], metavar="KEY",
+                        help="a key that may also open /inspector and /debug/kv (repeatable; "
+                             "without any key those are open)")
     parser.add_argument("--served-model-name", action="append", metavar="NAME",
                         help="name(s) clients use in `model` (default: the model directory's)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
@@ -211,8 +215,11 @@ def run(args: argparse.Namespace) -> int:
         # before the model is fetched: --device cuda without a GPU is a one-line error
         resolve_device(args.device)
         keys = keys_from_list(args.api_key)
+        admins = list(args.admin_key)
         if args.api_keys_file:
-            keys |= load_keys_file(args.api_keys_file)
+            file_keys, file_admins = read_keys_file(args.api_keys_file)
+            keys |= file_keys
+            admins += sorted(file_admins)
         model_dir = resolve_model(args.model)
         config = _config(args, str(model_dir))
         max_body = parse_size(args.max_body_size)
@@ -225,14 +232,11 @@ def run(args: argparse.Namespace) -> int:
     app_kwargs = dict(api_keys=keys, served_model_name=names, max_body_size=max_body,
                       max_waiting=args.max_waiting,
                       max_sequences_per_request=args.max_sequences_per_request,
-                      body_timeout=args.body_timeout)
+                      body_timeout=args.body_timeout, admin_keys=admins)
     if args.replicas is not None:
         return _run_cluster(args, config, app_kwargs, edge)
     try:
-        app = make_app(lambda: _build_engine(config), api_keys=keys, served_model_name=names,
-                       max_body_size=max_body, max_waiting=args.max_waiting,
-                       max_sequences_per_request=args.max_sequences_per_request,
-                       body_timeout=args.body_timeout)
+        app = make_app(lambda: _build_engine(config), **app_kwargs)  # type: ignore[arg-type]
     except ValueError as e:
         raise CLIError(str(e)) from e
     return asyncio.run(serve(app, args.host, args.port, args.drain_timeout, edge))

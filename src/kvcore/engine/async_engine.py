@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
 import structlog
 
 from kvcore.config import EngineConfig, ModelConfig, ParamError
 from kvcore.engine.engine import Engine, EngineStats
+from kvcore.engine.kv_snapshot import KVProbe
 from kvcore.model.tokenizer import Tokenizer
 from kvcore.request import RequestOutput
 from kvcore.sampling import BeamSearchParams, SamplingParams
@@ -76,6 +79,7 @@ class AsyncEngine:
         # loop never reads scheduler state while a step may be running)
         self._num_waiting_seqs = 0
         self._stats: EngineStats = engine.stats()
+        self._kv_probe = KVProbe()  # the KV inspector hook, see kv_snapshot() below
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
@@ -219,7 +223,9 @@ class AsyncEngine:
             self._apply_aborts()
             self._publish()
             if not engine.has_unfinished_requests():
-                await self._wakeup.wait()
+                await self._kv_tick(loop)
+                with contextlib.suppress(TimeoutError):  # idle: still one series sample a second
+                    await asyncio.wait_for(self._wakeup.wait(), 1.0)
                 continue
             try:
                 outputs = await loop.run_in_executor(self._executor, engine.step)
@@ -237,7 +243,25 @@ class AsyncEngine:
                 consumer = streams.get(output.request_id)
                 if consumer is not None:
                     consumer.put(output)
+            self._kv_probe.count(outputs)
+            await self._kv_tick(loop)
             await asyncio.sleep(0)  # let consumers run before the next step
+
+    # --- the KV inspector hook (kvcore.engine.kv_snapshot): published between steps ---
+
+    def kv_snapshot(self) -> dict[str, Any] | None:
+        """The last published KV snapshot (None before the first). Polling it keeps the driver
+        publishing fresh ones, at most every 0.5 s; the caller never reads engine state."""
+        snapshot = self._kv_probe.poll()
+        if self._kv_probe.due() and self._wakeup is not None:
+            self._wakeup.set()  # an idle driver publishes now
+        return snapshot
+
+    async def _kv_tick(self, loop: asyncio.AbstractEventLoop) -> None:
+        probe = self._kv_probe
+        probe.history.maybe_sample(self.engine, time.monotonic())  # O(1), at most 1 Hz
+        if probe.due():  # in the step thread: the one place engine state is touched
+            await loop.run_in_executor(self._executor, probe.publish, self.engine)
 
     def _apply_adds(self) -> None:
         adds, self._adds = self._adds, []
