@@ -5,7 +5,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from kvcore.kernels import attention
+from kvcore.kernels import attention, cpu_numba
 from kvcore.kernels.layer_ops import rms_norm, rope, rope_cos_sin, rope_inv_freq, silu_and_mul
 
 FP8_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -80,8 +80,13 @@ def paged_attention(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
 
     Query i of sequence s (q_len = qsl[s+1] - qsl[s]) sits at position context_lens[s] - q_len + i
     and attends the keys at positions p' <= p (and p' > p - sliding_window). Returns (T, H, D).
+    Runs the compiled kernel (kvcore.kernels.cpu_numba) when numba is there, else NumPy's.
     """
     _check_attention_shapes(query, k_cache, block_tables, context_lens, query_start_loc)
+    if cpu_numba.supports(query, k_cache, v_cache):
+        out = cpu_numba.paged_attention(query, k_cache, v_cache, block_tables, context_lens,
+                                        query_start_loc, scale, sliding_window, k_scale, v_scale)
+        return out.astype(query.dtype, copy=False)
     step = attention.plan(block_tables, context_lens, query_start_loc, k_cache.shape[1],
                           sliding_window)
     out = attention.attend(query, k_cache, v_cache, step, scale, sliding_window, k_scale,
