@@ -159,3 +159,15 @@ def test_warm_up_logs_the_path(caplog: pytest.LogCaptureFixture) -> None:
         seconds = cpu_numba.warm_up_cpu_kernels("bf16")
     assert seconds >= 0
     assert "CPU paged attention: numba (compiled)" in caplog.text
+
+
+def test_numba_cache_goes_under_kvcore_home_when_the_package_is_read_only(
+        monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
+    monkeypatch.setenv("KVCORE_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu_numba.os, "access", lambda path, mode: False)
+    cpu_numba._cache_dir()
+    assert cpu_numba.os.environ["NUMBA_CACHE_DIR"] == str(tmp_path / "numba-cache")
+    monkeypatch.setenv("NUMBA_CACHE_DIR", "/elsewhere")  # a value already set wins
+    cpu_numba._cache_dir()
+    assert cpu_numba.os.environ["NUMBA_CACHE_DIR"] == "/elsewhere"

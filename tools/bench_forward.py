@@ -37,6 +37,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--breakdown", action="store_true",
                    help="also time each kernel of the batch-64 decode step")
     p.add_argument("--record", action="store_true", help="write docs/benchmarks.md's section")
+    p.add_argument("--kv-cache-dtype", default="fp32", choices=("fp32", "fp16", "bf16", "fp8"),
+                   help="kvcore's KV cache dtype (default fp32, transformers' own)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="cpu: process CPU time, which other processes' load does not inflate "
                         "(meaningful with --threads 1 only)")
@@ -82,16 +84,17 @@ def median_times(fns: list[Callable[[], object] | None], repeats: int,
 
 def fresh_cache(model: LlamaModel, num_blocks: int, rng: np.random.Generator) -> KVCache:
     c = model.config
-    cache = KVCache(c.num_layers, num_blocks, BLOCK_SIZE, c.num_kv_heads, c.head_dim)
+    cache = KVCache(c.num_layers, num_blocks, BLOCK_SIZE, c.num_kv_heads, c.head_dim,
+                    ARGS.kv_cache_dtype)
     for array in cache.key_caches + cache.value_caches:  # context content: random, not zeros
-        array[...] = rng.standard_normal(array.shape, dtype=np.float32)
+        array[...] = rng.standard_normal(array.shape, dtype=np.float32).astype(array.dtype)
     return cache
 
 
 def ours_prefill(model: LlamaModel, length: int, rng: np.random.Generator) -> Callable[[], object]:
     num_blocks = -(-length // BLOCK_SIZE)
     cache = KVCache(model.config.num_layers, num_blocks, BLOCK_SIZE, model.config.num_kv_heads,
-                    model.config.head_dim)
+                    model.config.head_dim, ARGS.kv_cache_dtype)
     ids = [int(t) for t in rng.integers(0, model.config.vocab_size, length)]
     table = [int(b) for b in rng.permutation(num_blocks)]
     return lambda: model.forward(BatchInput.build([ids], [0], [table], BLOCK_SIZE), cache)
@@ -268,7 +271,8 @@ def main() -> int:
                      base_t and base_t / ours_t))
         print(rows[-1], flush=True)
     lines = [f"Model `{model_dir.name}` ({model.config.num_layers} layers, hidden "
-             f"{model.config.hidden_size}), fp32 weights and KV cache, block size {BLOCK_SIZE}, "
+             f"{model.config.hidden_size}), fp32 weights, {ARGS.kv_cache_dtype} KV cache, "
+             f"block size {BLOCK_SIZE}, "
              f"{ARGS.threads} BLAS threads for both, {platform.processor() or platform.machine()}, "
              f"NumPy {np.__version__}" + (f", {hf.version}" if hf else "") + ". Median of "
              f"{ARGS.repeats} timed runs after a warm-up, taking turns; "
@@ -321,6 +325,35 @@ def breakdown_lines(model: LlamaModel, streamed: float) -> list[str]:
               f"everything but attention takes {rest * 1e3:.1f} ms of this one, which leaves "
               f"attention **{max(budget - rest, 0.0) * 1e3:.1f} ms** (it took "
               f"{parts['paged attention'] * 1e3:.1f} ms)."]
+    return lines + attention_share_lines(model)
+
+
+def attention_share_lines(model: LlamaModel) -> list[str]:
+    """Attention's share of a batch-32 and a batch-64 decode step, with the NumPy kernel and
+    with the compiled one, runs taking turns (the same steps, the same clock)."""
+    from kvcore.kernels import cpu_numba
+
+    lines = ["", f"Paged attention's share of a decode step at context {ARGS.context}, "
+             f"{ARGS.kv_cache_dtype} cache, NumPy kernel vs compiled (numba) kernel "
+             f"({ARGS.repeats} runs each, taking turns):", "",
+             "| batch | kernel | step | attention | attention share | step speed-up |",
+             "|---|---|---|---|---|---|"]
+    for batch in (32, 64):
+        step = ours_decode(model, batch, ARGS.context, np.random.default_rng(batch))
+        results: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+        for _ in range(ARGS.repeats):
+            for compiled in (False, True):
+                cpu_numba.set_enabled(compiled)
+                total, parts = step_breakdown(step, 1)
+                results[compiled].append((total, parts["paged attention"]))
+        cpu_numba.set_enabled(True)
+        totals = {k: statistics.median(t for t, _ in v) for k, v in results.items()}
+        for compiled in (False, True):
+            attn = statistics.median(a for _, a in results[compiled])
+            lines.append(f"| {batch} | {'numba' if compiled else 'NumPy'} | "
+                         f"{totals[compiled] * 1e3:.1f} ms | {attn * 1e3:.1f} ms | "
+                         f"{attn / totals[compiled]:.0%} | "
+                         f"{totals[False] / totals[compiled]:.2f}x |")
     return lines
 
 

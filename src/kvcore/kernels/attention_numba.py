@@ -226,6 +226,9 @@ def attend(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, mode: in
 
 
 def set_threads(threads: int) -> None:
-    """numba's threads for this calling thread's parallel regions (at most its pool's size)."""
+    """numba's threads for this calling thread's parallel regions (at most its pool's size),
+    handing out items one at a time: a thread that starts late (a busy machine) takes fewer
+    items instead of holding up the region with an equal share."""
     limit: int = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]
     numba.set_num_threads(max(1, min(threads, limit)))
+    numba.set_parallel_chunksize(1)
