@@ -107,8 +107,10 @@ def test_long_contexts_split_keys_and_merge(monkeypatch: pytest.MonkeyPatch, thr
     rng = np.random.default_rng(int(threads))
     args, keys, values = problem(rng, [4097, 700], [1, 300], 9, 3, 64, 16,
                                  np.dtype(np.float32), 1.0)
-    out = cpu.paged_attention(*args, 0.125, window)
+    out = cpu_numba.paged_attention(*args, 0.125, window, 1.0, 1.0)
     check(out, args, keys, values, 0.125, window, TOL)
+    # the dispatcher: the long chunk through NumPy, the decode token compiled
+    check(cpu.paged_attention(*args, 0.125, window), args, keys, values, 0.125, window, TOL)
 
 
 def test_compiled_and_numpy_kernels_agree() -> None:
