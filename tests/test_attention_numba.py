@@ -4,11 +4,10 @@ kernel, on fresh random problems: GQA ratios, block sizes, windows, cache dtypes
 
 from __future__ import annotations
 
-import logging
-
 import ml_dtypes
 import numpy as np
 import pytest
+import structlog
 
 from kvcore.kernels import cpu, cpu_numba
 
@@ -156,11 +155,19 @@ def test_bad_block_ids_raise_before_any_read() -> None:
         cpu.paged_attention(args[0], args[1], args[2], tables, *args[4:], 0.3)
 
 
-def test_warm_up_logs_the_path(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="kvcore.kernels"):
+def test_warm_up_logs_the_path() -> None:
+    with structlog.testing.capture_logs() as logs:
         seconds = cpu_numba.warm_up_cpu_kernels("bf16")
+        cpu_numba.set_enabled(False)
+        try:
+            cpu_numba.warm_up_cpu_kernels("fp32")
+        finally:
+            cpu_numba.set_enabled(True)
     assert seconds >= 0
-    assert "CPU paged attention: numba (compiled)" in caplog.text
+    assert [(e["event"], e["path"]) for e in logs] == [
+        ("CPU paged attention", "numba (compiled)"), ("CPU paged attention", "numpy (reference)")]
+    with pytest.raises(ValueError, match="cache_dtype must be one of"):
+        cpu_numba.warm_up_cpu_kernels("int8")
 
 
 def test_numba_cache_goes_under_kvcore_home_when_the_package_is_read_only(

@@ -94,8 +94,8 @@ def bound_rows(rng: np.random.Generator, repeats: int, layers: int = 8) -> list[
     from kvcore.kernels import cpu, cpu_numba
 
     @njit(parallel=True)
-    def read(words: np.ndarray) -> int:  # every 8 bytes once, split over the threads
-        total = 0
+    def read(words: np.ndarray) -> np.uint64:  # every 8 bytes once, split over the threads
+        total = np.uint64(0)  # uint64 throughout: int64 + uint64 would be float64 in numba
         for i in prange(words.shape[0]):
             total += words[i]
         return total

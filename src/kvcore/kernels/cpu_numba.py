@@ -15,7 +15,6 @@ attention between GEMMs, never beside one; OpenBLAS's workers go to sleep after 
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from pathlib import Path
@@ -23,10 +22,11 @@ from types import ModuleType
 
 import ml_dtypes
 import numpy as np
+import structlog
 
 from kvcore.kernels.parallel import num_threads
 
-log = logging.getLogger("kvcore.kernels")
+log = structlog.get_logger("kvcore.kernels")
 
 _FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 _BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -86,8 +86,8 @@ def compiled() -> ModuleType | None:
             _start_threads_passive()
         except ImportError as exc:  # numba missing, or built for another NumPy
             _load_error = str(exc)
-            log.warning("numba unavailable (%s): CPU paged attention runs the NumPy kernels",
-                        exc)
+            log.warning("numba unavailable: CPU paged attention runs the NumPy kernels",
+                        error=str(exc))
         else:
             _compiled = attention_numba
     return _compiled
@@ -172,7 +172,7 @@ def warm_up(cache_dtypes: tuple[np.dtype, ...] = (np.dtype(np.float32),)) -> flo
                 paged_attention(query, cache, cache, tables, np.array([3, 5], np.int32),
                                 np.array([0, 3, 4], np.int32), 0.3, window, 1.0, 1.0)
     seconds = time.perf_counter() - start
-    log.info("CPU paged attention: %s (warm-up %.2f s)", path_name(), seconds)
+    log.info("CPU paged attention", path=path_name(), warm_up_s=round(seconds, 2))
     return seconds
 
 
