@@ -226,9 +226,18 @@ def attend(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, mode: in
 
 
 def set_threads(threads: int) -> None:
-    """numba's threads for this calling thread's parallel regions (at most its pool's size),
-    handing out items one at a time: a thread that starts late (a busy machine) takes fewer
-    items instead of holding up the region with an equal share."""
+    """numba's threads for this calling thread's parallel regions (at most its pool's size)."""
     limit: int = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]
     numba.set_num_threads(max(1, min(threads, limit)))
-    numba.set_parallel_chunksize(1)
+
+
+def run(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, mode: int,
+        fp8_table: np.ndarray, block_tables: np.ndarray, context_lens: np.ndarray,
+        query_start_loc: np.ndarray, window: int, items: np.ndarray, groups: np.ndarray,
+        num_partial_rows: int, v_scale: float, out: np.ndarray) -> None:
+    """attend(...), its items handed out one at a time: a thread that starts late (a busy
+    machine) takes fewer items instead of holding up the region with an equal share. Scoped
+    to this call: other parallel code of the process keeps its own chunk size."""
+    with numba.parallel_chunksize(1):
+        attend(query, k_cache, v_cache, mode, fp8_table, block_tables, context_lens,
+               query_start_loc, window, items, groups, num_partial_rows, v_scale, out)

@@ -152,8 +152,8 @@ def paged_attention(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     kernel.set_threads(threads)
     items, groups, num_rows = kernel.work_items(lens, starts, k_cache.shape[1], window, threads)
     out = np.empty(q.shape, np.float32)  # (T, H, D)
-    kernel.attend(q, k_bits, v_bits, k_mode, FP8_TABLE, tables, lens, starts, window, items,
-                  groups, num_rows, float(v_scale), out)
+    kernel.run(q, k_bits, v_bits, k_mode, FP8_TABLE, tables, lens, starts, window, items,
+               groups, num_rows, float(v_scale), out)
     return out
 
 
