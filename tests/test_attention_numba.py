@@ -180,3 +180,22 @@ def test_numba_cache_goes_under_kvcore_home_when_the_package_is_read_only(
     monkeypatch.setenv("NUMBA_CACHE_DIR", "/elsewhere")  # a value already set wins
     cpu_numba._cache_dir()
     assert cpu_numba.os.environ["NUMBA_CACHE_DIR"] == "/elsewhere"
+
+
+def test_without_numba_the_numpy_kernel_runs_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    import kvcore.kernels
+
+    monkeypatch.setattr(cpu_numba, "_compiled", None)
+    monkeypatch.setattr(cpu_numba, "_load_error", None)
+    monkeypatch.delattr(kvcore.kernels, "attention_numba")
+    monkeypatch.setitem(sys.modules, "kvcore.kernels.attention_numba", None)  # import fails
+    with structlog.testing.capture_logs() as logs:
+        assert cpu_numba.compiled() is None and not cpu_numba.active()
+        cpu_numba.warm_up_cpu_kernels("fp32")
+    assert logs[0]["log_level"] == "warning" and "NumPy kernels" in logs[0]["event"]
+    assert logs[1]["path"] == "numpy (reference)"
+    rng = np.random.default_rng(4)
+    args, keys, values = problem(rng, [30, 7], [1, 7], 4, 2, 8, 4, np.dtype(np.float32), 1.0)
+    check(cpu.paged_attention(*args, 0.3), args, keys, values, 0.3, None, TOL)

@@ -84,7 +84,8 @@ def compiled() -> ModuleType | None:
             from kvcore.kernels import attention_numba
 
             _start_threads_passive()
-        except ImportError as exc:  # numba missing, or built for another NumPy
+        except (ImportError, ValueError) as exc:  # numba missing, built for another NumPy,
+            # or no threading layer it can start (a ValueError from numba)
             _load_error = str(exc)
             log.warning("numba unavailable: CPU paged attention runs the NumPy kernels",
                         error=str(exc))
