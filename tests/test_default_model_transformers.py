@@ -31,14 +31,15 @@ CONVERSATIONS = [
 
 
 def greedy_paged(model: LlamaModel, prompts: list[list[int]], num_new_tokens: int,
-                 eos_token_id: int, block_size: int = 16) -> list[list[int]]:
+                 eos_token_id: int, block_size: int = 16,
+                 cache_dtype: str = "fp32") -> list[list[int]]:
     """Greedy decoding of all prompts in one batch: one prefill step, then a decode token per
     running sequence per step, over a paged cache with blocks handed out in shuffled order."""
     c = model.config
     max_len = max(len(p) for p in prompts) + num_new_tokens
     blocks_per_seq = -(-max_len // block_size)
     cache = KVCache(c.num_layers, blocks_per_seq * len(prompts), block_size, c.num_kv_heads,
-                    c.head_dim)
+                    c.head_dim, cache_dtype)
     order = np.random.default_rng(0).permutation(blocks_per_seq * len(prompts))
     tables = [[int(b) for b in order[s::len(prompts)]] for s in range(len(prompts))]
     tokens = [list(p) for p in prompts]
@@ -74,12 +75,15 @@ def test_greedy_generation_matches_transformers(default_model_dir: Path):
     torch.set_num_threads(2)
     tok = Tokenizer.from_dir(default_model_dir)
     prompts = [tok.encode(tok.apply_chat_template(m)) for m in CONVERSATIONS]
-    ours = greedy_paged(load_model(default_model_dir), prompts, NUM_NEW_TOKENS, 2)
+    model = load_model(default_model_dir)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(
         default_model_dir, dtype=torch.float32, attn_implementation="eager").eval()
-    for prompt, generated in zip(prompts, ours, strict=True):
-        expected = greedy_transformers(hf_model, prompt, NUM_NEW_TOKENS)
-        assert generated == expected, (tok.decode(generated), tok.decode(expected))
+    expected = [greedy_transformers(hf_model, prompt, NUM_NEW_TOKENS) for prompt in prompts]
+    # an fp16 KV cache (half the bytes) keeps the greedy outputs too (64 tokens checked once)
+    for cache_dtype in ("fp32", "fp16"):
+        ours = greedy_paged(model, prompts, NUM_NEW_TOKENS, 2, cache_dtype=cache_dtype)
+        for generated, wanted in zip(ours, expected, strict=True):
+            assert generated == wanted, (cache_dtype, tok.decode(generated), tok.decode(wanted))
     texts = [tok.decode(g) for g in ours]
     assert "Paris" in texts[0]  # and the model is the instruct model it claims to be
 

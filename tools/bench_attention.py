@@ -1,10 +1,16 @@
-"""CPU paged attention alone (`kvcore.kernels.cpu.paged_attention`), per layer.
+"""CPU paged attention alone (`kvcore.kernels.cpu.paged_attention`), per layer: the NumPy
+kernel and the compiled (numba) one side by side, taking turns.
 
 Decode batches of one token per sequence (uniform and mixed context lengths, shuffled blocks)
 and one long prefill chunk, at the default model's head shapes (9 query heads, 3 KV heads,
 head_dim 64, blocks of 16), fp32, on fresh random data. Prints the median time per layer call.
 
-    .venv/bin/python tools/bench_attention.py [--threads N] [--repeats 5] [--gather]
+    .venv/bin/python tools/bench_attention.py [--threads N] [--repeats 5] [--gather] [--bound]
+
+`--bound` adds decode attention against its memory bound, per cache dtype (fp32, fp16, bf16,
+fp8) at batch 32 x context 512: the K/V bytes a layer must read divided by the read bandwidth
+measured in the same run (a compiled parallel read of the same caches, same threads), over
+several layers' caches in turn so that each call finds its cache cold, as in a forward pass.
 
 `--gather` adds what bounds decode attention: the rate at which one step's K/V blocks are
 gathered (np.take, as the kernel does) from 30 layers' caches (cold, as in a forward pass), with
@@ -80,38 +86,102 @@ def gather_rates(rng: np.random.Generator, repeats: int, num_seqs: int = 64,
     return {name: total_bytes / statistics.median(t) / 1e9 for name, t in times.items()}
 
 
+def bound_rows(rng: np.random.Generator, repeats: int, layers: int = 8) -> list[str]:
+    """Compiled decode attention vs the time to read its K/V bytes, per cache dtype."""
+    import ml_dtypes
+    from numba import njit, prange
+
+    from kvcore.kernels import cpu, cpu_numba
+
+    @njit(parallel=True)
+    def read(words: np.ndarray) -> np.uint64:  # every 8 bytes once, split over the threads
+        total = np.uint64(0)  # uint64 throughout: int64 + uint64 would be float64 in numba
+        for i in prange(words.shape[0]):
+            total += words[i]
+        return total
+
+    base = [decode_case(rng, np.full(32, 512)) for _ in range(layers)]
+    rows = ["| cache dtype | K/V bytes per layer | read bandwidth | memory bound | numba | "
+            "numba / bound | NumPy |", "|---|---|---|---|---|---|---|"]
+    for name, dtype in (("fp32", np.float32), ("fp16", np.float16),
+                        ("bf16", ml_dtypes.bfloat16), ("fp8", ml_dtypes.float8_e4m3fn)):
+        scale = 0.05 if name == "fp8" else 1.0
+        cases = [(c[0], (c[1] / scale).astype(dtype), (c[2] / scale).astype(dtype), *c[3:])
+                 for c in base]
+        # the bytes attention must read: each sequence's blocks, K and V (here: every block)
+        nbytes = cases[0][1].nbytes + cases[0][2].nbytes
+        words = [c[i].reshape(-1).view(np.uint64) for c in cases for i in (1, 2)]
+        read(words[0])
+
+        def run(compiled: bool, cases: list = cases, scale: float = scale) -> None:
+            cpu_numba.set_enabled(compiled)
+            for c in cases:
+                cpu.paged_attention(*c, 0.125, None, scale, scale)
+
+        def run_read(words: list = words) -> None:
+            for w in words:
+                read(w)
+        times: dict[str, list[float]] = {"numba": [], "numpy": [], "read": []}
+        for i in range(repeats + 1):
+            for label in ("numba", "numpy", "read"):
+                start = time.perf_counter()
+                run_read() if label == "read" else run(label == "numba")
+                if i:
+                    times[label].append((time.perf_counter() - start) / layers)
+        cpu_numba.set_enabled(True)
+        t = {k: statistics.median(v) for k, v in times.items()}
+        rows.append(f"| {name} | {nbytes / 2**20:.1f} MiB | {nbytes / t['read'] / 1e9:.1f} GB/s | "
+                    f"{t['read'] * 1e3:.2f} ms | {t['numba'] * 1e3:.2f} ms | "
+                    f"{t['numba'] / t['read']:.2f}x | {t['numpy'] * 1e3:.2f} ms |")
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=None,
                    help="kvcore's kernel threads (default: $KVCORE_NUM_THREADS or all cores)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--gather", action="store_true", help="also the K/V gather rates")
+    p.add_argument("--bound", action="store_true",
+                   help="also decode attention vs its memory bound, per cache dtype")
     args = p.parse_args()
     if args.threads is not None:
         os.environ["KVCORE_NUM_THREADS"] = str(args.threads)
     from kvcore.kernels import cpu as reference
+    from kvcore.kernels import cpu_numba
     from kvcore.kernels.parallel import num_threads
 
     rng = np.random.default_rng(0)
     cases = {
         "decode 64 seqs x 128": decode_case(rng, np.full(64, 128)),
         "decode 256 seqs x 16-768 (mixed)": decode_case(rng, rng.integers(16, 769, 256)),
+        "decode 32 seqs x 512": decode_case(rng, np.full(32, 512)),
         "decode 32 seqs x 2048": decode_case(rng, np.full(32, 2048)),
+        "decode 1 seq x 4096": decode_case(rng, np.full(1, 4096)),
         "prefill 2048 tokens": prefill_case(rng, 2048),
     }
-    print(f"{num_threads()} kernel threads, median of {args.repeats}, ms per layer call")
+    print(f"{num_threads()} kernel threads, median of {args.repeats}, ms per layer call: "
+          "NumPy, numba, speed-up")
     for name, case in cases.items():
-        reference.paged_attention(*case, 0.125)  # warm-up (plan, scratch buffers)
-        times = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            reference.paged_attention(*case, 0.125)
-            times.append(time.perf_counter() - start)
-        print(f"  {name:36s} {statistics.median(times) * 1e3:8.2f} ms")
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for i in range(args.repeats + 1):  # the first round warms up (plans, scratch, JIT)
+            for compiled in (False, True):
+                cpu_numba.set_enabled(compiled)
+                start = time.perf_counter()
+                reference.paged_attention(*case, 0.125)
+                if i:
+                    times[compiled].append(time.perf_counter() - start)
+        numpy_t, numba_t = statistics.median(times[False]), statistics.median(times[True])
+        print(f"  {name:36s} {numpy_t * 1e3:8.2f} {numba_t * 1e3:8.2f} {numpy_t / numba_t:6.2f}x")
+    cpu_numba.set_enabled(True)
     if args.gather:
         print("K/V gather of a 64 x 128 decode step over 30 layers' caches, GB/s read")
         for name, rate in gather_rates(rng, args.repeats).items():
             print(f"  {name:36s} {rate:8.1f} GB/s")
+    if args.bound:
+        print(f"decode attention, 32 x 512, vs its memory bound ({num_threads()} threads)")
+        bound_rows(rng, args.repeats)
 
 
 if __name__ == "__main__":

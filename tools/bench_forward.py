@@ -44,6 +44,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--breakdown", action="store_true",
                    help="also time each kernel of the batch-64 decode step")
     p.add_argument("--record", action="store_true", help="write docs/benchmarks.md's section")
+    p.add_argument("--kv-cache-dtype", default="fp32", choices=("fp32", "fp16", "bf16", "fp8"),
+                   help="kvcore's KV cache dtype (default fp32, transformers' own)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="cpu: process CPU time, which other processes' load does not inflate "
                         "(meaningful with --threads 1 only)")
@@ -91,13 +93,14 @@ def empty_cache(model: LlamaModel, num_blocks: int) -> KVCache:
     """The model's cache layout (MLA: one latent K/V array per layer)."""
     kv_heads, width, shared = model.config.kv_layout
     return KVCache(model.config.num_layers, num_blocks, BLOCK_SIZE, kv_heads, width,
-                   shared_kv=shared)
+                   ARGS.kv_cache_dtype, shared_kv=shared)
 
 
 def fresh_cache(model: LlamaModel, num_blocks: int, rng: np.random.Generator) -> KVCache:
     cache = empty_cache(model, num_blocks)
     for array in {id(a): a for a in cache.key_caches + cache.value_caches}.values():
-        array[...] = rng.standard_normal(array.shape, dtype=np.float32)  # random, not zeros
+        # context content: random, not zeros
+        array[...] = rng.standard_normal(array.shape, dtype=np.float32).astype(array.dtype)
     return cache
 
 
@@ -302,7 +305,8 @@ def main() -> int:
                          base_t and base_t / ours_t))
             print(rows[-1], flush=True)
     lines = [f"Model `{model_dir.name}` ({model.config.num_layers} layers, hidden "
-             f"{model.config.hidden_size}), fp32 weights and KV cache, block size {BLOCK_SIZE}, "
+             f"{model.config.hidden_size}), fp32 weights, {ARGS.kv_cache_dtype} KV cache, "
+             f"block size {BLOCK_SIZE}, "
              f"{ARGS.threads} BLAS threads for both, {platform.processor() or platform.machine()}, "
              f"NumPy {np.__version__}" + (f", {hf.version}" if hf else "") + ". Median of "
              f"{ARGS.repeats} timed runs after a warm-up, taking turns; "
@@ -368,6 +372,35 @@ def breakdown_lines(model: LlamaModel, streamed: float) -> list[str]:
               f"everything but attention takes {rest * 1e3:.1f} ms of this one, which leaves "
               f"attention **{max(budget - rest, 0.0) * 1e3:.1f} ms** (it took "
               f"{parts['paged attention'] * 1e3:.1f} ms)."]
+    return lines + attention_share_lines(model)
+
+
+def attention_share_lines(model: LlamaModel) -> list[str]:
+    """Attention's share of a batch-32 and a batch-64 decode step, with the NumPy kernel and
+    with the compiled one, runs taking turns (the same steps, the same clock)."""
+    from kvcore.kernels import cpu_numba
+
+    lines = ["", f"Paged attention's share of a decode step at context {ARGS.context}, "
+             f"{ARGS.kv_cache_dtype} cache, NumPy kernel vs compiled (numba) kernel "
+             f"({ARGS.repeats} runs each, taking turns):", "",
+             "| batch | kernel | step | attention | attention share | step speed-up |",
+             "|---|---|---|---|---|---|"]
+    for batch in (32, 64):
+        step = ours_decode(model, batch, ARGS.context, np.random.default_rng(batch))
+        results: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+        for _ in range(ARGS.repeats):
+            for compiled in (False, True):
+                cpu_numba.set_enabled(compiled)
+                total, parts = step_breakdown(step, 1)
+                results[compiled].append((total, parts["paged attention"]))
+        cpu_numba.set_enabled(True)
+        totals = {k: statistics.median(t for t, _ in v) for k, v in results.items()}
+        for compiled in (False, True):
+            attn = statistics.median(a for _, a in results[compiled])
+            lines.append(f"| {batch} | {'numba' if compiled else 'NumPy'} | "
+                         f"{totals[compiled] * 1e3:.1f} ms | {attn * 1e3:.1f} ms | "
+                         f"{attn / totals[compiled]:.0%} | "
+                         f"{totals[False] / totals[compiled]:.2f}x |")
     return lines
 
 

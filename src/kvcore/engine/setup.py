@@ -7,6 +7,7 @@ from typing import Protocol
 
 import numpy as np
 
+from kvcore import kernels
 from kvcore.cache import KVCacheManager
 from kvcore.cache.kv_cache import KVCache
 from kvcore.config import EngineConfig, ModelConfig, ParamError
@@ -52,7 +53,11 @@ def load_engine_model(config: EngineConfig, device: str) -> tuple[EngineModel, s
     the device cannot use is a ValueError raised before any weight is loaded."""
     cache_dtype = engine_cache_dtype(config.cache.cache_dtype, half_model=device == "cuda")
     if device != "cuda":
-        return load_model(config.model, device), cache_dtype
+        model = load_model(config.model, device)
+        # the compiled CPU attention for this cache dtype, loaded (or compiled) before the
+        # engine takes requests: no JIT on a request
+        kernels.warm_up_cpu_kernels(cache_dtype)
+        return model, cache_dtype
     model = load_half_model(config.model, device)
     if not config.enforce_eager:
         model.enable_cuda_graphs(config.scheduler.max_num_seqs,

@@ -12,6 +12,7 @@ from typing import Any
 
 from kvcore.device import array_module
 from kvcore.kernels import cpu
+from kvcore.kernels.cpu_numba import warm_up_cpu_kernels
 
 
 def _on_gpu(array: Any) -> bool:
@@ -68,4 +69,4 @@ def rope(x: Any, positions: Any, cos: Any, sin: Any) -> Any:
 
 
 __all__ = ["copy_blocks", "paged_attention", "reshape_and_cache", "rms_norm", "rope",
-           "silu_and_mul", "uses_cuda_kernels"]
+           "silu_and_mul", "uses_cuda_kernels", "warm_up_cpu_kernels"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from kvcore.kernels import attention
+from kvcore.kernels import attention, cpu_numba
 from kvcore.kernels.layer_ops import rms_norm, rope, rope_cos_sin, rope_inv_freq, silu_and_mul
 
 FP8_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -80,13 +80,42 @@ def paged_attention(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
 
     Query i of sequence s (q_len = qsl[s+1] - qsl[s]) sits at position context_lens[s] - q_len + i
     and attends the keys at positions p' <= p (and p' > p - sliding_window). Returns (T, H, D).
+    Runs the compiled kernel (kvcore.kernels.cpu_numba) when numba is there, else NumPy's.
     """
     _check_attention_shapes(query, k_cache, block_tables, context_lens, query_start_loc)
+    if cpu_numba.supports(query, k_cache, v_cache):
+        q_lens = np.diff(query_start_loc)
+        long_chunks = q_lens >= cpu_numba.NUMPY_CHUNK_ROWS
+        if not long_chunks.any():
+            out = cpu_numba.paged_attention(query, k_cache, v_cache, block_tables, context_lens,
+                                            query_start_loc, scale, sliding_window, k_scale,
+                                            v_scale)
+            return out.astype(query.dtype, copy=False)
+        if not long_chunks.all():  # the long chunks through NumPy's GEMMs, the rest compiled
+            out = np.empty(query.shape, np.float32)  # (T, H, D)
+            for seqs, compiled in ((np.flatnonzero(~long_chunks), True),
+                                   (np.flatnonzero(long_chunks), False)):
+                rows = np.concatenate([np.arange(query_start_loc[s], query_start_loc[s + 1])
+                                       for s in seqs])
+                starts = np.concatenate([[0], np.cumsum(q_lens[seqs])]).astype(np.int32)
+                run = cpu_numba.paged_attention if compiled else _numpy_attention
+                out[rows] = run(query[rows], k_cache, v_cache, block_tables[seqs],
+                                context_lens[seqs], starts, scale, sliding_window, k_scale,
+                                v_scale)
+            return out.astype(query.dtype, copy=False)
+    out = _numpy_attention(query, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+                           scale, sliding_window, k_scale, v_scale)
+    return out.astype(query.dtype, copy=False)
+
+
+def _numpy_attention(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                     block_tables: np.ndarray, context_lens: np.ndarray,
+                     query_start_loc: np.ndarray, scale: float, sliding_window: int | None,
+                     k_scale: float, v_scale: float) -> np.ndarray:
     step = attention.plan(block_tables, context_lens, query_start_loc, k_cache.shape[1],
                           sliding_window)
-    out = attention.attend(query, k_cache, v_cache, step, scale, sliding_window, k_scale,
-                           v_scale)
-    return out.astype(query.dtype, copy=False)
+    return attention.attend(query, k_cache, v_cache, step, scale, sliding_window, k_scale,
+                            v_scale)
 
 
 def copy_blocks(k_caches: list[np.ndarray], v_caches: list[np.ndarray],

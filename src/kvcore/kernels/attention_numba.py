@@ -1,0 +1,243 @@
+"""Compiled CPU paged attention (numba): reads K/V blocks in place, online softmax per work item.
+
+The batch is cut into work items: (sequence, a tile of up to ROWS_PER_TILE query rows, a range
+of keys), every head. An item walks the block table over its keys, converts each block (all its
+KV heads: one contiguous read) to float32 in a small L1-resident buffer (fp32 copied, bf16
+shifted, fp16 rebuilt from its bits, fp8 through a 256-entry table) while the next block is
+prefetched, and keeps a running maximum, sum and weighted values for every query vector of the
+tile (rows x heads), so one read of a block serves all of them. Items of one (sequence, tile)
+that split a long key range (so that a batch of one at a long context still gives every thread
+work) are merged afterwards from their partial maxima, sums and outputs.
+
+Only this module imports numba; kvcore.kernels.cpu_numba decides whether it runs at all.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from kvcore.kernels.numba_blocks import FASTMATH, exp_rows, load_block, prefetch_block
+
+ROWS_PER_TILE = 16  # query rows of a prefill chunk per item: 16 x group vectors share each block
+MIN_SPLIT_KEYS = 256  # a key range is split only into pieces at least this long
+ITEMS_PER_THREAD = 8  # split key ranges until the batch has about this many items per thread
+
+
+ERRORS = ("", "a sequence has more query tokens than its context_lens (or fewer than 0)",
+          "context_lens exceed the blocks that block_tables can hold",
+          "block_tables holds a block id outside the cache")
+
+
+@njit(cache=True)
+def check_batch(block_tables: np.ndarray, context_lens: np.ndarray, query_start_loc: np.ndarray,
+                block_size: int, num_blocks: int, window: int) -> int:
+    """0, or the index in ERRORS of what is wrong with the batch arrays: the kernel reads
+    without bounds checks, so every block id it will read is checked here first."""
+    for s in range(context_lens.shape[0]):
+        q_len = query_start_loc[s + 1] - query_start_loc[s]
+        ctx = context_lens[s]
+        if q_len < 0 or q_len > ctx:
+            return 1
+        last = (ctx - 1) // block_size
+        if last >= block_tables.shape[1]:
+            return 2
+        first_key = max(0, ctx - q_len - window + 1) if window > 0 else 0
+        for b in range(first_key // block_size, last + 1):
+            if block_tables[s, b] >= num_blocks:
+                return 3
+    return 0
+
+
+@njit(cache=True)
+def work_items(context_lens: np.ndarray, query_start_loc: np.ndarray, block_size: int,
+               window: int, threads: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """(items (W, 6) int64: seq, row0, row1, key0, key1, offset of its partial rows;
+    groups (N, 4) int64: first query row in T, rows, first item, end item; partial rows).
+    Rows are relative to the sequence's chunk; an item covers every head."""
+    num_seqs = context_lens.shape[0]
+    total_keys = 0
+    num_groups = 0
+    for s in range(num_seqs):
+        q_len = query_start_loc[s + 1] - query_start_loc[s]
+        first_pos = context_lens[s] - q_len
+        for r0 in range(0, q_len, ROWS_PER_TILE):
+            lo = max(0, first_pos + r0 - window + 1) if window > 0 else 0
+            total_keys += first_pos + min(q_len, r0 + ROWS_PER_TILE) - lo
+            num_groups += 1
+    split = max(MIN_SPLIT_KEYS, -(-total_keys // (ITEMS_PER_THREAD * threads)))
+    split = -(-split // block_size) * block_size  # whole blocks per piece
+    groups = np.empty((num_groups, 4), np.int64)  # (N, 4)
+    items = np.empty((num_groups + total_keys // split + num_groups, 6), np.int64)  # (W, 6)
+    g = 0
+    w = 0
+    offset = 0
+    for s in range(num_seqs):
+        q_len = query_start_loc[s + 1] - query_start_loc[s]
+        first_pos = context_lens[s] - q_len
+        for r0 in range(0, q_len, ROWS_PER_TILE):
+            r1 = min(q_len, r0 + ROWS_PER_TILE)
+            lo = max(0, first_pos + r0 - window + 1) if window > 0 else 0
+            hi = first_pos + r1
+            groups[g, 0] = query_start_loc[s] + r0
+            groups[g, 1] = r1 - r0
+            groups[g, 2] = w
+            k0 = lo
+            while k0 < hi:  # pieces end on multiples of split
+                k1 = min(hi, (k0 // split + 1) * split)
+                items[w, 0] = s
+                items[w, 1] = r0
+                items[w, 2] = r1
+                items[w, 3] = k0
+                items[w, 4] = k1
+                items[w, 5] = offset
+                offset += r1 - r0
+                w += 1
+                k0 = k1
+            groups[g, 3] = w
+            g += 1
+    return items[:w], groups, offset
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _attend_item(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, mode: int,
+                 fp8_table: np.ndarray, block_tables: np.ndarray, context_lens: np.ndarray,
+                 query_start_loc: np.ndarray, window: int, item: np.ndarray,
+                 part_max: np.ndarray, part_sum: np.ndarray, part_out: np.ndarray) -> None:
+    """One item: its query vectors (rows x heads) over keys [key0, key1), unnormalized, into
+    the partial arrays at the item's offset. Loops run over whole blocks and whole head_dim
+    from 0 (indices the compiler knows are non-negative, so the loops vectorize); keys outside
+    the item's range are masked like the future."""
+    s, r0, r1, k0, k1, offset = item[0], item[1], item[2], item[3], item[4], item[5]
+    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    num_heads = query.shape[1]
+    group = num_heads // num_kv_heads
+    q_len = query_start_loc[s + 1] - query_start_loc[s]
+    first_pos = context_lens[s] - q_len
+    num_vecs = (r1 - r0) * num_heads
+    # (V, D) the tile's query rows x heads, dense
+    queries = query[query_start_loc[s] + r0:query_start_loc[s] + r1].reshape(num_vecs, head_dim)
+    row_max = np.full(num_vecs, -np.inf, np.float32)  # (V,) running maxima
+    row_sum = np.zeros(num_vecs, np.float32)  # (V,) running sums of exp(score - max)
+    acc = np.zeros((num_vecs, head_dim), np.float32)  # (V, D) weighted values
+    keys = np.empty((block_size, num_kv_heads, head_dim), np.float32)  # (bs, Hkv, D) a block
+    values = np.empty((block_size, num_kv_heads, head_dim), np.float32)
+    keys_flat, values_flat = keys.reshape(keys.size), values.reshape(values.size)
+    key_bits, value_bits = keys_flat.view(np.uint32), values_flat.view(np.uint32)
+    probs = np.empty((num_vecs, block_size), np.float32)  # (V, bs) this block's scores, weights
+    exp_bits = np.empty((num_vecs, block_size), np.uint32)
+    last_pos = first_pos + r1 - 1
+    last_block = (k1 - 1) // block_size
+    for b in range(k0 // block_size, last_block + 1):
+        block_id = block_tables[s, b]
+        if block_id < 0:  # released (outside every row's window) or padding
+            continue
+        if b < last_block and block_tables[s, b + 1] >= 0:
+            prefetch_block(k_cache, block_tables[s, b + 1])
+            prefetch_block(v_cache, block_tables[s, b + 1])
+        first_key = b * block_size
+        t0 = max(k0, first_key) - first_key  # the item's keys in this block: [t0, t1)
+        t1 = min(k1, first_key + block_size) - first_key
+        load_block(k_cache, block_id, mode, fp8_table, keys_flat, key_bits)
+        for i in range(num_vecs):
+            kv_head = (i % num_heads) // group
+            for t in range(block_size):
+                score = np.float32(0.0)
+                for d in range(head_dim):
+                    score += queries[i, d] * keys[t, kv_head, d]
+                probs[i, t] = score
+        # outside the item's keys, the future of the tile's first row, or keys behind its
+        # last row's window
+        if t0 > 0 or t1 < block_size or first_key + t1 - 1 > first_pos + r0 or (
+                window > 0 and first_key + t0 <= last_pos - window):
+            for i in range(num_vecs):
+                pos = first_pos + r0 + i // num_heads
+                for t in range(block_size):
+                    key_pos = first_key + t
+                    if t < t0 or t >= t1 or key_pos > pos or (
+                            window > 0 and key_pos <= pos - window):
+                        probs[i, t] = -np.inf
+        for i in range(num_vecs):
+            top = row_max[i]
+            for t in range(block_size):
+                top = max(top, probs[i, t])
+            if top > row_max[i]:  # rescale what the row has gathered so far
+                alpha = np.float32(math.exp(row_max[i] - top))
+                row_sum[i] *= alpha
+                for d in range(head_dim):
+                    acc[i, d] *= alpha
+                row_max[i] = top
+        exp_rows(probs, exp_bits, row_max)
+        load_block(v_cache, block_id, mode, fp8_table, values_flat, value_bits)
+        if t0 > 0 or t1 < block_size:  # slots outside the range may hold stale inf / nan
+            for t in range(block_size):
+                if t < t0 or t >= t1:
+                    values[t] = 0.0
+        for i in range(num_vecs):
+            kv_head = (i % num_heads) // group
+            total = np.float32(0.0)
+            for t in range(block_size):
+                p = probs[i, t]
+                total += p
+                for d in range(head_dim):
+                    acc[i, d] += p * values[t, kv_head, d]
+            row_sum[i] += total
+    start = offset * num_heads
+    part_max[start:start + num_vecs] = row_max
+    part_sum[start:start + num_vecs] = row_sum
+    part_out[start:start + num_vecs] = acc
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True)
+def attend(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, mode: int,
+           fp8_table: np.ndarray, block_tables: np.ndarray, context_lens: np.ndarray,
+           query_start_loc: np.ndarray, window: int, items: np.ndarray, groups: np.ndarray,
+           num_partial_rows: int, v_scale: float, out: np.ndarray) -> None:
+    """Every item in parallel, then every group's items merged into out (T, H, D)."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    part_max = np.empty(num_partial_rows * num_heads, np.float32)  # (P,)
+    part_sum = np.empty(num_partial_rows * num_heads, np.float32)
+    part_out = np.empty((num_partial_rows * num_heads, head_dim), np.float32)  # (P, D)
+    for w in prange(items.shape[0]):
+        _attend_item(query, k_cache, v_cache, mode, fp8_table, block_tables, context_lens,
+                     query_start_loc, window, items[w], part_max, part_sum, part_out)
+    for g in prange(groups.shape[0]):
+        row0, num_rows, i0, i1 = groups[g, 0], groups[g, 1], groups[g, 2], groups[g, 3]
+        for i in range(num_rows * num_heads):
+            top = -np.inf
+            for w in range(i0, i1):
+                top = max(top, part_max[items[w, 5] * num_heads + i])
+            total = np.float32(0.0)
+            merged = np.zeros(head_dim, np.float32)  # (D,)
+            for w in range(i0, i1):
+                j = items[w, 5] * num_heads + i
+                if part_sum[j] == 0.0:  # an item whose keys this row cannot see
+                    continue
+                weight = np.float32(math.exp(part_max[j] - top))
+                total += weight * part_sum[j]
+                for d in range(head_dim):
+                    merged[d] += weight * part_out[j, d]
+            norm = np.float32(v_scale) / total
+            for d in range(head_dim):
+                out[row0 + i // num_heads, i % num_heads, d] = merged[d] * norm
+
+
+def set_threads(threads: int) -> None:
+    """numba's threads for this calling thread's parallel regions (at most its pool's size)."""
+    limit: int = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]
+    numba.set_num_threads(max(1, min(threads, limit)))
+
+
+def run(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, mode: int,
+        fp8_table: np.ndarray, block_tables: np.ndarray, context_lens: np.ndarray,
+        query_start_loc: np.ndarray, window: int, items: np.ndarray, groups: np.ndarray,
+        num_partial_rows: int, v_scale: float, out: np.ndarray) -> None:
+    """attend(...), its items handed out one at a time: a thread that starts late (a busy
+    machine) takes fewer items instead of holding up the region with an equal share. Scoped
+    to this call: other parallel code of the process keeps its own chunk size."""
+    with numba.parallel_chunksize(1):
+        attend(query, k_cache, v_cache, mode, fp8_table, block_tables, context_lens,
+               query_start_loc, window, items, groups, num_partial_rows, v_scale, out)

@@ -1,0 +1,187 @@
+"""Which CPU attention runs: the compiled numba kernel (default) or the NumPy one (reference and
+fallback); the compiled kernel's checks, its disk cache and its start-up warm-up.
+
+numba caches compiled kernels on disk (next to the source, or under $KVCORE_HOME/numba-cache when
+the package directory is read-only), so only a machine's first start compiles; `warm_up` loads
+(or compiles) every variant a cache dtype needs before the engine takes requests.
+
+Threads: the kernel runs numba's own pool, kvcore.kernels.parallel.num_threads() threads
+($KVCORE_NUM_THREADS). OpenBLAS and numba alternate rather than overlap: a forward pass calls
+attention between GEMMs, never beside one; OpenBLAS's workers go to sleep after about 0.1 ms
+(OPENBLAS_THREAD_TIMEOUT, set by kvcore/__init__) and numba's (OpenMP) workers at once
+(OMP_WAIT_POLICY=PASSIVE when its pool starts), so the two pools do not fight for the cores.
+`KVCORE_CPU_ATTENTION=numpy` forces the NumPy kernel.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from types import ModuleType
+
+import ml_dtypes
+import numpy as np
+import structlog
+
+from kvcore.kernels.parallel import num_threads
+
+log = structlog.get_logger("kvcore.kernels")
+
+_FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+# the planner's cache dtype names -> the NumPy dtype of a CPU cache (as KVCache.storage_dtype)
+CPU_CACHE_DTYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": _BF16,
+                    "fp8": _FP8}
+# every e4m3fn value, indexed by its bits: fp8 cache entries become float32 through this table
+FP8_TABLE = np.arange(256, dtype=np.uint8).view(_FP8).astype(np.float32)  # (256,)
+# prefill chunks of at least this many query tokens run the NumPy kernel (its GEMMs): 2,048-token
+# prefill measured 2.1x faster there on 2 cores; decode tokens and short chunks run compiled
+NUMPY_CHUNK_ROWS = 128
+_compiled: ModuleType | None = None
+_load_error: str | None = None
+_enabled = os.environ.get("KVCORE_CPU_ATTENTION", "numba") != "numpy"
+
+
+def _cache_dir() -> None:
+    """Point numba's disk cache at $KVCORE_HOME/numba-cache when it cannot write beside the
+    package's sources (a read-only install), unless NUMBA_CACHE_DIR already says where."""
+    if "NUMBA_CACHE_DIR" in os.environ or os.access(Path(__file__).parent, os.W_OK):
+        return
+    home = os.environ.get("KVCORE_HOME") or str(Path.home() / ".cache" / "kvcore")
+    os.environ["NUMBA_CACHE_DIR"] = str(Path(home) / "numba-cache")
+
+
+def _start_threads_passive() -> None:
+    """Start numba's thread pool with OMP_WAIT_POLICY=PASSIVE (unless the variable is set):
+    libgomp's workers otherwise spin between parallel regions, and on a busy machine a region
+    then waits for a spinning sibling's time slice (measured on 2 loaded cores: batch 32 x 512
+    decode attention 22-37 ms per layer with spinning workers, 3.5 ms with sleeping ones).
+    libgomp reads the variable once, when it is loaded, which is here; it is restored after so
+    other OpenMP libraries loaded later (torch) keep their own default."""
+    if "OMP_WAIT_POLICY" in os.environ:
+        _launch_threads()
+        return
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    try:
+        _launch_threads()
+    finally:
+        del os.environ["OMP_WAIT_POLICY"]
+
+
+def _launch_threads() -> None:
+    from numba.np.ufunc import parallel
+
+    parallel._launch_threads()  # what numba's first parallel call does: pick a layer, start it
+
+
+def compiled() -> ModuleType | None:
+    """kvcore.kernels.attention_numba, or None when numba cannot be imported (logged once)."""
+    global _compiled, _load_error
+    if _compiled is None and _load_error is None:
+        _cache_dir()
+        try:
+            from kvcore.kernels import attention_numba
+
+            _start_threads_passive()
+        except (ImportError, ValueError) as exc:  # numba missing, built for another NumPy,
+            # or no threading layer it can start (a ValueError from numba)
+            _load_error = str(exc)
+            log.warning("numba unavailable: CPU paged attention runs the NumPy kernels",
+                        error=str(exc))
+        else:
+            _compiled = attention_numba
+    return _compiled
+
+
+def set_enabled(flag: bool) -> None:
+    """Use the compiled kernel (True, when numba is there) or the NumPy one (False)."""
+    global _enabled
+    _enabled = flag
+
+
+def active() -> bool:
+    """Whether paged attention on NumPy arrays runs the compiled kernel."""
+    return _enabled and compiled() is not None
+
+
+def path_name() -> str:
+    return "numba (compiled)" if active() else "numpy (reference)"
+
+
+def _cache_mode(cache: np.ndarray) -> tuple[int, np.ndarray] | None:
+    """(mode, the cache viewed as unsigned ints), or None for a cache the kernel cannot read."""
+    if not cache.flags.c_contiguous:
+        return None
+    if cache.dtype == np.float32:
+        return 0, cache.view(np.uint32)
+    if cache.dtype == _BF16:
+        return 1, cache.view(np.uint16)
+    if cache.dtype == np.float16:
+        return 2, cache.view(np.uint16)
+    if cache.dtype == _FP8:
+        return 3, cache.view(np.uint8)
+    return None
+
+
+def supports(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray) -> bool:
+    """Whether the compiled kernel takes these arrays (else the NumPy kernel runs)."""
+    return (active() and k_cache.dtype == v_cache.dtype and _cache_mode(k_cache) is not None
+            and v_cache.flags.c_contiguous and query.dtype in (np.float32, np.float16))
+
+
+def paged_attention(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                    block_tables: np.ndarray, context_lens: np.ndarray,
+                    query_start_loc: np.ndarray, scale: float, sliding_window: int | None,
+                    k_scale: float, v_scale: float) -> np.ndarray:
+    """The compiled kernel, same contract as kvcore.kernels.cpu.paged_attention (shapes checked
+    there). Arrays are cast to the one set of types the warm-up compiled: no JIT on a request."""
+    kernel = compiled()
+    assert kernel is not None
+    k_mode, k_bits = _cache_mode(k_cache)  # type: ignore[misc]
+    _, v_bits = _cache_mode(v_cache)  # type: ignore[misc]
+    # scale and k_scale folded into the queries: score = (q * scale * k_scale) . stored key
+    q = np.multiply(query, np.float32(scale * k_scale), dtype=np.float32)  # (T, H, D) dense
+    tables = np.ascontiguousarray(block_tables, dtype=np.int32)
+    lens = np.ascontiguousarray(context_lens, dtype=np.int32)
+    starts = np.ascontiguousarray(query_start_loc, dtype=np.int32)
+    window = int(sliding_window or 0)
+    error = kernel.check_batch(tables, lens, starts, k_cache.shape[1], k_cache.shape[0], window)
+    if error:
+        raise ValueError(kernel.ERRORS[error])
+    threads = num_threads()
+    kernel.set_threads(threads)
+    items, groups, num_rows = kernel.work_items(lens, starts, k_cache.shape[1], window, threads)
+    out = np.empty(q.shape, np.float32)  # (T, H, D)
+    kernel.run(q, k_bits, v_bits, k_mode, FP8_TABLE, tables, lens, starts, window, items,
+               groups, num_rows, float(v_scale), out)
+    return out
+
+
+def warm_up(cache_dtypes: tuple[np.dtype, ...] = (np.dtype(np.float32),)) -> float:
+    """Load (or compile, on a machine's first start) the kernel for each cache dtype: a tiny
+    mixed batch (a prefill chunk and a decode token, a sliding window) per dtype. Returns the
+    seconds it took; logs which attention path the CPU runs."""
+    start = time.perf_counter()
+    if active():
+        rng = np.random.default_rng(0)
+        for dtype in cache_dtypes:
+            cache = rng.standard_normal((4, 4, 1, 8), dtype=np.float32).astype(dtype)  # bs 4
+            query = rng.standard_normal((4, 2, 8), dtype=np.float32)  # (T, H, D): 3 + 1 tokens
+            tables = np.array([[0, 1], [2, 3]], np.int32)
+            for window in (None, 2):
+                paged_attention(query, cache, cache, tables, np.array([3, 5], np.int32),
+                                np.array([0, 3, 4], np.int32), 0.3, window, 1.0, 1.0)
+    seconds = time.perf_counter() - start
+    log.info("CPU paged attention", path=path_name(), warm_up_s=round(seconds, 2))
+    return seconds
+
+
+def warm_up_cpu_kernels(cache_dtype: str) -> float:
+    """What the engine calls once at construction, before it takes requests: the compiled
+    attention for its cache dtype ("fp32", "fp16", "bf16" or "fp8"), loaded from numba's disk
+    cache or compiled. Returns the seconds it took."""
+    if cache_dtype not in CPU_CACHE_DTYPES:
+        raise ValueError(f"cache_dtype must be one of {tuple(CPU_CACHE_DTYPES)}, "
+                         f"got {cache_dtype!r}")
+    return warm_up((CPU_CACHE_DTYPES[cache_dtype],))
