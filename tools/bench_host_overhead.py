@@ -194,18 +194,27 @@ async def run_streams(engine: Any, prompts: list[list[int]], max_tokens: int,
             results = await asyncio.gather(*(stream_direct(engine, p, max_tokens)
                                              for p in prompts))
         return [(ids, text) for ids, text in results]
-    from aiohttp import ClientSession, TCPConnector
-    from aiohttp.test_utils import TestServer
+    from aiohttp import ClientSession, TCPConnector, web
 
-    async with TestServer(make_http_app(engine)) as server, \
-            ClientSession(connector=TCPConnector(limit=0)) as session:
-        async def stream_http(prompt: list[int]) -> bytes:
-            body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens,
-                    "temperature": 0, "ignore_eos": True, "stream": True}
-            async with session.post(server.make_url("/v1/completions"), json=body) as resp:
-                assert resp.status == 200, (resp.status, await resp.text())
-                return b"".join([chunk async for chunk in resp.content.iter_any()])
-        raw = await asyncio.gather(*(stream_http(p) for p in prompts))
+    runner = web.AppRunner(make_http_app(engine))
+    await runner.setup()  # starts the engine (the app's cleanup_ctx)
+    # a listen backlog above n: at the default 128 the other clients' SYNs are dropped and
+    # retried a second later, so the streams would not all be running together
+    site = web.TCPSite(runner, "127.0.0.1", 0, backlog=len(prompts) + 16)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    url = f"http://{host}:{port}/v1/completions"
+    try:
+        async with ClientSession(connector=TCPConnector(limit=0)) as session:
+            async def stream_http(prompt: list[int]) -> bytes:
+                body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens,
+                        "temperature": 0, "ignore_eos": True, "stream": True}
+                async with session.post(url, json=body) as resp:
+                    assert resp.status == 200, (resp.status, await resp.text())
+                    return b"".join([chunk async for chunk in resp.content.iter_any()])
+            raw = await asyncio.gather(*(stream_http(p) for p in prompts))
+    finally:
+        await runner.cleanup()
     return [(None, sse_text(body)) for body in raw]
 
 
