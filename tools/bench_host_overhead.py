@@ -68,7 +68,8 @@ class TokenRule:
         """The oracle: the tokens a stream with this prompt must produce."""
         seq = list(prompt)
         for _ in range(num_tokens):
-            seq.append(int(self.row_token[self.rows(np.int64(seq[-1]), np.int64(len(seq) - 1))]))
+            row = self.rows(np.array([seq[-1]]), np.array([len(seq) - 1]))  # (1,)
+            seq.append(int(self.row_token[row[0]]))
         return seq[len(prompt):]
 
 
