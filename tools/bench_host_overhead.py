@@ -107,13 +107,13 @@ class StubModel:
 
 def build_engine(model_dir: Path, stub: StubModel, tokenizer: Tokenizer, n: int,
                  max_tokens: int) -> Any:
-    """An AsyncEngine over the real Engine with the stub model. In ids mode today's engine cannot
-    take token ids, so its Sampler is replaced by a pass-through: excluded from the figure are
+    """An AsyncEngine over the real Engine with the stub model. In ids mode an engine that cannot
+    take token ids (up to main 0725fe3: `Engine.sampler` exists) gets a pass-through in place of
+    its Sampler: excluded from the figure are
     Sampler.__call__ (its input checks, logprob bookkeeping, the per-row parameter scan of
     process_logits and the greedy argmax). Still included: Engine._sample's row loop, its
     `logits[row_logits]` gather (here over the (L,) ids: a small copy) and the SamplingRow list."""
     from kvcore.engine import AsyncEngine, Engine
-    from kvcore.sampling.sampler import SamplerOutput
 
     blocks_per_seq = -(-(PROMPT_LEN + max_tokens) // BLOCK_SIZE) + 1
     config = EngineConfig(
@@ -122,7 +122,10 @@ def build_engine(model_dir: Path, stub: StubModel, tokenizer: Tokenizer, n: int,
         scheduler=SchedulerConfig(max_num_seqs=n, max_num_batched_tokens=max(2048, n * PROMPT_LEN),
                                   max_model_len=PROMPT_LEN + max_tokens))
     engine = Engine(config, model=stub, tokenizer=tokenizer)
-    if stub.mode == "ids":
+    # an engine whose core takes a model's (L,) token ids itself has no `sampler` of its own
+    if stub.mode == "ids" and hasattr(engine, "sampler"):
+        from kvcore.sampling.sampler import SamplerOutput
+
         def pass_through(token_ids: np.ndarray, rows: Sequence[Any]) -> SamplerOutput:
             return SamplerOutput(token_ids=token_ids, logprobs=[None] * len(rows))
         engine.sampler = pass_through  # type: ignore[assignment]
@@ -165,7 +168,10 @@ STAGES = (
     ("request.py", "append_token"), ("tokenizer.py", "add"), ("group.py", "output"),
     ("request.py", "completion"), ("async_engine.py", "_drive"), ("queues.py", "put_nowait"),
     ("async_engine.py", "_generate"), ("bench_host_overhead.py", "stream_direct"),
-    ("web_protocol.py", "_handle_request"), ("base_events.py", "_run_once"),
+    ("web_protocol.py", "_handle_request"), ("openai_routes.py", "_stream"),
+    ("generation.py", "_pump"), ("generation.py", "deltas"), ("streaming.py", "sse_event"),
+    ("web_response.py", "write"), ("client_proto.py", "data_received"),
+    ("base_events.py", "_run_once"),
 )
 
 
