@@ -317,7 +317,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name in ("n", "steps", "repeats"):
         if getattr(args, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(args, name)}")
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
     from kvcore.model.hub import resolve_model
 
     model_dir = resolve_model(None if args.model is None else str(args.model))
@@ -352,4 +351,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    # the engine's info lines would drown the table; only when run as a script, since
+    # structlog's configuration is global (a test calling main() keeps the suite's)
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
     main()
