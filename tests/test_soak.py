@@ -98,6 +98,8 @@ def test_soak_tiny_server_passes(tiny_model_dir: Path, tmp_path: Path) -> None:
     status = summary["status"]
     assert {"200", "400", "401", "404", "408", "413", "415", "429"} <= set(status)
     assert summary["burst_429"] > 0
+    # /health answered all along (a stalled event loop would show as a slow answer)
+    assert summary["health_probe"]["count"] > 10 and summary["health_probe"]["max_s"] < 30
     # --max-connections holds for connections opened one at a time and all at once
     assert summary["connection_cap_503"].keys() == {"one at a time", "all at once"}
     assert all(refused > 0 for refused in summary["connection_cap_503"].values())

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gzip
 import json
 import random
@@ -71,6 +72,7 @@ class Tally:
     bad_429: set[str] = field(default_factory=set)  # bad requests answered 429 before their 4xx
     drain_finish: Counter[str] = field(default_factory=Counter)
     close_s: dict[str, float] = field(default_factory=dict)  # slow clients: slowest close
+    health_s: list[float] = field(default_factory=list)  # /health answer times during the plan
     failures: list[str] = field(default_factory=list)
     num_failures: int = 0
 
@@ -638,8 +640,30 @@ async def run_plan(ctx: Ctx, plan: list[tuple[str, int]]) -> int:
             await run_case(ctx, kind, arg, random.Random(ctx.args.seed * 1_000_003 + index),
                            bads, raws)
 
+    stop = asyncio.Event()
+    probe = asyncio.create_task(health_probe(ctx, stop))
     await asyncio.gather(*(worker() for _ in range(ctx.args.concurrency)))
+    stop.set()
+    await probe
     return ran
+
+
+async def health_probe(ctx: Ctx, stop: asyncio.Event) -> None:
+    """GET /health every 100 ms while the plan runs and record how long the answers took: the
+    slowest is the longest the server's event loop was unable to answer anyone (request-sized
+    CPU work on the loop would show here; this client's own loop adds to it)."""
+    gaps = ctx.tally.health_s
+    while not stop.is_set():
+        t0 = time.monotonic()
+        try:
+            async with ctx.http.get(ctx.url + "/health",
+                                    timeout=aiohttp.ClientTimeout(total=60)) as resp:
+                await resp.read()
+        except (aiohttp.ClientError, TimeoutError):
+            pass
+        gaps.append(time.monotonic() - t0)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.1)
 
 
 async def connection_cap(ctx: Ctx) -> None:
@@ -968,6 +992,7 @@ def summarize(args: argparse.Namespace, model: str, t: Tally, plan: list[tuple[s
         "burst_429": t.burst_429, "bad_requests_429_first": sorted(t.bad_429),
         "connection_cap_503": t.cap_503,
         "slow_client_close_s": t.close_s, "drain_finish_reasons": dict(t.drain_finish),
+        "health_probe": _gaps(t.health_s),
         "server_exit_code": exit_code, "metrics_after": metrics,
         "leaked_blocks": metrics.get("leaked_blocks"),
         "log": {k: v for k, v in log.items() if k != "examples"},
@@ -975,6 +1000,16 @@ def summarize(args: argparse.Namespace, model: str, t: Tally, plan: list[tuple[s
         "num_failures": t.num_failures, "failures": t.failures, "wall_s": round(wall_s, 1),
         "checks": checks, "ok": all(v is not False for v in checks.values()),
     }
+
+
+def _gaps(times: list[float]) -> dict[str, float | int]:
+    """/health answer times: how many, median, p99 and the slowest, in seconds."""
+    if not times:
+        return {"count": 0}
+    ordered = sorted(times)
+    return {"count": len(ordered), "median_s": round(ordered[len(ordered) // 2], 4),
+            "p99_s": round(ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))], 4),
+            "max_s": round(ordered[-1], 4)}
 
 
 def print_summary(s: dict[str, Any]) -> None:
@@ -989,6 +1024,7 @@ def print_summary(s: dict[str, Any]) -> None:
         print(f"  bad requests answered 429 before their 4xx: {s['bad_requests_429_first']}")
     print(f"  slow clients closed after (s): {s['slow_client_close_s']}; drain: "
           f"{s['drain_finish_reasons']}, exit {s['server_exit_code']}")
+    print(f"  /health during the run (s): {s['health_probe']}")
     print(f"  after: {s['metrics_after']}")
     print(f"  log: {s['log']}")
     for line in s["failures"] + s["log_examples"]:
