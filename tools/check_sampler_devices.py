@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from bench_sampler import lm_logits  # tools/ is on the path when a tool runs as a script
 from kvcore.device import cuda_available, to_numpy
 from kvcore.sampling import SamplingParams, SamplingRow, XpSampler
 from kvcore.sampling.rng import gumbel_, row_keys, uniforms, uniforms_dense
@@ -39,16 +40,6 @@ SETTINGS = {
     "penalties": SamplingParams(temperature=0.9, repetition_penalty=1.2,
                                 frequency_penalty=0.5, presence_penalty=0.3, max_tokens=None),
 }
-
-
-def lm_logits(batch: int, vocab: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    zipf = -1.5 * np.log(np.arange(1, vocab + 1, dtype=np.float64))  # (V,) by rank
-    out = np.empty((batch, vocab), dtype=np.float32)  # (B, V)
-    for i in range(batch):
-        out[i, rng.permutation(vocab)] = zipf
-    out += rng.normal(0.0, 0.5, size=out.shape).astype(np.float32)
-    return out
 
 
 def check_noise(cupy: Any) -> bool:
