@@ -325,9 +325,16 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0
     enforce_eager: bool = False  # cuda: no CUDA graphs for decode steps (every step eager)
+    # schedule step N+1 while the device runs step N (vLLM's async scheduling); None: on where
+    # the device runs asynchronously (cuda), off on the CPU (a synchronous forward: no overlap
+    # to gain, and a sequence that stops would compute one token more). Outputs are identical.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be a bool or None, "
+                             f"got {self.async_scheduling!r}")

@@ -264,10 +264,16 @@ class Scheduler:
                 ops[seq.seq_id] = copies
             budget -= num_new
 
-    def _preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence, uncache: bool = False) -> None:
+        """Send a running sequence back to waiting (recompute); `uncache`: see KVCacheManager.free
+        (the engine core rolls back a step launched on K/V that a failed step never wrote)."""
+        assert seq.status is SequenceStatus.RUNNING
+        self._preempt(seq, uncache)
+
+    def _preempt(self, seq: Sequence, uncache: bool = False) -> None:
         self.running.remove(seq)
         self.num_pending_forks -= seq.num_pending_forks
-        self.kv.free(seq.seq_id)
+        self.kv.free(seq.seq_id, uncache)
         num_computed = seq.num_computed_tokens
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1

@@ -8,6 +8,9 @@ from collections.abc import Sequence
 from kvcore.cache.block_pool import Block, BlockHash, BlockPool, salt_key
 
 CopyOp = tuple[int, int]  # (src_block_id, dst_block_id), executed by the runner before forward
+# a token sampled on the device whose id the host does not know yet (async scheduling): only ever
+# the last token of a sequence; a block holding it is hashed later, by `cache_blocks`
+PENDING_TOKEN_ID = -1
 
 
 class Admission(enum.Enum):
@@ -141,9 +144,23 @@ class KVCacheManager:
         written = blocks[start // bs]
         assert written is not None and written.ref_count == 1, "write into a shared block"
         seq.num_tokens = end
-        if self.enable_prefix_caching and end // bs > len(seq.block_hashes):
-            self.pool.cache_full_blocks(blocks, seq.block_hashes, token_ids, end // bs, seq.salt)
+        num_full = end // bs
+        if end == len(token_ids) and token_ids[end - 1] == PENDING_TOKEN_ID:
+            num_full = (end - 1) // bs  # its hash needs the token: cache_blocks, once known
+        if self.enable_prefix_caching and num_full > len(seq.block_hashes):
+            self.pool.cache_full_blocks(blocks, seq.block_hashes, token_ids, num_full, seq.salt)
         return ops
+
+    def cache_blocks(self, seq_id: str, token_ids: Sequence[int]) -> None:
+        """Hash the full blocks whose hash waited for a pending token that is now known (its id
+        replaced PENDING_TOKEN_ID in `token_ids`, the sequence's whole token list)."""
+        seq = self._seqs[seq_id]
+        num_full = min(len(token_ids), seq.num_tokens) // self.block_size
+        if self.enable_prefix_caching and num_full > len(seq.block_hashes):
+            assert PENDING_TOKEN_ID not in token_ids[len(seq.block_hashes) * self.block_size:
+                                                     num_full * self.block_size]
+            self.pool.cache_full_blocks(seq.blocks, seq.block_hashes, token_ids, num_full,
+                                        seq.salt)
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares every block of the parent (refcount + 1); writes copy on demand."""

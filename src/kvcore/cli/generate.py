@@ -28,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where to run (default: cuda when available, else cpu)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="cuda: run every step eagerly (no CUDA graphs for decode steps)")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                        default=None, help="schedule the next step while the device runs this "
+                        "one (default: on for cuda, off for cpu)")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="show the engine's log lines and a timing summary")
 
@@ -64,7 +67,8 @@ def _generate(args: argparse.Namespace, model: str | None, prompt: str) -> int:
                                 top_p=args.top_p, seed=args.seed)
         model_dir = resolve_model(model)
         engine = Engine(engine_config(str(model_dir), device=args.device, max_num_seqs=1,
-                                      enforce_eager=args.enforce_eager))
+                                      enforce_eager=args.enforce_eager,
+                                      async_scheduling=args.async_scheduling))
         if args.chat:
             prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
         engine.add_request("cli", prompt, params)

@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="cuda: run every step eagerly (no CUDA graphs for decode steps)")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                        default=None, help="schedule the next step while the device runs this "
+                        "one (default: on for cuda, off for cpu; --no-async-scheduling: off)")
     parser.add_argument("--max-model-len", type=int, metavar="TOKENS",
                         help="prompt + completion tokens at most (default: the model's)")
     parser.add_argument("--max-num-seqs", type=int, default=256, metavar="N",
@@ -140,6 +143,7 @@ def _config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
     memory = parse_size(args.kv_cache_memory) if args.kv_cache_memory is not None else None
     return EngineConfig(
         model=model_dir, device=args.device, seed=args.seed, enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           kv_cache_memory=memory, cache_dtype=args.kv_cache_dtype,
                           enable_prefix_caching=args.enable_prefix_caching),

@@ -8,13 +8,17 @@ output processor detokenizes, finds stop strings and aborts sequences through `f
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import structlog
 
+from kvcore.cache import PENDING_TOKEN_ID
 from kvcore.engine.beam import BeamPolicy
-from kvcore.engine.runner import ModelRunner
+from kvcore.engine.runner import ModelRunner, PendingFill
 from kvcore.request import Sequence, SequenceStatus
 from kvcore.sampling import (
     BeamHypothesis,
@@ -51,6 +55,34 @@ class StepOutput:
     failed: dict[str, str] = field(default_factory=dict)  # request_id -> why it failed
 
 
+@dataclass(slots=True)
+class _Drawn:
+    """What a launched step's device work returns (device arrays where the device has them)."""
+
+    token_ids: Any  # (P,) int64 the plain rows' tokens, row order (a failed row: 0)
+    logprobs: list[TokenLogprob | None]  # (P,)
+    failed: dict[int, BaseException]  # plain row -> why its draw failed (its request fails)
+    host_logits: Any  # (H, V) logits of the host rows (forks, beams), a copy; None if none
+    states: list[Any]  # (P,) the plain rows' generator states before the draw (rollback)
+
+
+class _Launched:
+    """A step on the device: its schedule, its sampling rows, the future of its _Drawn."""
+
+    __slots__ = ("out", "plain", "host", "future", "needs_host", "row_of")
+
+    def __init__(self, out: SchedulerOutput, plain: list[Sequence], host: list[Sequence],
+                 needs_host: bool) -> None:
+        self.out = out
+        self.plain = plain  # rows drawn on the device, in row order
+        self.host = host  # rows the host decides after the step: a fork's first, beams
+        # some row needs the host between this step and the next (a fork, a beam, a sampler
+        # that reads the history): collect this step before scheduling the next
+        self.needs_host = needs_host
+        self.row_of = {seq.seq_id: i for i, seq in enumerate(plain)}
+        self.future: Future[_Drawn] | None = None
+
+
 class _Group:
     """The live sequences of one user request, as the core knows them."""
 
@@ -67,13 +99,16 @@ class EngineCore:
     """Owns the scheduler, the runner and the sampler; one `step()` at a time."""
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, sampler: Sampler,
-                 vocab_size: int, seed: int = 0) -> None:
+                 vocab_size: int, seed: int = 0, async_scheduling: bool = False) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.sampler = sampler
         self.vocab_size = vocab_size
+        # schedule step N+1 while the device runs step N (see step())
+        self.async_scheduling = async_scheduling
         self._seeds = np.random.SeedSequence(seed)
         self._groups: dict[str, _Group] = {}
+        self._inflight: _Launched | None = None  # launched, not collected yet
 
     # --- sequences in and out ---
 
@@ -115,43 +150,157 @@ class EngineCore:
     # --- one step ---
 
     def step(self) -> StepOutput:
+        """One step. Synchronous: schedule N, run it, collect it. Async scheduling: schedule and
+        launch N+1 while the device runs N, then collect N (the caller processes N's outputs
+        while N+1 runs). A sequence whose token N samples goes into N+1 with a pending token
+        (PENDING_TOKEN_ID) that the device fills from N's sampled ids; a step with rows that
+        need the host between steps (forks, beams, history-reading samplers) is collected
+        before the next one is scheduled."""
         result = StepOutput()
+        inflight = self._inflight
+        if inflight is not None and (inflight.needs_host or not self.async_scheduling):
+            self._inflight = None
+            self._collect(inflight, result, None)
+            inflight = None
+        if inflight is not None:
+            self._add_pending_tokens(inflight)
         out = self.scheduler.schedule()
         for seq_id in out.preempted_ids:  # a preempted beam recomputes its row
             seq = self.scheduler.seqs[seq_id]
             group = self._groups.get(seq.request_id)
             if group is not None and group.policy is not None:
                 group.policy.rows.pop(seq_id, None)
-        if not out.scheduled:
-            return result
-        try:
-            logits, sampling = self.runner.execute(out)
-        except Exception as e:
-            self._fail_step(out, e, result)
-            return result
-        self.scheduler.advance(out)
+        launched = self._launch(out, inflight) if out.scheduled else None
+        self._inflight = launched
+        if inflight is not None:
+            self._collect(inflight, result, launched)
+        if launched is not None and not self.async_scheduling:
+            self._collect(self._take(), result, None)
+        return result
+
+    def _take(self) -> _Launched:
+        launched = self._inflight
+        assert launched is not None
+        self._inflight = None
+        return launched
+
+    def _add_pending_tokens(self, inflight: _Launched) -> None:
+        """The sequences the in-flight step samples, which need nothing from the host before
+        their next token, get a pending token now: their count is known, their id not yet.
+        Never past max_tokens: one whose token ends it by length gets none."""
+        for seq in inflight.plain:
+            if (seq.status is SequenceStatus.RUNNING
+                    and len(seq.token_ids) + 1 < seq.length_limit):
+                seq.token_ids.append(PENDING_TOKEN_ID)
+
+    def _launch(self, out: SchedulerOutput, prev: _Launched | None) -> _Launched:
+        """Host half of a step: its sampling rows, then the runner's launch. num_computed_tokens
+        catches up now: the device computes the step's K/V before any later step reads it."""
         seqs = self.scheduler.seqs
+        groups = self._groups
+        plain: list[Sequence] = []
+        plain_logits: list[int] = []
+        host: list[Sequence] = []
+        host_logits: list[int] = []
+        needs_host = False
+        i = 0
+        for item in out.scheduled:
+            if not item.sample:
+                continue
+            seq = seqs[item.seq_id]
+            if groups[seq.request_id].policy is not None or seq.num_pending_forks:
+                host.append(seq)
+                host_logits.append(i)
+                needs_host = True
+            else:
+                plain.append(seq)
+                plain_logits.append(i)
+            i += 1
+        # built now: the rows' histories as they are (the host appends to them meanwhile)
+        rows = [_sampling_row(seq) for seq in plain]
+        needs_host = needs_host or any(r.prompt_token_ids for r in rows)  # reads the history
+        launched = _Launched(out, plain, host, needs_host)
+        fill = None
+        if prev is not None and prev.future is not None:
+            future = prev.future
+            fill = PendingFill(lambda: future.result().token_ids, prev.row_of)
+
+        def sample(logits: Any) -> _Drawn:
+            states = [s.generator.bit_generator.state if s.generator is not None else None
+                      for s in plain]
+            drawn, logprobs, failed = self._draw_rows(logits, plain_logits, plain, rows, states)
+            return _Drawn(np.array(drawn, dtype=np.int64), logprobs, failed,  # (P,)
+                          logits[host_logits] if host else None, states)
+        launched.future = self.runner.launch(out, sample, fill)
+        self.scheduler.advance(out)
+        return launched
+
+    def _collect(self, launched: _Launched, result: StepOutput,
+                 after: _Launched | None) -> None:
+        """Wait for a launched step and apply it: append tokens, stop checks, forks, beams.
+        `after`: the step launched after it, still on the device."""
+        assert launched.future is not None
+        try:
+            drawn = launched.future.result()
+        except Exception as e:
+            if after is not None:
+                self._roll_back(after, launched)
+                if self._inflight is after:
+                    self._inflight = None
+            self._fail_step(launched.out, e, result)
+            return
+        for i, error in drawn.failed.items():
+            seq = launched.plain[i]
+            if not seq.finished and seq.request_id not in result.failed:
+                self._fail(seq.request_id, "sampling", error, result)
+        self._append(zip(launched.plain, drawn.token_ids.tolist(), drawn.logprobs, strict=True),
+                     result)
+        if launched.host:
+            self._decide_host(launched.host, drawn.host_logits, result)
+
+    def _decide_host(self, host: list[Sequence], logits: Any, result: StepOutput) -> None:
         rows: list[Sequence] = []
         row_logits: list[int] = []
         beams: dict[str, _Group] = {}
-        for i, seq_id in enumerate(sampling):
-            seq = seqs[seq_id]
-            group = self._groups[seq.request_id]
+        for i, seq in enumerate(host):
+            group = self._groups.get(seq.request_id)
+            if seq.finished or group is None:
+                continue  # aborted (or failed) while the step ran
             if group.policy is not None:
-                group.policy.rows[seq_id] = logits[i]
+                group.policy.rows[seq.seq_id] = logits[i]
                 beams[group.request_id] = group
-            elif seq.num_pending_forks:
+            else:
                 forks = self._fork_choices(group, seq)
                 rows.extend(forks)
                 row_logits.extend([i] * len(forks))
-            else:
-                rows.append(seq)
-                row_logits.append(i)
         if rows:
             self._sample(logits, row_logits, rows, result)
         for group in beams.values():
             self._step_beams(group, result)
-        return result
+
+    def _roll_back(self, launched: _Launched, failed: _Launched) -> None:
+        """`failed` (the step before `launched`) failed on the device: `launched` was computed
+        on K/V it never wrote, and on tokens it never sampled. Its sequences of other requests
+        are recomputed: back to waiting, generators rewound, their new blocks uncached."""
+        assert launched.future is not None
+        try:
+            states = launched.future.result().states
+        except Exception:
+            states = [None] * len(launched.plain)
+        for seq, state in zip(launched.plain, states, strict=True):
+            if seq.generator is not None and state is not None:
+                seq.generator.bit_generator.state = state
+        failing = {self.scheduler.seqs[item.seq_id].request_id
+                   for item in failed.out.scheduled if item.seq_id in self.scheduler.seqs}
+        for item in launched.out.scheduled:
+            other = self.scheduler.seqs.get(item.seq_id)
+            if (other is not None and other.status is SequenceStatus.RUNNING
+                    and other.request_id not in failing):
+                assert other.token_ids[-1] != PENDING_TOKEN_ID
+                group = self._groups.get(other.request_id)
+                if group is not None and group.policy is not None:
+                    group.policy.rows.pop(other.seq_id, None)
+                self.scheduler.preempt(other, uncache=True)
 
     def _fork_choices(self, group: _Group, parent: Sequence) -> list[Sequence]:
         """n > 1: the prompt was prefilled once; n - 1 forks share its blocks."""
@@ -183,30 +332,66 @@ class EngineCore:
 
     def _sample(self, logits: np.ndarray, row_logits: list[int], rows: list[Sequence],
                 result: StepOutput) -> None:
-        """Draw every row's token and append it. A failure of one request (its processors, its
-        draw, its stop check) fails that request alone: the batch is redrawn row by row from
-        the same generator states."""
+        """Draw every row's token on the host and append it (a fork's first token)."""
         states = [s.generator.bit_generator.state if s.generator is not None else None
                   for s in rows]
+        drawn, logprobs, failed = self._draw_rows(logits, row_logits, rows,
+                                                  [_sampling_row(s) for s in rows], states)
+        for i, error in failed.items():
+            if rows[i].request_id not in result.failed:
+                self._fail(rows[i].request_id, "sampling", error, result)
+        self._append(zip(rows, drawn, logprobs, strict=True), result)
+
+    def _draw_rows(self, logits: np.ndarray, row_logits: list[int], rows: list[Sequence],
+                   sampling_rows: list[SamplingRow], states: list[Any]
+                   ) -> tuple[list[int], list[TokenLogprob | None], dict[int, BaseException]]:
+        """Draw every row's token: (token ids, logprobs, failed rows). A failure of one request
+        (its processors, its draw) fails that request alone: the batch is redrawn row by row
+        from the same generator states. Touches no host state but the rows' generators: it
+        runs as device work (engine state is the host's)."""
         try:
-            drawn = self._draw(logits, row_logits, rows)
+            return (*self._draw(logits, row_logits, rows, sampling_rows), {})
         except Exception:
-            drawn = []
-            for i, seq in enumerate(rows):
-                state = states[i]
-                if seq.generator is not None and state is not None:
-                    seq.generator.bit_generator.state = state
-                if seq.request_id in result.failed:
-                    continue
+            pass
+        ids: list[int] = [0] * len(rows)
+        logprobs: list[TokenLogprob | None] = [None] * len(rows)
+        errors: dict[str, BaseException] = {}  # request id -> its first row's failure
+        failed: dict[int, BaseException] = {}
+        for i, seq in enumerate(rows):
+            state = states[i]
+            if seq.generator is not None and state is not None:
+                seq.generator.bit_generator.state = state
+            error = errors.get(seq.request_id)
+            if error is None:
                 try:
-                    drawn.extend(self._draw(logits, row_logits[i:i + 1], [seq]))
+                    one, one_lp = self._draw(logits, row_logits[i:i + 1], [seq],
+                                             sampling_rows[i:i + 1])
+                    ids[i], logprobs[i] = one[0], one_lp[0]
+                    continue
                 except Exception as e:
-                    self._fail(seq.request_id, "sampling", e, result)
+                    error = errors[seq.request_id] = e
+            failed[i] = error
+        return ids, logprobs, failed
+
+    def _append(self, drawn: Iterable[tuple[Sequence, int, TokenLogprob | None]],
+                result: StepOutput) -> None:
+        """Append the drawn tokens; a sequence's pending token is replaced by its id. Tokens
+        of sequences that ended (or failed) while their step ran are dropped: the device
+        computed one token more than needed, never a wrong one."""
         finish = self.scheduler.finish
+        kv = self.scheduler.kv
+        block_size = kv.block_size
         for seq, token_id, logprob in drawn:
-            if seq.request_id in result.failed:
+            if seq.finished or seq.request_id in result.failed:
                 continue
+            token_ids = seq.token_ids
+            pending = token_ids[-1] == PENDING_TOKEN_ID
+            if pending:
+                token_ids.pop()
             status = seq.append_token(token_id)
+            if (pending and status is None and len(token_ids) % block_size == 0
+                    and seq.status is SequenceStatus.RUNNING):
+                kv.cache_blocks(seq.seq_id, token_ids)  # its last block waited for the token
             result.seqs.append(SeqOutput(
                 seq.seq_id, seq.request_id, seq.index, [token_id],
                 None if logprob is None else [logprob],
@@ -220,8 +405,8 @@ class EngineCore:
                 if not group.seqs:
                     del self._groups[seq.request_id]
 
-    def _draw(self, logits: np.ndarray, row_logits: list[int], rows: list[Sequence]
-              ) -> list[tuple[Sequence, int, TokenLogprob | None]]:
+    def _draw(self, logits: np.ndarray, row_logits: list[int], rows: list[Sequence],
+              sampling_rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
         if logits.ndim == 1:  # the model sampled on its own device: (L,) greedy token ids
             for seq in rows:
                 params = seq.params
@@ -230,15 +415,14 @@ class EngineCore:
                     raise ValueError("this model returns token ids: only greedy sampling "
                                      "without logprobs")
             ids = logits.tolist()
-            return [(seq, ids[i], None) for seq, i in zip(rows, row_logits, strict=True)]
-        sampling_rows = [_sampling_row(seq) for seq in rows]
+            return [ids[i] for i in row_logits], [None] * len(rows)
         if len(row_logits) == logits.shape[0] and row_logits == list(range(len(row_logits))) \
                 and all(_reads_only(r) for r in sampling_rows):
             batch = logits  # argmax only: no processor writes to the logits, no copy
         else:
             batch = logits[row_logits]  # (B, V) a copy: the processors write in place
         out = self.sampler(batch, sampling_rows)
-        return list(zip(rows, out.token_ids.tolist(), out.logprobs, strict=True))
+        return out.token_ids.tolist(), list(out.logprobs)
 
     def _step_beams(self, group: _Group, result: StepOutput) -> None:
         policy = group.policy

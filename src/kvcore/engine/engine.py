@@ -79,8 +79,11 @@ class Engine:
         self.eos_token_ids: tuple[int, ...] = tuple(eos)
         scheduler = Scheduler(self.kv, config.scheduler.max_num_batched_tokens,
                               config.scheduler.max_num_seqs, self.max_model_len)
+        async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                            else device == "cuda")
         self.core = EngineCore(scheduler, ModelRunner(self.model, self.kv_cache, block_size),
-                               Sampler(self.eos_token_ids), mc.vocab_size, config.seed)
+                               Sampler(self.eos_token_ids), mc.vocab_size, config.seed,
+                               async_scheduling)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
         # the weights' and tokenizer's objects never become garbage: keep the cyclic GC from
         # walking them at every collection during serving (a pause inside a step)

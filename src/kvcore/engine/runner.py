@@ -1,18 +1,74 @@
-"""The model runner: a SchedulerOutput -> one BatchInput -> forward -> logits of sampling rows."""
+"""The model runner: a SchedulerOutput -> one BatchInput -> forward -> logits of sampling rows.
+
+A step is launched in two halves: the host half (build the BatchInput, now, while the block
+tables the SchedulerOutput points at are valid) and the device half (fill pending tokens, block
+copies, forward, the caller's sampling), submitted to a `DeviceStream` that runs device work in
+submission order. `launch` returns a Future; its `result()` waits for the device half.
+"""
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
+from kvcore.cache import PENDING_TOKEN_ID
 from kvcore.cache.kv_cache import KVCache
 from kvcore.model import BatchInput
 from kvcore.scheduler import SchedulerOutput
 
+T = TypeVar("T")
+
 
 class Model(Protocol):
     def forward(self, batch: BatchInput, kv_cache: KVCache) -> np.ndarray: ...
+
+
+class DeviceStream(Protocol):
+    """Runs submitted work in submission order (a CUDA stream's order): a step's device work
+    sees every earlier step's writes, and a block freed on the host while an earlier step
+    still writes it is written again only by later steps."""
+
+    def submit(self, work: Callable[[], T]) -> Future[T]: ...
+
+
+class InlineStream:
+    """Runs the work at once, in the caller's thread. NumPy's forward is synchronous; CuPy's
+    kernel launches are asynchronous already (the host waits where it reads a result back)."""
+
+    def submit(self, work: Callable[[], T]) -> Future[T]:
+        future: Future[T] = Future()
+        try:
+            future.set_result(work())
+        except Exception as e:
+            future.set_exception(e)
+        return future
+
+
+class WorkerStream:
+    """One worker thread, FIFO: a device whose work runs while the host goes on (the fake
+    device of the tests and of tools/bench_host_overhead.py's GPU-shaped mode)."""
+
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcore-device")
+
+    def submit(self, work: Callable[[], T]) -> Future[T]:
+        return self._executor.submit(work)
+
+    def close(self) -> None:
+        self._executor.shutdown()
+
+
+@dataclass(frozen=True, slots=True)
+class PendingFill:
+    """Where the pending tokens of a step come from: the step launched before it sampled them.
+    `token_ids()` is that step's sampled ids (device array), `row_of` a sequence's row in it."""
+
+    token_ids: Callable[[], Any]
+    row_of: Mapping[str, int]
 
 
 class ModelRunner:
@@ -20,18 +76,54 @@ class ModelRunner:
     array per field) and the forward pass. The SchedulerOutput is all it reads: only the
     sequences whose chunk reaches the end of their tokens want logits."""
 
-    def __init__(self, model: Model, kv_cache: KVCache, block_size: int) -> None:
+    def __init__(self, model: Model, kv_cache: KVCache, block_size: int,
+                 stream: DeviceStream | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
+        self.stream: DeviceStream = stream if stream is not None else InlineStream()
 
     def execute(self, output: SchedulerOutput) -> tuple[np.ndarray, list[str]]:
         """Returns (logits (L, vocab) float32, the L sequence ids that sample, in row order)."""
-        if output.copy_ops:
-            self.kv_cache.copy_blocks(output.copy_ops)
-        scheduled = output.scheduled
-        batch = BatchInput.build([s.token_ids for s in scheduled], [s.start for s in scheduled],
-                                 [s.block_ids for s in scheduled], self.block_size,
-                                 [s.sample for s in scheduled])
-        sampling = [s.seq_id for s in scheduled if s.sample]
-        return self.model.forward(batch, self.kv_cache), sampling
+        future = self.launch(output, lambda logits: logits)
+        return future.result(), [s.seq_id for s in output.scheduled if s.sample]
+
+    def launch(self, output: SchedulerOutput, sample: Callable[[Any], T],
+               fill: PendingFill | None = None) -> Future[T]:
+        """Launch one step: its future holds sample(logits of its L sampling rows, in row
+        order). A token that is PENDING_TOKEN_ID (the last of its sequence, sampled by the step
+        launched before) is filled on the device from `fill`, without a host round trip. A
+        failure (here or on the device) is the future's exception."""
+        try:
+            scheduled = output.scheduled
+            batch = BatchInput.build([s.token_ids for s in scheduled],
+                                     [s.start for s in scheduled],
+                                     [s.block_ids for s in scheduled], self.block_size,
+                                     [s.sample for s in scheduled])
+            pending = np.flatnonzero(batch.input_ids == PENDING_TOKEN_ID)  # (P,) rows
+            src = None
+            if len(pending):
+                if fill is None:
+                    raise ValueError(f"{len(pending)} pending tokens and no step to fill "
+                                     f"them from")
+                seq_index = np.searchsorted(batch.query_start_loc, pending, side="right") - 1
+                row_of = fill.row_of
+                src = np.array([row_of[scheduled[s].seq_id] for s in seq_index.tolist()],
+                               dtype=np.int64)  # (P,) rows of the previous step's samples
+        except Exception as e:
+            failed: Future[T] = Future()
+            failed.set_exception(e)
+            return failed
+        copy_ops = output.copy_ops
+        model = self.model
+        kv_cache = self.kv_cache
+
+        def device_work() -> T:
+            if src is not None:
+                assert fill is not None
+                # the device gathers the ids the previous step sampled (stream order: done)
+                batch.input_ids[pending] = fill.token_ids()[src]
+            if copy_ops:
+                kv_cache.copy_blocks(copy_ops)
+            return sample(model.forward(batch, kv_cache))
+        return self.stream.submit(device_work)
