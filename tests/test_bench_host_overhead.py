@@ -56,3 +56,40 @@ def test_window_counts_whole_steps_and_subtracts_forward() -> None:
     assert (wall, cpu, forward) == (3 - 0.75, 30 - 1.5, 0.75)
     with pytest.raises(RuntimeError, match="no 4 steps of all 2 streams"):
         bench_host_overhead.timed_window(calls, n=2, steps=4)
+
+
+@pytest.mark.parametrize("device", ["timeline", "thread"])
+def test_gpu_shaped_mode_reports_busy_fractions_on_and_off(tiny_model_dir: Path,
+                                                           device: str) -> None:
+    """The fake device takes a fixed step; both runs still produce the oracle's tokens
+    (pending tokens filled on the device), and report a busy fraction."""
+    report = bench_host_overhead.main(["--model", str(tiny_model_dir), "--n", "3", "--steps", "2",
+                                       "--mode", "gpu", "--gpu-step-ms", "1,2", "--gpu-device",
+                                       device, "--json"])
+    assert report["gpu_step_ms"] == [1.0, 2.0] and report["gpu_device"] == device
+    for ms in ("1", "2"):
+        for name in ("off", "on"):
+            key = f"{ms}ms_async_{name}"
+            assert 0 < report[f"gpu_busy_{key}"] <= 1
+            assert report[f"gpu_host_cpu_us_per_request_step_{key}"] > 0
+            assert report[f"gpu_step_wall_ms_{key}"] >= float(ms) * 0.99
+    assert "us_per_request_step_ids" not in report
+    with pytest.raises(ValueError, match="gpu_step_ms"):
+        bench_host_overhead.main(["--model", str(tiny_model_dir), "--mode", "gpu",
+                                  "--gpu-step-ms", "0"])
+
+
+def test_timeline_stream_orders_steps_and_waits_only_on_the_host() -> None:
+    sys.path.insert(0, str(Path(__file__).parent.parent / "tools"))
+    from sim_device import TimelineStream
+
+    stream = TimelineStream(0.01)
+    first = stream.submit(lambda: 1)
+    second = stream.submit(lambda: first.result() + 1)  # device work: no wait for `first`
+    (s0, e0), (s1, e1) = stream.spans
+    assert s1 == e0 and e1 - s1 == pytest.approx(0.01) and e0 - s0 == pytest.approx(0.01)
+    assert second.result() == 2  # the host waits until the second step's end
+    import time
+    assert time.perf_counter() >= e1
+    with pytest.raises(ValueError, match="step_s"):
+        TimelineStream(0.0)

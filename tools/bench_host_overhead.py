@@ -9,12 +9,17 @@ Two modes:
           argmax is the rule's token); the engine's CPU sampler runs greedy over full rows.
   ids     the stub returns the (L,) sampled token ids, the shape of the GPU path where logits
           stay on the device. See `build_engine` for how today's engine is made to take them.
+  gpu     GPU-shaped: the ids stub on a fake device, its forward a fixed simulated step time
+          (a sleep in the device's worker thread, which releases the GIL, as a CUDA stream runs
+          while the host goes on). Reports the fraction of the timed window's wall time the
+          "device" is busy, with async scheduling on and off, at each --gpu-step-ms.
 The figure is (wall or process CPU time of the timed steps - time inside the stub's forward) /
 (request-steps): everything the host does per sequence per step except the forward pass.
 Process CPU time counts every thread (the engine steps in a worker thread).
 
     .venv/bin/python tools/bench_host_overhead.py [--json] [--n 256] [--steps 64]
-        [--mode logits|ids|both] [--http] [--flatness 1024] [--repeats 3] [--profile 25]
+        [--mode logits|ids|both|gpu] [--gpu-step-ms 2,5,10] [--http] [--flatness 1024]
+        [--repeats 3] [--profile 25]
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import structlog
 
 from kvcore.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvcore.model.tokenizer import Tokenizer
+from sim_device import TimelineStream
 
 WARMUP_STEPS = 4  # whole steps of all n streams before the timed ones (the prefill among them)
 SLACK_STEPS = 8  # more tokens than timed steps: HTTP streams arrive over the first steps
@@ -78,10 +84,12 @@ class StubModel:
     (a view of a reused buffer) or (L,) token ids; records the time spent inside forward so the
     harness can subtract it."""
 
-    def __init__(self, config: ModelConfig, rule: TokenRule, mode: str, max_rows: int) -> None:
+    def __init__(self, config: ModelConfig, rule: TokenRule, mode: str, max_rows: int,
+                 step_s: float = 0.0) -> None:
         self.config = config
         self.rule = rule
         self.mode = mode
+        self.step_s = step_s  # a simulated device step (gpu mode): sleeps, holding no GIL
         self._out = (np.empty((max_rows, config.vocab_size), np.float32)  # (max L, V)
                      if mode == "logits" else None)
         self.calls: list[tuple[float, float, float, float, int]] = []
@@ -91,6 +99,8 @@ class StubModel:
         t0, c0 = time.perf_counter(), time.thread_time()
         sel = batch.logits_indices
         rows = self.rule.rows(batch.input_ids[sel], batch.positions[sel])  # (L,)
+        if self.step_s:
+            time.sleep(max(0.0, self.step_s - (time.perf_counter() - t0)))
         if self._out is None:
             out = self.rule.row_token[rows]  # (L,) int64
         else:
@@ -106,7 +116,7 @@ class StubModel:
 # After the engine redesign, swap this section; the stub and the harness stay as they are.
 
 def build_engine(model_dir: Path, stub: StubModel, tokenizer: Tokenizer, n: int,
-                 max_tokens: int) -> Any:
+                 max_tokens: int, async_scheduling: bool = False, stream: Any = None) -> Any:
     """An AsyncEngine over the real Engine with the stub model. In ids mode an engine that cannot
     take token ids (up to main 0725fe3: `Engine.sampler` exists) gets a pass-through in place of
     its Sampler: excluded from the figure are
@@ -120,8 +130,15 @@ def build_engine(model_dir: Path, stub: StubModel, tokenizer: Tokenizer, n: int,
         model=str(model_dir), device="cpu", seed=0,
         cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=n * blocks_per_seq),
         scheduler=SchedulerConfig(max_num_seqs=n, max_num_batched_tokens=max(2048, n * PROMPT_LEN),
-                                  max_model_len=PROMPT_LEN + max_tokens))
+                                  max_model_len=PROMPT_LEN + max_tokens),
+        async_scheduling=async_scheduling)
     engine = Engine(config, model=stub, tokenizer=tokenizer)
+    if stub.step_s:  # the fake device: its forward runs in a worker thread, in launch order
+        from kvcore.engine.runner import WorkerStream
+
+        engine.core.runner.stream = WorkerStream()
+    elif stream is not None:
+        engine.core.runner.stream = stream
     # an engine whose core takes a model's (L,) token ids itself has no `sampler` of its own
     if stub.mode == "ids" and hasattr(engine, "sampler"):
         from kvcore.sampling.sampler import SamplerOutput
@@ -252,11 +269,15 @@ def timed_window(calls: list[tuple[float, float, float, float, int]], n: int,
 
 
 def measure(model_dir: Path, tokenizer: Tokenizer, rule: TokenRule, mode: str, n: int,
-            steps: int, http: bool, profile: int) -> dict[str, float]:
+            steps: int, http: bool, profile: int, step_s: float = 0.0,
+            async_scheduling: bool = False, device: str = "timeline") -> dict[str, float]:
+    """`step_s` > 0: the GPU-shaped fake device, "timeline" (sim_device.TimelineStream) or
+    "thread" (the stub sleeps step_s in a WorkerStream's thread)."""
     max_tokens = WARMUP_STEPS + steps + SLACK_STEPS
     config = dataclasses.replace(ModelConfig.from_dir(model_dir), num_layers=1)  # a small KV pool
-    stub = StubModel(config, rule, mode, n)
-    engine = build_engine(model_dir, stub, tokenizer, n, max_tokens)
+    timeline = TimelineStream(step_s) if step_s and device == "timeline" else None
+    stub = StubModel(config, rule, mode, n, step_s if timeline is None else 0.0)
+    engine = build_engine(model_dir, stub, tokenizer, n, max_tokens, async_scheduling, timeline)
     rng = np.random.default_rng(n)
     prompts = [rng.integers(0, config.vocab_size, PROMPT_LEN).tolist() for _ in range(n)]
     # thread CPU time as the timer: wall-clock own times on a shared machine include waits
@@ -273,8 +294,14 @@ def measure(model_dir: Path, tokenizer: Tokenizer, rule: TokenRule, mode: str, n
         assert token_ids is None or token_ids == expected, (prompt, token_ids, expected)
         assert text == tokenizer.decode(expected), (prompt, text)
     wall, cpu, forward_wall = timed_window(stub.calls, n, steps)
+    if timeline is not None:  # the device's time is the simulated one, one span per call
+        spans = [(end, end, end - start, 0.0, call[4])
+                 for (start, end), call in zip(timeline.spans, stub.calls, strict=True)]
+        wall, _, forward_wall = timed_window(spans, n, steps)
     per = 1e6 / (n * steps)
-    return {"wall": wall * per, "cpu": cpu * per, "forward_wall": forward_wall * per}
+    # busy: the device's share of the window (wall here is the time it waited for the host)
+    return {"wall": wall * per, "cpu": cpu * per, "forward_wall": forward_wall * per,
+            "busy": forward_wall / (wall + forward_wall)}
 
 
 def print_profile(profilers: list[cProfile.Profile], top: int) -> None:
@@ -302,7 +329,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=256, help="concurrent streams")
     parser.add_argument("--steps", type=int, default=64, help="timed steps (after warm-up)")
-    parser.add_argument("--mode", choices=("logits", "ids", "both"), default="both")
+    parser.add_argument("--mode", choices=("logits", "ids", "both", "gpu"), default="both")
+    parser.add_argument("--gpu-step-ms", default="2,5,10", metavar="MS,...",
+                        help="gpu mode: the simulated device step times (default 2,5,10)")
+    parser.add_argument("--gpu-device", choices=("timeline", "thread"), default="timeline",
+                        help="gpu mode: a simulated stream (default), or a worker thread that "
+                             "sleeps (it needs the GIL to start each step, a GPU does not)")
     parser.add_argument("--http", action="store_true",
                         help="through the aiohttp SSE path (in-process clients); keys end _http")
     parser.add_argument("--flatness", type=int, metavar="N2",
@@ -326,6 +358,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     suffix = "_http" if args.http else ""
     report: dict[str, Any] = {"n": args.n, "steps": args.steps, "warmup_steps": WARMUP_STEPS,
                               "repeats": args.repeats, "path": "http" if args.http else "direct"}
+    if args.mode == "gpu":
+        report.update(gpu_shaped(args, model_dir, tokenizer, vocab_size, suffix))
+        modes = ()
     for mode in modes:
         rule = TokenRule(vocab_size, TABLE_ROWS, with_logits=mode == "logits")
         key = f"us_per_request_step_{mode}{suffix}"
@@ -347,6 +382,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         for key, value in report.items():
             print(f"{key:>48}: {value}")
+    return report
+
+
+def gpu_shaped(args: argparse.Namespace, model_dir: Path, tokenizer: Tokenizer,
+               vocab_size: int, suffix: str) -> dict[str, Any]:
+    """The device-busy fraction (median of --repeats), async scheduling off and on, per
+    simulated step; and the host's CPU time per request-step (every thread but the device's)."""
+    try:
+        step_ms = [float(x) for x in args.gpu_step_ms.split(",")]
+    except ValueError:
+        raise ValueError(f"gpu_step_ms must be comma-separated numbers, "
+                         f"got {args.gpu_step_ms!r}") from None
+    if not step_ms or min(step_ms) <= 0:
+        raise ValueError(f"gpu_step_ms must be positive, got {args.gpu_step_ms!r}")
+    rule = TokenRule(vocab_size, TABLE_ROWS, with_logits=False)
+    report: dict[str, Any] = {"gpu_step_ms": step_ms, "gpu_device": args.gpu_device}
+    for ms in step_ms:
+        for name, on in (("off", False), ("on", True)):
+            figs = [measure(model_dir, tokenizer, rule, "ids", args.n, args.steps, args.http,
+                            args.profile, ms / 1e3, on, args.gpu_device)
+                    for _ in range(args.repeats)]
+            key = f"{ms:g}ms_async_{name}{suffix}"
+            report[f"gpu_busy_{key}"] = round(float(np.median([f["busy"] for f in figs])), 3)
+            report[f"gpu_host_cpu_us_per_request_step_{key}"] = round(
+                float(np.median([f["cpu"] for f in figs])), 2)
+            report[f"gpu_step_wall_ms_{key}"] = round(float(np.median(
+                [(f["wall"] + f["forward_wall"]) * args.n / 1e3 for f in figs])), 3)
     return report
 
 
