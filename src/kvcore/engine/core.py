@@ -9,20 +9,22 @@ output processor detokenizes, finds stop strings and aborts sequences through `f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import structlog
 
+from kvcore.device import array_module, to_numpy
 from kvcore.engine.beam import BeamPolicy
 from kvcore.engine.runner import ModelRunner
 from kvcore.request import Sequence, SequenceStatus
 from kvcore.sampling import (
     BeamHypothesis,
-    Sampler,
+    RowSampler,
     SamplingParams,
     SamplingRow,
     TokenLogprob,
-    make_generator,
+    make_seed,
 )
 from kvcore.scheduler import Scheduler, SchedulerOutput
 
@@ -66,7 +68,7 @@ class _Group:
 class EngineCore:
     """Owns the scheduler, the runner and the sampler; one `step()` at a time."""
 
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, sampler: Sampler,
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, sampler: RowSampler,
                  vocab_size: int, seed: int = 0) -> None:
         self.scheduler = scheduler
         self.runner = runner
@@ -79,9 +81,9 @@ class EngineCore:
 
     def add(self, seq: Sequence, policy: BeamPolicy | None = None) -> None:
         """Queue a request's first sequence (ParamError from admission: nothing queued)."""
-        if seq.generator is None and isinstance(seq.params, SamplingParams) and (
+        if seq.seed is None and isinstance(seq.params, SamplingParams) and (
                 not seq.params.greedy):
-            seq.generator = make_generator(seq.params.seed, self._seeds)
+            seq.seed = make_seed(seq.params.seed, self._seeds)
         self.scheduler.add(seq)
         self._groups[seq.request_id] = _Group(seq, policy)
 
@@ -162,7 +164,7 @@ class EngineCore:
             seed = None if params.seed is None else params.seed + index
             child = self._fork(parent, f"{parent.request_id}#n{index}", index)
             if not params.greedy:
-                child.generator = make_generator(seed, self._seeds)
+                child.seed = make_seed(seed, self._seeds)
             group.seqs.append(child)
             forks.append(child)
         return forks
@@ -181,21 +183,16 @@ class EngineCore:
         self.scheduler.add_running(child, parent)
         return child
 
-    def _sample(self, logits: np.ndarray, row_logits: list[int], rows: list[Sequence],
+    def _sample(self, logits: Any, row_logits: list[int], rows: list[Sequence],
                 result: StepOutput) -> None:
         """Draw every row's token and append it. A failure of one request (its processors, its
-        draw, its stop check) fails that request alone: the batch is redrawn row by row from
-        the same generator states."""
-        states = [s.generator.bit_generator.state if s.generator is not None else None
-                  for s in rows]
+        draw, its stop check) fails that request alone: the batch is redrawn row by row (a
+        row's draw depends only on its seed and output position: the same tokens)."""
         try:
             drawn = self._draw(logits, row_logits, rows)
         except Exception:
             drawn = []
             for i, seq in enumerate(rows):
-                state = states[i]
-                if seq.generator is not None and state is not None:
-                    seq.generator.bit_generator.state = state
                 if seq.request_id in result.failed:
                     continue
                 try:
@@ -220,8 +217,10 @@ class EngineCore:
                 if not group.seqs:
                     del self._groups[seq.request_id]
 
-    def _draw(self, logits: np.ndarray, row_logits: list[int], rows: list[Sequence]
+    def _draw(self, logits: Any, row_logits: list[int], rows: list[Sequence]
               ) -> list[tuple[Sequence, int, TokenLogprob | None]]:
+        """`logits` (L, V) on the model's device (NumPy or CuPy): only token ids and the asked
+        logprobs come back to the host."""
         if logits.ndim == 1:  # the model sampled on its own device: (L,) greedy token ids
             for seq in rows:
                 params = seq.params
@@ -229,14 +228,16 @@ class EngineCore:
                 if not params.greedy or params.logprobs is not None:
                     raise ValueError("this model returns token ids: only greedy sampling "
                                      "without logprobs")
-            ids = logits.tolist()
+            ids = to_numpy(logits).tolist()
             return [(seq, ids[i], None) for seq, i in zip(rows, row_logits, strict=True)]
         sampling_rows = [_sampling_row(seq) for seq in rows]
         if len(row_logits) == logits.shape[0] and row_logits == list(range(len(row_logits))) \
                 and all(_reads_only(r) for r in sampling_rows):
             batch = logits  # argmax only: no processor writes to the logits, no copy
         else:
-            batch = logits[row_logits]  # (B, V) a copy: the processors write in place
+            index = np.asarray(row_logits, dtype=np.int64)  # (B,)
+            # (B, V) a copy on the device: the processors write in place
+            batch = logits[array_module(logits).asarray(index)]
         out = self.sampler(batch, sampling_rows)
         return list(zip(rows, out.token_ids.tolist(), out.logprobs, strict=True))
 
@@ -299,10 +300,11 @@ def _sampling_row(seq: Sequence) -> SamplingRow:
     assert isinstance(params, SamplingParams)
     if (params.min_tokens == 0 and params.repetition_penalty == 1.0
             and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0):
-        return SamplingRow(params, seq.generator, (), ())  # no processor reads the history
+        # no processor reads the history: the draw needs only the output position
+        return SamplingRow(params, None, (), (), seq.seed, seq.num_output_tokens)
     num_prompt = seq.num_prompt_tokens
-    return SamplingRow(params, seq.generator, seq.token_ids[:num_prompt],
-                       seq.token_ids[num_prompt:])
+    return SamplingRow(params, None, seq.token_ids[:num_prompt], seq.token_ids[num_prompt:],
+                       seq.seed)
 
 
 def _reads_only(row: SamplingRow) -> bool:
