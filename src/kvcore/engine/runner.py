@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -25,8 +25,12 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = block_size
 
-    def execute(self, output: SchedulerOutput) -> tuple[np.ndarray, list[str]]:
-        """Returns (logits (L, vocab) float32, the L sequence ids that sample, in row order)."""
+    def execute(self, output: SchedulerOutput) -> tuple[Any, list[str]]:
+        """Returns (logits (L, vocab) float32 on the model's device, the L sequence ids that
+        sample, in row order). A model on a device (its `xp` is not NumPy) keeps its logits
+        there through `forward_device` (CuPy on the GPU: the engine core samples them there);
+        on the CPU `forward` gives host logits (or (L,) token ids, for models that sample
+        themselves)."""
         if output.copy_ops:
             self.kv_cache.copy_blocks(output.copy_ops)
         scheduled = output.scheduled
@@ -34,4 +38,7 @@ class ModelRunner:
                                  [s.block_ids for s in scheduled], self.block_size,
                                  [s.sample for s in scheduled])
         sampling = [s.seq_id for s in scheduled if s.sample]
-        return self.model.forward(batch, self.kv_cache), sampling
+        model = self.model
+        if getattr(model, "xp", np) is not np:  # a device model: its logits stay there
+            return model.forward_device(batch, self.kv_cache), sampling  # type: ignore[attr-defined]
+        return model.forward(batch, self.kv_cache), sampling
