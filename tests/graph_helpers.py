@@ -28,6 +28,7 @@ class StandInCapturer:
     def __init__(self) -> None:
         self.num_captures = 0
         self.num_uploads = 0
+        self.num_steps_uploaded = 0
 
     def capture(self, step: Callable[[], Any]) -> tuple[ReplayGraph, Any]:
         self.num_captures += 1
@@ -38,6 +39,9 @@ class StandInCapturer:
         assert dst.shape == src.shape and dst.dtype == src.dtype  # a plain copy, no reshaping
         np.copyto(dst, src)
         self.num_uploads += 1
+
+    def end_uploads(self) -> None:
+        self.num_steps_uploaded += 1
 
 
 def route_kernels_through_emulation(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -80,7 +80,7 @@ def _with_stop_strings(engine: Engine) -> list[tuple[str, list[int], Any]]:
                                               n=2))]
 
 
-@pytest.mark.parametrize("num_blocks", [512, 40], ids=["roomy", "preempting"])
+@pytest.mark.parametrize("num_blocks", [512, 28], ids=["roomy", "preempting"])
 def test_fake_device_outputs_are_identical_on_and_off(tiny_model_dir: Path,
                                                       num_blocks: int) -> None:
     runs = {}
@@ -97,7 +97,7 @@ def test_fake_device_outputs_are_identical_on_and_off(tiny_model_dir: Path,
     assert all(error is None for error, _ in runs["on"].values())
     reasons = {c[2] for _, choices in runs["on"].values() for c in choices}
     assert reasons == {"stop", "length"}
-    if num_blocks == 40:
+    if num_blocks == 28:
         assert preemptions["on"] > 0
 
 
@@ -188,9 +188,10 @@ def test_a_failed_sampling_row_fails_its_request_only(tiny_model_dir: Path) -> N
     calls = []
 
     def sampler(logits: Any, rows: Any) -> Any:
-        calls.append(1)
-        if len(calls) > 3 and any(r.params.seed == 5 for r in rows):
-            raise RuntimeError("injected")
+        if any(r.params.seed == 5 for r in rows):
+            calls.append(1)
+            if len(calls) >= 2:  # its second token
+                raise RuntimeError("injected")
         return real(logits, rows)
 
     engine.core.sampler = sampler  # type: ignore[assignment]

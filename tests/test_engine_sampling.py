@@ -8,7 +8,7 @@ import numpy as np
 
 from engine_helpers import assert_pool_empty, make_engine, random_prompts, run_all
 from kvcore.model import BatchInput
-from kvcore.sampling import SamplingParams
+from kvcore.sampling import SamplingParams, SamplingRow, XpSampler
 
 
 def test_seeded_sampling_is_batch_independent(tiny_model_dir: Path) -> None:
@@ -134,3 +134,31 @@ def test_logprobs_match_the_model_distribution(tiny_model_dir: Path) -> None:
         assert [t for t, _ in lp.top] == list(np.argsort(-ref[row])[:3])
     assert out.cumulative_logprob is not None
     assert abs(out.cumulative_logprob - sum(lp.logprob for lp in out.logprobs)) < 1e-9
+
+
+def test_random_draws_are_the_xp_samplers_at_seed_and_output_position(tiny_model_dir: Path
+                                                                      ) -> None:
+    """The engine samples with the xp sampler: each token is the counter-based draw of (the
+    sequence's seed, its output position) over that step's logits, recomputed here from one
+    independent forward of the whole sequence."""
+    engine = make_engine(tiny_model_dir)
+    prompt = random_prompts(seed=12, num=1, low=9, high=10)[0]
+    params = SamplingParams(max_tokens=8, temperature=1.3, seed=2026, ignore_eos=True)
+    out = run_all(engine, [prompt], params)[0].outputs[0]
+    seq = prompt + out.token_ids[:-1]
+    fresh = make_engine(tiny_model_dir, num_blocks=16)
+    fresh.kv.allocate_prefix("x", seq)
+    fresh.kv.allocate_slots("x", seq, len(seq))
+    batch = BatchInput.build([seq], [0], [fresh.kv.block_table("x")], 4)
+    batch = BatchInput(batch.input_ids, batch.positions, batch.slot_mapping,
+                       batch.query_start_loc, batch.context_lens, batch.block_tables,
+                       np.arange(len(prompt) - 1, len(seq), dtype=np.int64))
+    logits = fresh.model.forward(batch, fresh.kv_cache)  # (8, V)
+    sampler = XpSampler(engine.eos_token_ids, logits.shape[1])
+    rows = [SamplingRow(params, None, prompt, out.token_ids[:i], seed=2026) for i in range(8)]
+    want = sampler(logits.copy(), sampler.batch(rows)).token_ids.tolist()
+    assert out.token_ids == want
+    # the position matters: the same logits row at another position draws other noise
+    shifted = [SamplingRow(params, None, (), (), seed=2026, position=i + 1) for i in range(8)]
+    assert sampler(logits.copy(), sampler.batch(shifted)).token_ids.tolist() != want
+    assert len(set(want)) > 1

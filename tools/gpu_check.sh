@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one prepared script for a GPU machine (an offline H200): the GPU tests, the kernel
-# benchmark table, then the xp sampler on NumPy vs CuPy (noise bit for bit, token agreement on
-# fp32 and fp16 logits), in at most about 7 minutes. Without a usable CUDA GPU it says so and
+# benchmark table, the xp sampler on NumPy vs CuPy (noise bit for bit, token agreement on
+# fp32 and fp16 logits), then the engine end to end (tools/gpu_e2e.py: decode tok/s at batch 1,
+# 64, 256, device-busy fraction, greedy tokens vs the CPU engine), in at most about 9 minutes. Without a usable CUDA GPU it says so and
 # exits 2 at once.
 #
 #   bash tools/gpu_check.sh            # python3 (or $PYTHON) with cupy; kvcore from src/
@@ -15,8 +16,12 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 WHEELS="${KVCORE_WHEELS:-gpu_wheels}"
 
+MODEL="${KVCORE_HOME:-$HOME/.cache/kvcore}/models/SmolLM2-135M-Instruct"
 if [ "${1:-}" = "--fetch-wheels" ]; then
-    "$PY" -m pip download --only-binary=:all: --no-deps --dest "$WHEELS" structlog gguf
+    "$PY" -m pip download --only-binary=:all: --no-deps --dest "$WHEELS" structlog gguf || exit $?
+    # the default model's config and tokenizer (3.5 MB) for the end-to-end run's random
+    # weights: the 93 MB model itself cannot travel to the GPU machine (64 MiB at most)
+    mkdir -p gpu_model && cp "$MODEL"/*.json gpu_model/
     exit $?
 fi
 
@@ -41,4 +46,13 @@ echo "== tools/bench_kernels.py"
 timeout 150 "$PY" tools/bench_kernels.py --iters 10 || status=1
 echo "== tools/check_sampler_devices.py"
 timeout 60 "$PY" tools/check_sampler_devices.py || status=1
+echo "== tools/gpu_e2e.py (the engine on the GPU: tok/s, busy fraction, greedy vs the CPU engine)"
+if [ -f "$MODEL/model.safetensors" ]; then
+    timeout 180 "$PY" tools/gpu_e2e.py --model "$MODEL" || status=1
+elif [ -f gpu_model/config.json ]; then
+    timeout 180 "$PY" tools/gpu_e2e.py --like gpu_model || status=1
+else
+    echo "gpu_e2e: no default model and no gpu_model/ (run --fetch-wheels first): skipped"
+    status=1
+fi
 exit $status

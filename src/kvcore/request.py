@@ -5,12 +5,8 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from kvcore.sampling.params import BeamSearchParams, SamplingParams, TokenLogprob
-
-if TYPE_CHECKING:
-    import numpy as np
 
 
 class SequenceStatus(enum.Enum):
@@ -97,7 +93,9 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     stop_token_ids: frozenset[int] = frozenset()  # end it (after min_tokens): EOS, stop ids
     eos_token_ids: frozenset[int] = frozenset()  # of those, EOS (reported as stop_reason None)
-    generator: np.random.Generator | None = None  # per-sequence RNG of random sampling
+    # the random draws' seed (sampling.rng.make_seed, set once by the engine core): a draw
+    # depends only on (seed, output position, token id), never on what else is in the batch
+    seed: int | None = None
     # sequences this one will still fork (n - 1 before an n > 1 request's first token;
     # beam_width - 1 before a beam search's first step): counted toward max_num_seqs
     num_pending_forks: int = 0

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-import numpy as np
-
+from kvcore.device import array_module
 from kvcore.sampling import BeamHypothesis, BeamSearch
 from kvcore.sampling.logits import log_softmax
 
@@ -35,13 +35,15 @@ class BeamPolicy:
 
     def __init__(self, search: BeamSearch) -> None:
         self.search = search
-        self.rows: dict[str, np.ndarray] = {}  # live beam seq id -> its logits row this step
+        self.rows: dict[str, Any] = {}  # live beam seq id -> its (V,) logits row (NumPy or CuPy)
 
     def ready(self, live_ids: list[str]) -> bool:
         return all(seq_id in self.rows for seq_id in live_ids)
 
     def decide(self, live_ids: list[str]) -> BeamDecision:
-        rows = np.stack([self.rows.pop(seq_id) for seq_id in live_ids])  # (L, V)
+        # (L, V) on the logits' device: scored there, only the chosen candidates cross
+        picked = [self.rows.pop(seq_id) for seq_id in live_ids]
+        rows = array_module(picked[0]).stack(picked)
         step = self.search.step(log_softmax(rows))
         if step.done:
             return BeamDecision([], list(range(len(live_ids))), self.search.results())

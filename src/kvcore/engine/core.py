@@ -17,16 +17,17 @@ import numpy as np
 import structlog
 
 from kvcore.cache import PENDING_TOKEN_ID
+from kvcore.device import array_module, to_numpy
 from kvcore.engine.beam import BeamPolicy
 from kvcore.engine.runner import ModelRunner, PendingFill
 from kvcore.request import Sequence, SequenceStatus
 from kvcore.sampling import (
     BeamHypothesis,
-    Sampler,
+    RowSampler,
     SamplingParams,
     SamplingRow,
     TokenLogprob,
-    make_generator,
+    make_seed,
 )
 from kvcore.scheduler import Scheduler, SchedulerOutput
 
@@ -63,7 +64,6 @@ class _Drawn:
     logprobs: list[TokenLogprob | None]  # (P,)
     failed: dict[int, BaseException]  # plain row -> why its draw failed (its request fails)
     host_logits: Any  # (H, V) logits of the host rows (forks, beams), a copy; None if none
-    states: list[Any]  # (P,) the plain rows' generator states before the draw (rollback)
 
 
 class _Launched:
@@ -98,7 +98,7 @@ class _Group:
 class EngineCore:
     """Owns the scheduler, the runner and the sampler; one `step()` at a time."""
 
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, sampler: Sampler,
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, sampler: RowSampler,
                  vocab_size: int, seed: int = 0, async_scheduling: bool = False) -> None:
         self.scheduler = scheduler
         self.runner = runner
@@ -114,9 +114,9 @@ class EngineCore:
 
     def add(self, seq: Sequence, policy: BeamPolicy | None = None) -> None:
         """Queue a request's first sequence (ParamError from admission: nothing queued)."""
-        if seq.generator is None and isinstance(seq.params, SamplingParams) and (
+        if seq.seed is None and isinstance(seq.params, SamplingParams) and (
                 not seq.params.greedy):
-            seq.generator = make_generator(seq.params.seed, self._seeds)
+            seq.seed = make_seed(seq.params.seed, self._seeds)
         self.scheduler.add(seq)
         self._groups[seq.request_id] = _Group(seq, policy)
 
@@ -226,11 +226,12 @@ class EngineCore:
             fill = PendingFill(lambda: future.result().token_ids, prev.row_of)
 
         def sample(logits: Any) -> _Drawn:
-            states = [s.generator.bit_generator.state if s.generator is not None else None
-                      for s in plain]
-            drawn, logprobs, failed = self._draw_rows(logits, plain_logits, plain, rows, states)
-            return _Drawn(np.array(drawn, dtype=np.int64), logprobs, failed,  # (P,)
-                          logits[host_logits] if host else None, states)
+            drawn, logprobs, failed = self._draw_rows(logits, plain_logits, plain, rows)
+            host_rows = None
+            if host:
+                index = np.asarray(host_logits, dtype=np.int64)  # (H,)
+                host_rows = logits[array_module(logits).asarray(index)]  # (H, V) a copy
+            return _Drawn(np.array(drawn, dtype=np.int64), logprobs, failed, host_rows)  # (P,)
         launched.future = self.runner.launch(out, sample, fill)
         self.scheduler.advance(out)
         return launched
@@ -281,15 +282,10 @@ class EngineCore:
     def _roll_back(self, launched: _Launched, failed: _Launched) -> None:
         """`failed` (the step before `launched`) failed on the device: `launched` was computed
         on K/V it never wrote, and on tokens it never sampled. Its sequences of other requests
-        are recomputed: back to waiting, generators rewound, their new blocks uncached."""
-        assert launched.future is not None
-        try:
-            states = launched.future.result().states
-        except Exception:
-            states = [None] * len(launched.plain)
-        for seq, state in zip(launched.plain, states, strict=True):
-            if seq.generator is not None and state is not None:
-                seq.generator.bit_generator.state = state
+        are recomputed: back to waiting, their new blocks uncached (a draw depends only on the
+        sequence's seed and output position: the same tokens again)."""
+        if launched.future is not None:
+            launched.future.exception()  # wait: it ran (or failed); its results are dropped
         failing = {self.scheduler.seqs[item.seq_id].request_id
                    for item in failed.out.scheduled if item.seq_id in self.scheduler.seqs}
         for item in launched.out.scheduled:
@@ -311,7 +307,7 @@ class EngineCore:
             seed = None if params.seed is None else params.seed + index
             child = self._fork(parent, f"{parent.request_id}#n{index}", index)
             if not params.greedy:
-                child.generator = make_generator(seed, self._seeds)
+                child.seed = make_seed(seed, self._seeds)
             group.seqs.append(child)
             forks.append(child)
         return forks
@@ -330,25 +326,23 @@ class EngineCore:
         self.scheduler.add_running(child, parent)
         return child
 
-    def _sample(self, logits: np.ndarray, row_logits: list[int], rows: list[Sequence],
+    def _sample(self, logits: Any, row_logits: list[int], rows: list[Sequence],
                 result: StepOutput) -> None:
         """Draw every row's token on the host and append it (a fork's first token)."""
-        states = [s.generator.bit_generator.state if s.generator is not None else None
-                  for s in rows]
         drawn, logprobs, failed = self._draw_rows(logits, row_logits, rows,
-                                                  [_sampling_row(s) for s in rows], states)
+                                                  [_sampling_row(s) for s in rows])
         for i, error in failed.items():
             if rows[i].request_id not in result.failed:
                 self._fail(rows[i].request_id, "sampling", error, result)
         self._append(zip(rows, drawn, logprobs, strict=True), result)
 
-    def _draw_rows(self, logits: np.ndarray, row_logits: list[int], rows: list[Sequence],
-                   sampling_rows: list[SamplingRow], states: list[Any]
+    def _draw_rows(self, logits: Any, row_logits: list[int], rows: list[Sequence],
+                   sampling_rows: list[SamplingRow]
                    ) -> tuple[list[int], list[TokenLogprob | None], dict[int, BaseException]]:
         """Draw every row's token: (token ids, logprobs, failed rows). A failure of one request
         (its processors, its draw) fails that request alone: the batch is redrawn row by row
-        from the same generator states. Touches no host state but the rows' generators: it
-        runs as device work (engine state is the host's)."""
+        (a row's draw depends only on its seed and output position: the same tokens). Touches
+        no engine state: it runs as device work."""
         try:
             return (*self._draw(logits, row_logits, rows, sampling_rows), {})
         except Exception:
@@ -358,9 +352,6 @@ class EngineCore:
         errors: dict[str, BaseException] = {}  # request id -> its first row's failure
         failed: dict[int, BaseException] = {}
         for i, seq in enumerate(rows):
-            state = states[i]
-            if seq.generator is not None and state is not None:
-                seq.generator.bit_generator.state = state
             error = errors.get(seq.request_id)
             if error is None:
                 try:
@@ -405,8 +396,10 @@ class EngineCore:
                 if not group.seqs:
                     del self._groups[seq.request_id]
 
-    def _draw(self, logits: np.ndarray, row_logits: list[int], rows: list[Sequence],
+    def _draw(self, logits: Any, row_logits: list[int], rows: list[Sequence],
               sampling_rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
+        """`logits` (L, V) on the model's device (NumPy or CuPy): only token ids and the asked
+        logprobs come back to the host."""
         if logits.ndim == 1:  # the model sampled on its own device: (L,) greedy token ids
             for seq in rows:
                 params = seq.params
@@ -414,13 +407,15 @@ class EngineCore:
                 if not params.greedy or params.logprobs is not None:
                     raise ValueError("this model returns token ids: only greedy sampling "
                                      "without logprobs")
-            ids = logits.tolist()
+            ids = to_numpy(logits).tolist()
             return [ids[i] for i in row_logits], [None] * len(rows)
         if len(row_logits) == logits.shape[0] and row_logits == list(range(len(row_logits))) \
                 and all(_reads_only(r) for r in sampling_rows):
             batch = logits  # argmax only: no processor writes to the logits, no copy
         else:
-            batch = logits[row_logits]  # (B, V) a copy: the processors write in place
+            index = np.asarray(row_logits, dtype=np.int64)  # (B,)
+            # (B, V) a copy on the device: the processors write in place
+            batch = logits[array_module(logits).asarray(index)]
         out = self.sampler(batch, sampling_rows)
         return out.token_ids.tolist(), list(out.logprobs)
 
@@ -483,10 +478,11 @@ def _sampling_row(seq: Sequence) -> SamplingRow:
     assert isinstance(params, SamplingParams)
     if (params.min_tokens == 0 and params.repetition_penalty == 1.0
             and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0):
-        return SamplingRow(params, seq.generator, (), ())  # no processor reads the history
+        # no processor reads the history: the draw needs only the output position
+        return SamplingRow(params, None, (), (), seq.seed, seq.num_output_tokens)
     num_prompt = seq.num_prompt_tokens
-    return SamplingRow(params, seq.generator, seq.token_ids[:num_prompt],
-                       seq.token_ids[num_prompt:])
+    return SamplingRow(params, None, seq.token_ids[:num_prompt], seq.token_ids[num_prompt:],
+                       seq.seed)
 
 
 def _reads_only(row: SamplingRow) -> bool:

@@ -27,7 +27,7 @@ from kvcore.engine.setup import (
 from kvcore.model.half_llama import HalfLlamaModel
 from kvcore.model.tokenizer import Tokenizer
 from kvcore.request import RequestOutput, Sequence, SequenceStatus
-from kvcore.sampling import BeamSearch, BeamSearchParams, Sampler, SamplingParams
+from kvcore.sampling import BeamSearch, BeamSearchParams, RowSampler, SamplingParams
 from kvcore.scheduler import Scheduler
 
 log = structlog.get_logger(__name__)
@@ -82,8 +82,8 @@ class Engine:
         async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                             else device == "cuda")
         self.core = EngineCore(scheduler, ModelRunner(self.model, self.kv_cache, block_size),
-                               Sampler(self.eos_token_ids), mc.vocab_size, config.seed,
-                               async_scheduling)
+                               RowSampler(self.eos_token_ids, mc.vocab_size), mc.vocab_size,
+                               config.seed, async_scheduling)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
         # the weights' and tokenizer's objects never become garbage: keep the cyclic GC from
         # walking them at every collection during serving (a pause inside a step)

@@ -17,6 +17,7 @@ import numpy as np
 
 from kvcore.cache import PENDING_TOKEN_ID
 from kvcore.cache.kv_cache import KVCache
+from kvcore.device import array_module, to_numpy
 from kvcore.model import BatchInput
 from kvcore.scheduler import SchedulerOutput
 
@@ -83,8 +84,9 @@ class ModelRunner:
         self.block_size = block_size
         self.stream: DeviceStream = stream if stream is not None else InlineStream()
 
-    def execute(self, output: SchedulerOutput) -> tuple[np.ndarray, list[str]]:
-        """Returns (logits (L, vocab) float32, the L sequence ids that sample, in row order)."""
+    def execute(self, output: SchedulerOutput) -> tuple[Any, list[str]]:
+        """Returns (logits (L, vocab) float32 on the model's device, the L sequence ids that
+        sample, in row order): launch + wait."""
         future = self.launch(output, lambda logits: logits)
         return future.result(), [s.seq_id for s in output.scheduled if s.sample]
 
@@ -93,7 +95,11 @@ class ModelRunner:
         """Launch one step: its future holds sample(logits of its L sampling rows, in row
         order). A token that is PENDING_TOKEN_ID (the last of its sequence, sampled by the step
         launched before) is filled on the device from `fill`, without a host round trip. A
-        failure (here or on the device) is the future's exception."""
+        failure (here or on the device) is the future's exception.
+
+        A model on a device (its `xp` is not NumPy) keeps its logits there through
+        `forward_device` (CuPy on the GPU: the engine core samples them there); on the CPU
+        `forward` gives host logits (or (L,) token ids, for models that sample themselves)."""
         try:
             scheduled = output.scheduled
             batch = BatchInput.build([s.token_ids for s in scheduled],
@@ -117,13 +123,18 @@ class ModelRunner:
         copy_ops = output.copy_ops
         model = self.model
         kv_cache = self.kv_cache
+        forward = (model.forward_device  # type: ignore[attr-defined]
+                   if getattr(model, "xp", np) is not np else model.forward)
 
         def device_work() -> T:
             if src is not None:
                 assert fill is not None
-                # the device gathers the ids the previous step sampled (stream order: done)
-                batch.input_ids[pending] = fill.token_ids()[src]
+                # the ids the previous step sampled (stream order: done), gathered by row. On
+                # a GPU this reads P ids back (waiting for that step) into the host batch: the
+                # gather into the model's device copy of input_ids is still to come
+                ids = fill.token_ids()
+                batch.input_ids[pending] = to_numpy(ids[array_module(ids).asarray(src)])
             if copy_ops:
                 kv_cache.copy_blocks(copy_ops)
-            return sample(model.forward(batch, kv_cache))
+            return sample(forward(batch, kv_cache))
         return self.stream.submit(device_work)

@@ -33,6 +33,7 @@ from kvcore.cache.kv_cache import KVCache
 from kvcore.device import to_numpy
 from kvcore.model.batch import BatchInput
 from kvcore.model.llama import DeviceBatch
+from kvcore.model.staging import CupyStaging, HostStaging
 
 log = structlog.get_logger(__name__)
 
@@ -51,6 +52,8 @@ class GraphCapturer(Protocol):
     def capture(self, step: Callable[[], Any]) -> tuple[Graph, Any]: ...
 
     def upload(self, dst: Any, src: np.ndarray) -> None: ...
+
+    def end_uploads(self) -> None: ...  # after a step's uploads (the pinned set alternates)
 
 
 class DecodeModel(Protocol):
@@ -124,8 +127,16 @@ class GraphedDecode:
         return next(s for s in self.sizes if s >= num_seqs)
 
     def forward(self, batch: BatchInput, kv_cache: KVCache) -> np.ndarray | None:
-        """(S, vocab) float32 logits through a graph, or None when `batch` is not graphable
-        (the caller runs it eagerly). `batch` is assumed checked (LlamaModel._check)."""
+        """(S, vocab) float32 host logits through a graph, or None when `batch` is not
+        graphable (the caller runs it eagerly). `batch` is assumed checked (LlamaModel._check)."""
+        logits = self.forward_device(batch, kv_cache)
+        return None if logits is None else np.ascontiguousarray(to_numpy(logits),
+                                                                 dtype=np.float32)
+
+    def forward_device(self, batch: BatchInput, kv_cache: KVCache) -> Any:
+        """forward() with the logits left on the device: a float32 copy of the graph's output
+        rows (the graph overwrites its own output at the next replay; the sampler writes into
+        its logits), or None when `batch` is not graphable."""
         size = None if self.failed else self.bucket(batch)
         if size is None:
             return None
@@ -142,8 +153,8 @@ class GraphedDecode:
         captured.graph.replay()
         self.num_replays += 1
         num_seqs = batch.context_lens.shape[0]
-        logits = to_numpy(captured.logits[:num_seqs])  # (S, vocab)
-        return np.ascontiguousarray(logits, dtype=np.float32)
+        xp = self.model.xp
+        return xp.array(captured.logits[:num_seqs], dtype=xp.float32)  # (S, vocab) a copy
 
     def _capture(self, size: int, kv_cache: KVCache) -> _Captured | None:
         """Static buffers, a warm-up run and the capture for one size; None (and every later
@@ -195,6 +206,7 @@ class GraphedDecode:
         upload(inputs.slot_mapping, slot_mapping)
         upload(inputs.context_lens, context_lens)
         upload(inputs.block_tables, tables)
+        self.capturer.end_uploads()
 
 
 def _padded_tables(num_rows: int, max_blocks: int) -> np.ndarray:
@@ -225,6 +237,7 @@ class CudaGraphCapturer:
         self.pool = cupy.cuda.MemoryPool()
         # capture needs a stream other than the legacy default stream
         self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.staging = HostStaging(CupyStaging())
 
     def capture(self, step: Callable[[], Any]) -> tuple[Graph, Any]:
         cupy = self._cupy
@@ -244,8 +257,12 @@ class CudaGraphCapturer:
         return _CudaGraph(graph, cupy), out
 
     def upload(self, dst: Any, src: np.ndarray) -> None:
-        # on the current stream, where the graph then replays: ordered without a sync
-        dst.set(src, stream=self._cupy.cuda.get_current_stream())
+        # through the static buffer's own pinned staging buffer, asynchronously on the current
+        # stream, where the graph then replays: ordered without a sync
+        self.staging.upload(str(dst.data.ptr), src, dst)
+
+    def end_uploads(self) -> None:
+        self.staging.end_step()
 
 
 class _CudaGraph:

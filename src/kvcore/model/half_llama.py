@@ -50,16 +50,18 @@ class HalfLlamaModel(LlamaModel):
         # one conversion on the host, one copy to the device; rope tables stay fp32 (not _put)
         return self.xp.asarray(np.ascontiguousarray(array, dtype=np.float16))
 
-    def forward(self, batch: BatchInput, kv_cache: KVCache) -> np.ndarray:
+    def forward_device(self, batch: BatchInput, kv_cache: KVCache) -> Any:
+        """(L, vocab) float32 logits on the device: through a CUDA graph for pure-decode steps
+        (when enabled), else eagerly. forward() is this, copied to the host."""
         if kv_cache.dtype not in HALF_CACHE_DTYPES:
             raise ValueError(f"kv_cache dtype must be one of {HALF_CACHE_DTYPES} for fp16 "
                              f"activations, got {kv_cache.dtype!r}")
         if self.graphs is not None:
             self._check(batch, kv_cache)
-            logits = self.graphs.forward(batch, kv_cache)
+            logits = self.graphs.forward_device(batch, kv_cache)
             if logits is not None:
                 return logits
-        return super().forward(batch, kv_cache)
+        return super().forward_device(batch, kv_cache)
 
 
 def load_half_model(model_dir: str | Path, device: str = "cuda") -> HalfLlamaModel:

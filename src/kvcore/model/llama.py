@@ -15,6 +15,7 @@ from kvcore.config import ModelConfig
 from kvcore.device import get_xp, resolve_device, to_numpy
 from kvcore.kernels import cpu
 from kvcore.model.batch import BatchInput
+from kvcore.model.staging import CupyStaging, HostStaging
 
 _FEW_ROWS = 64  # up to this many rows, _linear multiplies weight @ x.T (measured on this CPU)
 # the LM head's (vocab, hidden) weight: weight @ x.T pays off only for a few rows, since its
@@ -53,6 +54,8 @@ class DeviceBatch:
 
 class LlamaModel:
     """Weights on one device and a forward over an explicit BatchInput; no hidden state."""
+
+    staging: HostStaging | None = None  # the GPU's pinned input buffers, made on first use
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray],
                  device: str = "cpu") -> None:
@@ -136,16 +139,32 @@ class LlamaModel:
             raise ValueError(f"batch.input_ids must lie in [0, {c.vocab_size})")
 
     def forward(self, batch: BatchInput, kv_cache: KVCache) -> np.ndarray:
-        """(L, vocab) float32 logits at batch.logits_indices; writes the step's K/V to the cache."""
+        """(L, vocab) float32 host logits at batch.logits_indices; writes the step's K/V to the
+        cache."""
+        return np.ascontiguousarray(to_numpy(self.forward_device(batch, kv_cache)),
+                                    dtype=np.float32)
+
+    def forward_device(self, batch: BatchInput, kv_cache: KVCache) -> Any:
+        """forward() with the logits left on the model's device: (L, vocab) float32, NumPy on
+        the CPU, CuPy on the GPU (the engine samples them there). On the GPU each input field
+        goes up through its pinned staging buffer: one asynchronous copy per field."""
         self._check(batch, kv_cache)
-        if batch.input_ids.shape[0] == 0:
-            return np.zeros((0, self.config.vocab_size), np.float32)  # (L, vocab): an empty step
-        self.ensure_rope(int(batch.positions.max()))
         xp = self.xp
-        device_batch = DeviceBatch(**{f.name: xp.asarray(getattr(batch, f.name))
-                                      for f in fields(DeviceBatch)})
-        logits = to_numpy(self.run(device_batch, kv_cache))  # (L, vocab)
-        return np.ascontiguousarray(logits, dtype=np.float32)
+        if batch.input_ids.shape[0] == 0:
+            return xp.zeros((0, self.config.vocab_size), np.float32)  # (L, vocab): an empty step
+        self.ensure_rope(int(batch.positions.max()))
+        if xp is np:
+            device_batch = DeviceBatch(**{f.name: getattr(batch, f.name)
+                                          for f in fields(DeviceBatch)})
+        else:
+            if self.staging is None:
+                self.staging = HostStaging(CupyStaging())
+            staging = self.staging
+            device_batch = DeviceBatch(**{f.name: staging.upload(f.name, getattr(batch, f.name))
+                                          for f in fields(DeviceBatch)})
+            staging.end_step()
+        logits = self.run(device_batch, kv_cache)  # (L, vocab)
+        return xp.ascontiguousarray(logits, dtype=xp.float32)
 
     def ensure_rope(self, max_position: int) -> None:
         """Grow the rope tables to cover max_position (before a step, or a graph capture)."""

@@ -22,7 +22,7 @@ from kvcore.sampling.sampler import (
 )
 from kvcore.sampling.stop import find_stop_string, num_holdback_chars
 from kvcore.sampling.xp_batch import SamplingBatch
-from kvcore.sampling.xp_sampler import DeviceSample, XpSampler
+from kvcore.sampling.xp_sampler import DeviceSample, RowSampler, XpSampler
 
 __all__ = [
     "BeamCandidate",
@@ -32,6 +32,7 @@ __all__ = [
     "BeamSearchParams",
     "BeamStep",
     "DeviceSample",
+    "RowSampler",
     "Sampler",
     "SamplerOutput",
     "SamplingBatch",

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvcore.device import array_module, to_numpy
 from kvcore.sampling.params import BeamSearchParams
 
 
@@ -56,17 +57,22 @@ def top_candidates(cum_logprobs: np.ndarray, logprobs: np.ndarray,
                    num_candidates: int) -> list[BeamCandidate]:
     """The best `num_candidates` (beam, token) continuations, best first.
 
-    cum_logprobs (L,) and logprobs (L, V) are taken as float32, as transformers adds them."""
+    cum_logprobs (L,) and logprobs (L, V) are taken as float32, as transformers adds them.
+    `logprobs` may live on the GPU (CuPy): the scores and the partition stay there, and only the
+    k candidates' indices and scores come to the host to be ordered."""
     num_beams, vocab_size = logprobs.shape
     if cum_logprobs.shape != (num_beams,):
         raise ValueError(f"cum_logprobs must have shape ({num_beams},), got {cum_logprobs.shape}")
-    scores = (logprobs.astype(np.float32)
-              + cum_logprobs.astype(np.float32)[:, None]).ravel()  # (L * V,)
+    xp = array_module(logprobs)
+    cum = xp.asarray(np.asarray(cum_logprobs, dtype=np.float32))  # (L,) on logprobs' device
+    scores = (logprobs.astype(xp.float32) + cum[:, None]).ravel()  # (L * V,)
     k = min(num_candidates, scores.size)
-    best = np.argpartition(-scores, k - 1)[:k]
-    best = best[np.lexsort((best, -scores[best]))]  # score descending, then (beam, token)
-    return [BeamCandidate(parent=int(i // vocab_size), token_id=int(i % vocab_size),
-                          cum_logprob=float(scores[i])) for i in best]
+    part = xp.argpartition(-scores, k - 1)[:k]  # (k,) the best k, unordered
+    best = to_numpy(part).astype(np.int64)  # (k,) host
+    best_scores = to_numpy(scores[part])  # (k,) host float32
+    order = np.lexsort((best, -best_scores))  # score descending, then (beam, token)
+    return [BeamCandidate(parent=int(best[j] // vocab_size), token_id=int(best[j] % vocab_size),
+                          cum_logprob=float(best_scores[j])) for j in order]
 
 
 def length_penalized(cum_logprob: float, length: int, length_penalty: float) -> float:

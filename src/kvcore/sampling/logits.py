@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvcore.device import array_module
+
 NEG_INF = np.float32(-np.inf)
 
 
@@ -156,8 +158,10 @@ def logsumexp(logits: np.ndarray) -> np.ndarray:
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """Row-wise log-softmax in float64 (R, V); -inf logits stay -inf."""
-    x = logits.astype(np.float64)
+    """Row-wise log-softmax in float64 (R, V); -inf logits stay -inf. On the logits' device
+    (NumPy or CuPy)."""
+    xp = array_module(logits)
+    x = logits.astype(xp.float64)
     x -= x.max(axis=1, keepdims=True)
-    x -= np.log(np.exp(x).sum(axis=1, keepdims=True))
+    x -= xp.log(xp.exp(x).sum(axis=1, keepdims=True))
     return x

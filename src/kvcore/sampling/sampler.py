@@ -29,6 +29,9 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # tokens generated so far (before this step's)
     seed: int | None = None  # the xp sampler's per-sequence seed (rng.make_seed); unused here
+    # the xp sampler's output position (tokens generated so far) when output_token_ids is left
+    # empty because no processor reads the history; None: len(output_token_ids)
+    position: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

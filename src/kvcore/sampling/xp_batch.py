@@ -75,8 +75,8 @@ class SamplingBatch:
                     raise ValueError(f"a random (non-greedy) row needs a seed, got None "
                                      f"(row {i})")
                 seeds[i] = row.seed % 2**64
-        positions = np.fromiter((len(r.output_token_ids) for r in rows), dtype=np.int64,
-                                count=num_rows)  # (B,)
+        positions = np.fromiter((len(r.output_token_ids) if r.position is None else r.position
+                                 for r in rows), dtype=np.int64, count=num_rows)  # (B,)
 
         pairs = ProcessorPairs.from_rows(rows, eos_token_ids, vocab_size)
 

@@ -297,3 +297,24 @@ def _stable_argsort(a: Any) -> Any:
     if isinstance(a, np.ndarray):
         return np.argsort(a, axis=1, kind="stable")
     return array_module(a).argsort(a, axis=1)
+
+
+class RowSampler:
+    """The engine's sampler: (logits, SamplingRows) -> SamplerOutput, the xp sampler run on the
+    logits' own device (NumPy or CuPy: one XpSampler per array module, made on first use)."""
+
+    def __init__(self, eos_token_ids: Sequence[int], vocab_size: int) -> None:
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.vocab_size = vocab_size
+        self._samplers: dict[ModuleType, XpSampler] = {}
+
+    def for_module(self, xp: ModuleType) -> XpSampler:
+        sampler = self._samplers.get(xp)
+        if sampler is None:
+            sampler = self._samplers[xp] = XpSampler(self.eos_token_ids, self.vocab_size, xp)
+        return sampler
+
+    def __call__(self, logits: Any, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """`logits` (B, V), one row per entry of `rows`; float32 logits are modified in place."""
+        sampler = self.for_module(array_module(logits))
+        return sampler(logits, sampler.batch(rows))
