@@ -8,7 +8,7 @@ output processor detokenizes, finds stop strings and aborts sequences through `f
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,10 +60,13 @@ class StepOutput:
 class _Drawn:
     """What a launched step's device work returns (device arrays where the device has them)."""
 
-    token_ids: Any  # (P,) int64 the plain rows' tokens, row order (a failed row: 0)
-    logprobs: list[TokenLogprob | None]  # (P,)
+    token_ids: Any  # (P,) int64 the plain rows' tokens on the device, row order (failed: 0)
+    read: Callable[[], _HostDraw]  # the host's copy of the tokens (and the asked logprobs)
     failed: dict[int, BaseException]  # plain row -> why its draw failed (its request fails)
     host_logits: Any  # (H, V) logits of the host rows (forks, beams), a copy; None if none
+
+
+_HostDraw = tuple[list[int], list[TokenLogprob | None]]  # (P,) token ids, (P,) logprobs
 
 
 class _Launched:
@@ -226,12 +229,12 @@ class EngineCore:
             fill = PendingFill(lambda: future.result().token_ids, prev.row_of)
 
         def sample(logits: Any) -> _Drawn:
-            drawn, logprobs, failed = self._draw_rows(logits, plain_logits, plain, rows)
             host_rows = None
-            if host:
+            if host:  # before the draw: the sampler may process the logits in place
                 index = np.asarray(host_logits, dtype=np.int64)  # (H,)
                 host_rows = logits[array_module(logits).asarray(index)]  # (H, V) a copy
-            return _Drawn(np.array(drawn, dtype=np.int64), logprobs, failed, host_rows)  # (P,)
+            token_ids, read, failed = self._draw_rows(logits, plain_logits, plain, rows)
+            return _Drawn(token_ids, read, failed, host_rows)
         launched.future = self.runner.launch(out, sample, fill)
         self.scheduler.advance(out)
         return launched
@@ -243,6 +246,7 @@ class EngineCore:
         assert launched.future is not None
         try:
             drawn = launched.future.result()
+            token_ids, logprobs = drawn.read()  # waits for the device
         except Exception as e:
             if after is not None:
                 self._roll_back(after, launched)
@@ -254,8 +258,7 @@ class EngineCore:
             seq = launched.plain[i]
             if not seq.finished and seq.request_id not in result.failed:
                 self._fail(seq.request_id, "sampling", error, result)
-        self._append(zip(launched.plain, drawn.token_ids.tolist(), drawn.logprobs, strict=True),
-                     result)
+        self._append(zip(launched.plain, token_ids, logprobs, strict=True), result)
         if launched.host:
             self._decide_host(launched.host, drawn.host_logits, result)
 
@@ -329,8 +332,9 @@ class EngineCore:
     def _sample(self, logits: Any, row_logits: list[int], rows: list[Sequence],
                 result: StepOutput) -> None:
         """Draw every row's token on the host and append it (a fork's first token)."""
-        drawn, logprobs, failed = self._draw_rows(logits, row_logits, rows,
-                                                  [_sampling_row(s) for s in rows])
+        _, read, failed = self._draw_rows(logits, row_logits, rows,
+                                          [_sampling_row(s) for s in rows])
+        drawn, logprobs = read()
         for i, error in failed.items():
             if rows[i].request_id not in result.failed:
                 self._fail(rows[i].request_id, "sampling", error, result)
@@ -338,11 +342,11 @@ class EngineCore:
 
     def _draw_rows(self, logits: Any, row_logits: list[int], rows: list[Sequence],
                    sampling_rows: list[SamplingRow]
-                   ) -> tuple[list[int], list[TokenLogprob | None], dict[int, BaseException]]:
-        """Draw every row's token: (token ids, logprobs, failed rows). A failure of one request
-        (its processors, its draw) fails that request alone: the batch is redrawn row by row
-        (a row's draw depends only on its seed and output position: the same tokens). Touches
-        no engine state: it runs as device work."""
+                   ) -> tuple[Any, Callable[[], _HostDraw], dict[int, BaseException]]:
+        """Draw every row's token: ((R,) device token ids, their read-back, failed rows). A
+        failure of one request (its processors, its draw) fails that request alone: the batch
+        is redrawn row by row (a row's draw depends only on its seed and output position: the
+        same tokens). Touches no engine state: it runs as device work."""
         try:
             return (*self._draw(logits, row_logits, rows, sampling_rows), {})
         except Exception:
@@ -355,14 +359,16 @@ class EngineCore:
             error = errors.get(seq.request_id)
             if error is None:
                 try:
-                    one, one_lp = self._draw(logits, row_logits[i:i + 1], [seq],
-                                             sampling_rows[i:i + 1])
+                    _, read = self._draw(logits, row_logits[i:i + 1], [seq],
+                                         sampling_rows[i:i + 1])
+                    one, one_lp = read()
                     ids[i], logprobs[i] = one[0], one_lp[0]
                     continue
                 except Exception as e:
                     error = errors[seq.request_id] = e
             failed[i] = error
-        return ids, logprobs, failed
+        xp = array_module(logits)
+        return xp.asarray(np.array(ids, dtype=np.int64)), lambda: (ids, logprobs), failed
 
     def _append(self, drawn: Iterable[tuple[Sequence, int, TokenLogprob | None]],
                 result: StepOutput) -> None:
@@ -397,9 +403,11 @@ class EngineCore:
                     del self._groups[seq.request_id]
 
     def _draw(self, logits: Any, row_logits: list[int], rows: list[Sequence],
-              sampling_rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
-        """`logits` (L, V) on the model's device (NumPy or CuPy): only token ids and the asked
-        logprobs come back to the host."""
+              sampling_rows: list[SamplingRow]) -> tuple[Any, Callable[[], _HostDraw]]:
+        """`logits` (L, V) on the model's device (NumPy or CuPy): ((R,) token ids on that
+        device, the read-back of the ids and the asked logprobs, which waits for the device)."""
+        xp = array_module(logits)
+        index = xp.asarray(np.asarray(row_logits, dtype=np.int64))  # (R,)
         if logits.ndim == 1:  # the model sampled on its own device: (L,) greedy token ids
             for seq in rows:
                 params = seq.params
@@ -407,17 +415,23 @@ class EngineCore:
                 if not params.greedy or params.logprobs is not None:
                     raise ValueError("this model returns token ids: only greedy sampling "
                                      "without logprobs")
-            ids = to_numpy(logits).tolist()
-            return [ids[i] for i in row_logits], [None] * len(rows)
+            ids = logits[index]  # (R,)
+            return ids, lambda: (to_numpy(ids).tolist(), [None] * len(rows))
         if len(row_logits) == logits.shape[0] and row_logits == list(range(len(row_logits))) \
                 and all(_reads_only(r) for r in sampling_rows):
             batch = logits  # argmax only: no processor writes to the logits, no copy
         else:
-            index = np.asarray(row_logits, dtype=np.int64)  # (B,)
-            # (B, V) a copy on the device: the processors write in place
-            batch = logits[array_module(logits).asarray(index)]
-        out = self.sampler(batch, sampling_rows)
-        return out.token_ids.tolist(), list(out.logprobs)
+            batch = logits[index]  # (R, V) a copy on the device: the processors write in place
+        launch = getattr(self.sampler, "launch", None)
+        if launch is None:  # a plain sampler callable: host output at once
+            out = self.sampler(batch, sampling_rows)
+            return out.token_ids, lambda: (out.token_ids.tolist(), list(out.logprobs))
+        token_ids, read = launch(batch, sampling_rows)
+
+        def read_back() -> _HostDraw:
+            out = read()
+            return out.token_ids.tolist(), list(out.logprobs)
+        return token_ids, read_back
 
     def _step_beams(self, group: _Group, result: StepOutput) -> None:
         policy = group.policy

@@ -10,7 +10,7 @@ position. Only token ids and the requested logprobs cross to the host.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -69,7 +69,10 @@ class XpSampler:
     def __call__(self, logits: Any, batch: SamplingBatch) -> SamplerOutput:
         """`logits` (B, V) float32 (or float16, upcast) on the sampler's device; float32 logits
         are MODIFIED IN PLACE. Returns host token ids and per-row logprobs."""
-        sample = self.sample(logits, batch)
+        return self.to_host(self.sample(logits, batch), batch)
+
+    def to_host(self, sample: DeviceSample, batch: SamplingBatch) -> SamplerOutput:
+        """A DeviceSample's token ids and asked logprobs read back (waits for the device)."""
         token_ids = to_numpy(sample.token_ids).astype(np.int64, copy=False)  # (B,)
         out: list[TokenLogprob | None] = [None] * batch.num_rows
         if sample.chosen_logprobs is not None:
@@ -318,3 +321,13 @@ class RowSampler:
         """`logits` (B, V), one row per entry of `rows`; float32 logits are modified in place."""
         sampler = self.for_module(array_module(logits))
         return sampler(logits, sampler.batch(rows))
+
+    def launch(self, logits: Any, rows: Sequence[SamplingRow]
+               ) -> tuple[Any, Callable[[], SamplerOutput]]:
+        """__call__ in two halves (async scheduling): the draw queued on the logits' device now,
+        returning its (B,) device token ids, and the read-back, to call when the host needs
+        the tokens (only then does it wait for the device)."""
+        sampler = self.for_module(array_module(logits))
+        batch = sampler.batch(rows)
+        sample = sampler.sample(logits, batch)
+        return sample.token_ids, lambda: sampler.to_host(sample, batch)
