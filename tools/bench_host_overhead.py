@@ -180,7 +180,7 @@ def profile_steps(engine: Any) -> cProfile.Profile:
 # the stages of today's step whose cumulative profile time `--profile` reports: (file, function)
 STAGES = (
     ("engine.py", "step"), ("core.py", "step"), ("core.py", "_launch"), ("runner.py", "launch"),
-    ("core.py", "_collect"), ("core.py", "_append"), ("core.py", "_sampling_row"),
+    ("core.py", "_collect"), ("core.py", "_append"), ("draw.py", "sampling_row"),
     ("output.py", "process"), ("scheduler.py", "schedule"), ("runner.py", "execute"),
     ("batch.py", "build"), ("bench_host_overhead.py", "forward"), ("scheduler.py", "advance"),
     ("engine.py", "_sample"), ("sampler.py", "__call__"), ("scheduler.py", "append_tokens"),

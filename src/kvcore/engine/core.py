@@ -17,15 +17,15 @@ import numpy as np
 import structlog
 
 from kvcore.cache import PENDING_TOKEN_ID
-from kvcore.device import array_module, to_numpy
+from kvcore.device import array_module
 from kvcore.engine.beam import BeamPolicy
+from kvcore.engine.draw import HostDraw, draw_rows, sampling_row
 from kvcore.engine.runner import ModelRunner, PendingFill
 from kvcore.request import Sequence, SequenceStatus
 from kvcore.sampling import (
     BeamHypothesis,
     RowSampler,
     SamplingParams,
-    SamplingRow,
     TokenLogprob,
     make_seed,
 )
@@ -61,12 +61,9 @@ class _Drawn:
     """What a launched step's device work returns (device arrays where the device has them)."""
 
     token_ids: Any  # (P,) int64 the plain rows' tokens on the device, row order (failed: 0)
-    read: Callable[[], _HostDraw]  # the host's copy of the tokens (and the asked logprobs)
+    read: Callable[[], HostDraw]  # the host's copy of the tokens (and the asked logprobs)
     failed: dict[int, BaseException]  # plain row -> why its draw failed (its request fails)
     host_logits: Any  # (H, V) logits of the host rows (forks, beams), a copy; None if none
-
-
-_HostDraw = tuple[list[int], list[TokenLogprob | None]]  # (P,) token ids, (P,) logprobs
 
 
 class _Launched:
@@ -220,7 +217,7 @@ class EngineCore:
                 plain_logits.append(i)
             i += 1
         # built now: the rows' histories as they are (the host appends to them meanwhile)
-        rows = [_sampling_row(seq) for seq in plain]
+        rows = [sampling_row(seq) for seq in plain]
         needs_host = needs_host or any(r.prompt_token_ids for r in rows)  # reads the history
         launched = _Launched(out, plain, host, needs_host)
         fill = None
@@ -233,7 +230,7 @@ class EngineCore:
             if host:  # before the draw: the sampler may process the logits in place
                 index = np.asarray(host_logits, dtype=np.int64)  # (H,)
                 host_rows = logits[array_module(logits).asarray(index)]  # (H, V) a copy
-            token_ids, read, failed = self._draw_rows(logits, plain_logits, plain, rows)
+            token_ids, read, failed = draw_rows(self.sampler, logits, plain_logits, plain, rows)
             return _Drawn(token_ids, read, failed, host_rows)
         launched.future = self.runner.launch(out, sample, fill)
         self.scheduler.advance(out)
@@ -332,43 +329,13 @@ class EngineCore:
     def _sample(self, logits: Any, row_logits: list[int], rows: list[Sequence],
                 result: StepOutput) -> None:
         """Draw every row's token on the host and append it (a fork's first token)."""
-        _, read, failed = self._draw_rows(logits, row_logits, rows,
-                                          [_sampling_row(s) for s in rows])
+        _, read, failed = draw_rows(self.sampler, logits, row_logits, rows,
+                                    [sampling_row(s) for s in rows])
         drawn, logprobs = read()
         for i, error in failed.items():
             if rows[i].request_id not in result.failed:
                 self._fail(rows[i].request_id, "sampling", error, result)
         self._append(zip(rows, drawn, logprobs, strict=True), result)
-
-    def _draw_rows(self, logits: Any, row_logits: list[int], rows: list[Sequence],
-                   sampling_rows: list[SamplingRow]
-                   ) -> tuple[Any, Callable[[], _HostDraw], dict[int, BaseException]]:
-        """Draw every row's token: ((R,) device token ids, their read-back, failed rows). A
-        failure of one request (its processors, its draw) fails that request alone: the batch
-        is redrawn row by row (a row's draw depends only on its seed and output position: the
-        same tokens). Touches no engine state: it runs as device work."""
-        try:
-            return (*self._draw(logits, row_logits, rows, sampling_rows), {})
-        except Exception:
-            pass
-        ids: list[int] = [0] * len(rows)
-        logprobs: list[TokenLogprob | None] = [None] * len(rows)
-        errors: dict[str, BaseException] = {}  # request id -> its first row's failure
-        failed: dict[int, BaseException] = {}
-        for i, seq in enumerate(rows):
-            error = errors.get(seq.request_id)
-            if error is None:
-                try:
-                    _, read = self._draw(logits, row_logits[i:i + 1], [seq],
-                                         sampling_rows[i:i + 1])
-                    one, one_lp = read()
-                    ids[i], logprobs[i] = one[0], one_lp[0]
-                    continue
-                except Exception as e:
-                    error = errors[seq.request_id] = e
-            failed[i] = error
-        xp = array_module(logits)
-        return xp.asarray(np.array(ids, dtype=np.int64)), lambda: (ids, logprobs), failed
 
     def _append(self, drawn: Iterable[tuple[Sequence, int, TokenLogprob | None]],
                 result: StepOutput) -> None:
@@ -401,37 +368,6 @@ class EngineCore:
                 group.seqs.remove(seq)
                 if not group.seqs:
                     del self._groups[seq.request_id]
-
-    def _draw(self, logits: Any, row_logits: list[int], rows: list[Sequence],
-              sampling_rows: list[SamplingRow]) -> tuple[Any, Callable[[], _HostDraw]]:
-        """`logits` (L, V) on the model's device (NumPy or CuPy): ((R,) token ids on that
-        device, the read-back of the ids and the asked logprobs, which waits for the device)."""
-        xp = array_module(logits)
-        index = xp.asarray(np.asarray(row_logits, dtype=np.int64))  # (R,)
-        if logits.ndim == 1:  # the model sampled on its own device: (L,) greedy token ids
-            for seq in rows:
-                params = seq.params
-                assert isinstance(params, SamplingParams)
-                if not params.greedy or params.logprobs is not None:
-                    raise ValueError("this model returns token ids: only greedy sampling "
-                                     "without logprobs")
-            ids = logits[index]  # (R,)
-            return ids, lambda: (to_numpy(ids).tolist(), [None] * len(rows))
-        if len(row_logits) == logits.shape[0] and row_logits == list(range(len(row_logits))) \
-                and all(_reads_only(r) for r in sampling_rows):
-            batch = logits  # argmax only: no processor writes to the logits, no copy
-        else:
-            batch = logits[index]  # (R, V) a copy on the device: the processors write in place
-        launch = getattr(self.sampler, "launch", None)
-        if launch is None:  # a plain sampler callable: host output at once
-            out = self.sampler(batch, sampling_rows)
-            return out.token_ids, lambda: (out.token_ids.tolist(), list(out.logprobs))
-        token_ids, read = launch(batch, sampling_rows)
-
-        def read_back() -> _HostDraw:
-            out = read()
-            return out.token_ids.tolist(), list(out.logprobs)
-        return token_ids, read_back
 
     def _step_beams(self, group: _Group, result: StepOutput) -> None:
         policy = group.policy
@@ -485,23 +421,3 @@ class EngineCore:
             seq = self.scheduler.seqs.get(item.seq_id)
             if seq is not None and seq.request_id not in result.failed:
                 self._fail(seq.request_id, "forward pass", error, result, uncache=True)
-
-
-def _sampling_row(seq: Sequence) -> SamplingRow:
-    params = seq.params
-    assert isinstance(params, SamplingParams)
-    if (params.min_tokens == 0 and params.repetition_penalty == 1.0
-            and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0):
-        # no processor reads the history: the draw needs only the output position
-        return SamplingRow(params, None, (), (), seq.seed, seq.num_output_tokens)
-    num_prompt = seq.num_prompt_tokens
-    return SamplingRow(params, None, seq.token_ids[:num_prompt], seq.token_ids[num_prompt:],
-                       seq.seed)
-
-
-def _reads_only(row: SamplingRow) -> bool:
-    """A greedy row with no processor: the sampler only takes its argmax (and raw logprobs)."""
-    p = row.params
-    return (p.greedy and not p.logit_bias and p.min_tokens == 0
-            and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
-            and p.presence_penalty == 0.0)
