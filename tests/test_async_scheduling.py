@@ -224,6 +224,31 @@ def test_random_request_mixes_are_identical_on_and_off(
     assert outputs[0] == outputs[1]
 
 
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(st.lists(st.integers(0, len(MIX) - 1), min_size=2, max_size=7),
+       st.lists(st.tuples(st.integers(0, 12), st.integers(0, 6)), max_size=4))
+def test_random_aborts_mid_flight(tiny_model_dir: Path, mix: list[int],
+                                  aborts: list[tuple[int, int]]) -> None:
+    """Aborted at random steps with async scheduling on: every other request's output is the
+    one it has alone with async scheduling off, and every block comes back."""
+    requests = [(f"r{i}", PROMPTS[i], MIX[m]) for i, m in enumerate(mix)]
+    by_step: dict[int, list[str]] = {}
+    for step, i in aborts:
+        by_step.setdefault(step, []).append(f"r{i}")
+    reference = _run(fake_engine(tiny_model_dir, False, False), requests)
+    engine = fake_engine(tiny_model_dir, True, max_delay_s=0.0005)
+    got = _run(engine, requests, aborts=by_step)
+    aborted = {rid for rids in by_step.values() for rid in rids}
+    assert {k: v for k, v in got.items() if k not in aborted} == {
+        k: v for k, v in reference.items() if k not in aborted}
+    for rid in aborted & set(got):
+        if not isinstance(MIX[mix[int(rid[1:])]], BeamSearchParams):
+            for mine, full in zip(got[rid][1], reference[rid][1], strict=True):
+                assert full[0][:len(mine[0])] == mine[0]
+    assert_pool_empty(engine)
+
+
 def test_tiny_model_greedy_and_seeded_identical_on_and_off(tiny_model_dir: Path) -> None:
     params = [SamplingParams(max_tokens=10, temperature=0.0),
               SamplingParams(max_tokens=10, temperature=0.8, seed=2, ignore_eos=True),
@@ -246,10 +271,10 @@ def test_default_is_off_on_the_cpu_and_the_flag_is_checked(tiny_model_dir: Path)
         EngineConfig(model=str(tiny_model_dir), async_scheduling="yes")  # type: ignore[arg-type]
 
 
-def test_serve_cli_turns_it_off() -> None:
+def test_the_cli_turns_it_off() -> None:
     import argparse
 
-    from kvcore.cli import serve
+    from kvcore.cli import generate, serve
 
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
@@ -257,6 +282,10 @@ def test_serve_cli_turns_it_off() -> None:
     assert serve._config(parser.parse_args(["--no-async-scheduling"]), "m").async_scheduling \
         is False
     assert serve._config(parser.parse_args(["--async-scheduling"]), "m").async_scheduling
+    parser = argparse.ArgumentParser()
+    generate.add_arguments(parser)
+    assert parser.parse_args(["hi", "--no-async-scheduling"]).async_scheduling is False
+    assert parser.parse_args(["hi"]).async_scheduling is None
 
 
 def test_a_block_waiting_for_a_pending_token_is_hashed_once_known() -> None:
