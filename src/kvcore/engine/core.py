@@ -363,6 +363,10 @@ class EngineCore:
                 None if status is None else seq.stop_reason,  # type: ignore[arg-type]
                 seq.num_cached_tokens, seq.first_scheduled_time))
             if status is not None:
+                # frees its blocks now, while the step launched after this one may still write
+                # its pending row into them: device work runs in launch order (a CUDA stream,
+                # the fake device's one FIFO thread), so a later step given these blocks
+                # writes them only after that
                 finish(seq, status)
                 group = self._groups[seq.request_id]
                 group.seqs.remove(seq)
