@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from kvcore.device import array_module, to_numpy
-from kvcore.sampling.params import TokenLogprob
+from kvcore.sampling.params import SamplingParams, TokenLogprob
 from kvcore.sampling.rng import gumbel_, uniforms, uniforms_dense
 from kvcore.sampling.sampler import SamplerOutput, SamplingRow
 from kvcore.sampling.xp_batch import SamplingBatch
@@ -316,5 +316,18 @@ class RowSampler:
 
     def __call__(self, logits: Any, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """`logits` (B, V), one row per entry of `rows`; float32 logits are modified in place."""
+        if all(_plain_greedy(r.params) for r in rows):  # one argmax: no batch to build
+            if logits.ndim != 2 or logits.shape != (len(rows), self.vocab_size):
+                raise ValueError(f"logits must be (B={len(rows)}, V={self.vocab_size}), got "
+                                 f"{logits.shape}")
+            token_ids = to_numpy(logits.argmax(axis=1)).astype(np.int64, copy=False)  # (B,)
+            return SamplerOutput(token_ids=token_ids, logprobs=[None] * len(rows))
         sampler = self.for_module(array_module(logits))
         return sampler(logits, sampler.batch(rows))
+
+
+def _plain_greedy(p: SamplingParams) -> bool:
+    """Greedy, no processor, no logprobs: SamplingBatch.plain_greedy, decided without a batch."""
+    return (p.greedy and p.logprobs is None and not p.logit_bias and p.min_tokens == 0
+            and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
+            and p.presence_penalty == 0.0)
