@@ -107,3 +107,30 @@ def test_shared_memory_of_deepseek_shape() -> None:
     """DeepSeek-V2/V3's 512 + 64: 32-key tiles, 144.5 KB (sm_80 allows 163 KB per block)."""
     assert mla_smem_bytes(512, 64) == 147968
     assert mla_smem_bytes(64, 16) == 2 * 96 * 88 + 4 * 32 * 68 + 2 * 32 * 72 + 4 * 32 * 68
+
+
+@pytest.mark.parametrize("dtypes", ["f16", "bf16-fp8"])
+def test_cache_latent_and_shared_block_copies(dtypes: str) -> None:
+    """The latent-cache write equals the CPU's byte for byte; copy-on-write of a shared K/V
+    cache (no separate V arrays) copies each block once per layer."""
+    from kernel_problems import DTYPES
+
+    act, cache_dtype = DTYPES[dtypes]
+    rng = np.random.default_rng()
+    entries = (rng.standard_normal((7, 1, 48)) * 20).astype(act)  # (T, 1, r + Dr)
+    slots = rng.permutation(6 * 4)[:7].astype(np.int64)
+    slots[2] = -1  # a padding row is skipped
+    scale = 0.1 if dtypes.endswith("fp8") else 1.0
+    garbage = rng.standard_normal((6, 4, 1, 48)).astype(np.float32).astype(cache_dtype)
+    got, want = garbage.copy(), garbage.copy()
+    ops().cache_latent(entries, got, slots, scale)
+    reference.cache_latent(entries, want, slots, scale)
+    assert got.view(np.uint8).tobytes() == want.view(np.uint8).tobytes()
+    layers = [got, got.copy() * 2]
+    expected = [c.copy() for c in layers]
+    mapping = np.array([[0, 5], [3, 1]], dtype=np.int64)
+    ops().copy_blocks(layers, [], mapping)
+    for cache in expected:
+        cache[[5, 1]] = cache[[0, 3]]
+    for g, w in zip(layers, expected, strict=True):
+        assert g.view(np.uint8).tobytes() == w.view(np.uint8).tobytes()
