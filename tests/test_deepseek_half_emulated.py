@@ -13,11 +13,10 @@ import pytest
 
 import kvcore.device
 import kvcore.engine.setup as setup
-from kvcore.cache.kv_cache import KVCache
-from kvcore.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvcore.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvcore.engine import Engine
 from kvcore.engine.setup import load_engine_model
-from kvcore.model import BatchInput, LlamaModel, load_model
+from kvcore.model import load_model
 from kvcore.model.half_deepseek import HalfDeepseekModel
 from kvcore.model.half_llama import load_half_model
 from kvcore.sampling import SamplingParams
@@ -28,24 +27,7 @@ if shutil.which("g++") is None:
 
 from engine_helpers import random_prompts, run_all  # noqa: E402
 from graph_helpers import route_kernels_through_emulation  # noqa: E402
-from tiny_deepseek import make_tiny_deepseek  # noqa: E402
-
-
-def run_steps(model: LlamaModel, model_dir: Path, cache_dtype: str) -> list[np.ndarray]:
-    """Two sequences: a prompt in two chunks beside a shorter prompt, then decode steps; the
-    logits of every step."""
-    c = ModelConfig.from_dir(model_dir)
-    heads, width, shared = c.kv_layout
-    cache = KVCache(c.num_layers, 16, 4, heads, width, cache_dtype, shared_kv=shared)
-    rng = np.random.default_rng(7)
-    seqs = [rng.integers(3, c.vocab_size, size=n).tolist() for n in (11, 5)]
-    tables = [[3, 9, 0, 12, 5], [7, 2, 14]]
-    steps = [([seqs[0][:6], seqs[1]], [0, 0]), ([seqs[0][6:], [41]], [6, 5])]
-    steps += [([[17 + i], [23 + i]], [11 + i, 6 + i]) for i in range(3)]
-    out = []
-    for chunks, computed in steps:
-        out.append(model.forward(BatchInput.build(chunks, computed, tables, 4), cache))
-    return out
+from tiny_deepseek import make_tiny_deepseek, mla_steps  # noqa: E402
 
 
 @pytest.mark.parametrize("kind,cache_dtype", [("v2", "fp16"), ("v3", "fp8")])
@@ -54,18 +36,18 @@ def test_half_deepseek_through_emulated_kernels(tmp_path: Path, kind: str, cache
     # latent 32 + rope 16: the MLA kernel takes multiples of 16
     model_dir = make_tiny_deepseek(tmp_path / kind, kind, seed=4, kv_lora_rank=32,
                                    qk_rope_head_dim=16)
-    want = run_steps(load_model(model_dir), model_dir, "fp32")
+    want = mla_steps(load_model(model_dir), model_dir, "fp32")
     route_kernels_through_emulation(monkeypatch)
     model = load_half_model(model_dir, device="cpu")  # NumPy fp16 stands in for CuPy
     assert isinstance(model, HalfDeepseekModel) and model.mla_mode == "absorbed"
     assert model.layers[0].attn.w_uk.dtype == np.float16 and model.layers[0].attn.kv_b is None
-    got = run_steps(model, model_dir, cache_dtype)
+    got = mla_steps(model, model_dir, cache_dtype)
     tol = 1e-2 if cache_dtype == "fp16" else 6e-2  # fp8 rounds each cached latent
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=0, atol=tol * np.abs(w).max())
         assert np.array_equal(g.argmax(-1), w.argmax(-1))
     with pytest.raises(ValueError, match="kv_cache dtype must be one of"):
-        run_steps(model, model_dir, "fp32")
+        mla_steps(model, model_dir, "fp32")
     with pytest.raises(ValueError, match="run eagerly"):
         model.enable_cuda_graphs(4, 64, 4)
 

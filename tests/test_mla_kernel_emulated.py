@@ -54,6 +54,7 @@ CASES = [
     (16, 64, 16, 8, [20, 37, 9], [20, 1, 4], "f16", 2),           # prompt, decode, chunk
     (24, 64, 16, 8, [13, 30], [13, 6], "f16", None),              # tiles straddle positions
     (32, 64, 32, 16, [40, 70], [17, 1], "f16-fp8", None),         # chunk beside a decode row
+    (128, 512, 64, 16, [100, 20], [1, 3], "f16-fp8", 2),          # DeepSeek's: 32-key tiles
 ]
 
 
