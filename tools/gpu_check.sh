@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The one prepared script for a GPU machine (an offline H200): the GPU tests, the MLA kernel and
-# model checks, the kernel benchmark table, then the xp sampler on NumPy vs CuPy (noise bit for
-# bit, token agreement on fp32 and fp16 logits), in at most about 8 minutes. Without a usable
-# CUDA GPU it says so and exits 2 at once.
+# model checks with a short MLA decode table, the kernel benchmark table, then the xp sampler on
+# NumPy vs CuPy (noise bit for bit, token agreement on fp32 and fp16 logits), in at most about 9
+# minutes. Without a usable CUDA GPU it says so and exits 2 at once.
 #
 #   bash tools/gpu_check.sh            # python3 (or $PYTHON) with cupy; kvcore from src/
 #
@@ -39,6 +39,7 @@ timeout 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gpu
     tests/test_cuda_graph_gpu.py tests/test_sampling_xp_gpu.py || status=1
 echo "== MLA (DeepSeek): the kernel at 512 + 64 vs the float64 oracle, a tiny model GPU vs CPU"
 timeout 60 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_mla_gpu.py || status=1
+timeout 60 "$PY" tools/bench_mla.py --quick --iters 10 || status=1
 echo "== tools/bench_kernels.py"
 timeout 150 "$PY" tools/bench_kernels.py --iters 10 || status=1
 echo "== tools/check_sampler_devices.py"
