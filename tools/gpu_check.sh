@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The one prepared script for a GPU machine (an offline H200): the GPU tests, the MLA kernel and
-# model checks with a short MLA decode table, the kernel benchmark table, then the xp sampler on
-# NumPy vs CuPy (noise bit for bit, token agreement on fp32 and fp16 logits), in at most about 9
-# minutes. Without a usable CUDA GPU it says so and exits 2 at once.
+# The one prepared script for a GPU machine (an offline H200): the GPU tests, the kernel
+# benchmark table, then the xp sampler on NumPy vs CuPy (noise bit for bit, token agreement on
+# fp32 and fp16 logits), in at most about 7 minutes. Without a usable CUDA GPU it says so and
+# exits 2 at once.
 #
 #   bash tools/gpu_check.sh            # python3 (or $PYTHON) with cupy; kvcore from src/
 #
