@@ -4,6 +4,7 @@ with and without split-KV, prefill chunks beside them, fp16 / bf16 / fp8 caches.
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import numpy as np
@@ -64,6 +65,22 @@ def test_mla_attention(case: tuple) -> None:
     rng = np.random.default_rng()
     kv_scale = 0.05 if dtypes.endswith("fp8") else 1.0
     check(mla_problem(rng, ctx, q_lens, heads, rank, rope, bs, dtypes, kv_scale), parts)
+
+
+def test_random_cases() -> None:
+    """Random head counts (tiles cut anywhere in a position's heads), contexts, chunk lengths,
+    block sizes and partitions over the variants built above; KVCORE_EMU_CASES=N runs N."""
+    variants = sorted({(c[1], c[2], c[6]) for c in CASES})
+    for _ in range(int(os.environ.get("KVCORE_EMU_CASES", "2"))):
+        rng = np.random.default_rng()
+        rank, rope, dtypes = variants[int(rng.integers(len(variants)))]
+        num_seqs = int(rng.integers(1, 4))
+        ctx = rng.integers(1, 80, size=num_seqs)
+        q_lens = np.where(rng.random(num_seqs) < 0.5, 1, rng.integers(1, ctx + 1))
+        kv_scale = 0.05 if dtypes.endswith("fp8") else 1.0
+        problem = mla_problem(rng, ctx.tolist(), q_lens.tolist(), int(rng.integers(1, 41)), rank,
+                              rope, int(rng.choice([4, 8, 16])), dtypes, kv_scale)
+        check(problem, int(rng.integers(1, 5)), host_metadata=bool(rng.random() < 0.5))
 
 
 def test_device_metadata_grids_from_shapes() -> None:
