@@ -18,6 +18,7 @@ from kvcore.cache.kv_cache import KVCache
 from kvcore.config import ModelConfig
 from kvcore.device import cuda_available
 from kvcore.engine import LLM
+from kvcore.kernels import cpu_numba
 from kvcore.model import BatchInput, load_model
 from kvcore.model.half_llama import load_half_model
 from kvcore.sampling import SamplingParams
@@ -57,7 +58,10 @@ def test_mla_kernel_at_deepseek_shape(case: tuple) -> None:
     np.testing.assert_allclose(got.get().astype(np.float32), mla_f64(p), rtol=3e-3, atol=3e-3)
 
 
-def test_tiny_deepseek_gpu_tracks_cpu(tmp_path: Path) -> None:
+def test_tiny_deepseek_gpu_tracks_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the CPU side on the NumPy attention: no numba compile on the GPU machine (gpu_check's
+    # time), and the reference path at that
+    monkeypatch.setattr(cpu_numba, "_enabled", False)
     model_dir = make_tiny_deepseek(tmp_path / "v2", "v2", seed=4, kv_lora_rank=32,
                                    qk_rope_head_dim=16)
     cpu_model = load_model(model_dir)
