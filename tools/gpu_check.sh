@@ -42,6 +42,9 @@ status=0
 echo "== pytest -m gpu"
 timeout 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gpu.py \
     tests/test_cuda_graph_gpu.py tests/test_sampling_xp_gpu.py || status=1
+echo "== MLA (DeepSeek): the kernel at 512 + 64 vs the float64 oracle, a tiny model GPU vs CPU"
+timeout 60 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_mla_gpu.py || status=1
+timeout 60 "$PY" tools/bench_mla.py --quick --iters 10 || status=1
 echo "== tools/bench_kernels.py"
 timeout 150 "$PY" tools/bench_kernels.py --iters 10 || status=1
 echo "== tools/check_sampler_devices.py"
