@@ -52,5 +52,7 @@ def route_kernels_through_emulation(monkeypatch: pytest.MonkeyPatch) -> None:
     impl = SimpleNamespace(**{name: getattr(ops, name) for name in (
         "reshape_and_cache", "copy_blocks", "rms_norm", "silu_and_mul", "rope")})
     impl.paged_attention = functools.partial(ops.paged_attention, host_metadata=False)
+    impl.cache_latent = ops.cache_latent
+    impl.mla_paged_attention = functools.partial(ops.mla_paged_attention, host_metadata=False)
     monkeypatch.setattr(kernels, "_on_gpu", lambda array: True)
     monkeypatch.setattr(kernels, "_cuda", lambda: impl)

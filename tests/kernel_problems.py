@@ -111,3 +111,25 @@ def greedy(model: Any, model_dir: Path, cache_dtype: str, steps: int, device: st
         logits = model.forward(BatchInput.build([[out[-1]]], [len(tokens) + len(out) - 1],
                                                 table, 4), cache)
     return out, first
+
+
+def mla_problem(rng: np.random.Generator, context_lens: list[int], q_lens: list[int],
+                num_heads: int, kv_lora_rank: int, rope_dim: int, block_size: int, dtypes: str,
+                kv_scale: float = 1.0, poison: bool = True) -> dict:
+    """A random absorbed-MLA problem: the shuffled paged cache of paged_problem with one
+    "KV head" of width kv_lora_rank + rope_dim (each row both key and value) and queries of
+    that width per head; the keyword arguments of kernels.mla_paged_attention."""
+    width = kv_lora_rank + rope_dim
+    p = paged_problem(rng, context_lens, q_lens, num_heads, 1, width, block_size, dtypes,
+                      kv_scale, kv_scale, poison)
+    return dict(query=p["query"], cache=p["k_cache"], block_tables=p["block_tables"],
+                context_lens=p["context_lens"], query_start_loc=p["query_start_loc"],
+                kv_lora_rank=kv_lora_rank, scale=p["scale"], kv_scale=kv_scale)
+
+
+def mla_f64(problem: dict) -> np.ndarray:
+    """The float64 oracle of the absorbed MLA attention: attention_f64 with K = V = the cached
+    row, the value's rope columns dropped; (T, H, kv_lora_rank)."""
+    dense = attention_f64(dict(problem, k_cache=problem["cache"], v_cache=problem["cache"],
+                               k_scale=problem["kv_scale"], v_scale=problem["kv_scale"]))
+    return dense[:, :, :problem["kv_lora_rank"]]

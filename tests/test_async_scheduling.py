@@ -302,3 +302,28 @@ def test_a_block_waiting_for_a_pending_token_is_hashed_once_known() -> None:
     assert len(kv._seqs["a"].block_hashes) == 2
     kv.free("a")
     assert kv.allocate_prefix("b", [*tokens, 1]) == 8  # the published block serves a hit
+
+
+@pytest.mark.parametrize("kind", ["plain greedy", "mixed"])
+def test_row_sampler_launch_is_call_in_two_halves(kind: str) -> None:
+    """RowSampler.launch: the device token ids now, the read-back later, equal to __call__."""
+    import numpy as np
+
+    from kvcore.sampling import RowSampler, SamplingRow
+
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((6, 50)).astype(np.float32)  # (B, V)
+    params = [SamplingParams(temperature=0.0)] * 6 if kind == "plain greedy" else [
+        SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.8, seed=1),
+        SamplingParams(temperature=1.0, top_p=0.9, seed=2), SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, top_k=5, seed=3, logprobs=1),
+        SamplingParams(temperature=0.0, repetition_penalty=1.2)]
+    rows = [SamplingRow(p, None, [1, 2], [3], seed=10 + i, position=1)
+            for i, p in enumerate(params)]
+    sampler = RowSampler([0], 50)
+    expected = sampler(logits.copy(), rows)
+    token_ids, read = sampler.launch(logits.copy(), rows)
+    out = read()
+    assert np.array_equal(np.asarray(token_ids), expected.token_ids)
+    assert np.array_equal(out.token_ids, expected.token_ids)
+    assert out.logprobs == expected.logprobs

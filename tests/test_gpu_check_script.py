@@ -26,8 +26,9 @@ def test_gpu_check_refuses_without_gpu() -> None:
     assert time.monotonic() - start < 60
 
 
-def test_bench_refuses_without_gpu() -> None:
-    result = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_kernels.py")],
+@pytest.mark.parametrize("tool", ["bench_kernels.py", "bench_mla.py"])
+def test_bench_refuses_without_gpu(tool: str) -> None:
+    result = subprocess.run([sys.executable, str(ROOT / "tools" / tool)],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "no CUDA GPU available" in result.stderr

@@ -18,12 +18,13 @@ EXPECTED_KERNELS = {
                                    "paged_attention_prefill_bf16_fp8"},
     "paged_attention_prefill_tc.cu": {"paged_attention_prefill_tc"},
     "layers.cu": {"rms_norm_f16", "rope_f16", "silu_and_mul_bf16"},
+    "mla_attention.cu": {"mla_paged_attention", "mla_reduce"},
 }
 
 
 @pytest.mark.parametrize("arch", compile_check.ARCHS)
 @pytest.mark.parametrize("source", sorted(set(EXPECTED_KERNELS) - {
-    "paged_attention_decode.cu", "paged_attention_prefill_tc.cu"}))
+    "paged_attention_decode.cu", "paged_attention_prefill_tc.cu", "mla_attention.cu"}))
 def test_compiles_without_spills(source: str, arch: str) -> None:
     reports = compile_check.compile_source(compile_check.KERNEL_DIR / source, arch)
     for r in reports:
@@ -73,6 +74,25 @@ def test_prefill_uses_tensor_cores(variant: tuple[int, str, str], arch: str) -> 
     assert report.tensor_core_ops >= 2  # S = Q K^T and O += P V
     assert report.dynamic_smem > 48 * 1024  # opted in
     assert compile_check.problems([report], [chosen]) == []
+
+
+# DeepSeek's latent shape (512 + 64): the 16-bit cache on one arch, fp8 on the other
+@pytest.mark.parametrize("variant", [("bf16", "bf16", "80"), ("f16", "fp8", "90")],
+                         ids=lambda v: "-".join(v))
+def test_mla_kernel_uses_tensor_cores(variant: tuple[str, str, str]) -> None:
+    act, cache, arch = variant
+    (chosen,) = [v for v in compile_check.variants((), (), ((act, cache),))
+                 if v.source == "mla_attention.cu"]
+    reports = compile_check.check_variants([chosen], (arch,))
+    assert {r.kernel for r in reports} == EXPECTED_KERNELS["mla_attention.cu"]
+    report = next(r for r in reports if r.kernel == "mla_paged_attention")
+    print(f"{report.variant} sm_{arch}: {report.registers} registers, {report.tensor_core_ops} "
+          f"wmma.mma, {report.vector_loads} 16-byte loads, {report.dynamic_smem} bytes of "
+          "dynamic shared memory")
+    assert report.tensor_core_ops >= 2  # S = Q K^T and O += P V
+    assert report.vector_loads >= 2  # the cache tile and the query tile
+    assert 48 * 1024 < report.dynamic_smem <= compile_check.SMEM_OPT_IN["80"]
+    assert compile_check.problems(reports, [chosen]) == []
 
 
 def _report(kernel: str, **fields: int | str) -> compile_check.KernelReport:

@@ -14,7 +14,13 @@ import pytest
 
 from kvcore.sampling import Sampler, SamplingParams, SamplingRow
 from kvcore.sampling.rng import gumbel_, row_keys, uniforms_dense
-from kvcore.sampling.xp_sampler import XpSampler, _dense_draw, _pruned_draw, _truncated_draw
+from kvcore.sampling.xp_sampler import (
+    RowSampler,
+    XpSampler,
+    _dense_draw,
+    _pruned_draw,
+    _truncated_draw,
+)
 
 VOCAB = 300
 EOS = (0, 7)
@@ -272,3 +278,22 @@ def test_bench_sampler_runs_and_validates() -> None:
     lines = result.stdout.splitlines()
     assert [line.split()[:2] for line in lines[2:]] == [["greedy", "3"], ["top_p", "3"],
                                                         ["temperature", "3"]]
+
+
+def test_row_sampler_plain_greedy_shortcut_equals_the_batch_path() -> None:
+    """RowSampler answers an all-plain-greedy step with one argmax and no SamplingBatch; any
+    other row (a processor, logprobs, a random row) takes the full xp sampler."""
+    rng = np.random.default_rng(31)
+    logits = rng.standard_normal((6, VOCAB)).astype(np.float32)  # (6, V)
+    plain = [SamplingRow(SamplingParams(temperature=0.0), None, [1], [2]) for _ in range(6)]
+    rows_sampler = RowSampler(EOS, VOCAB)
+    got = rows_sampler(logits.copy(), plain)
+    xp_sampler = XpSampler(EOS, VOCAB)
+    want = xp_sampler(logits.copy(), xp_sampler.batch(plain))
+    assert got.token_ids.tolist() == want.token_ids.tolist() == logits.argmax(1).tolist()
+    assert got.logprobs == [None] * 6
+    mixed = [*plain[:5], SamplingRow(SamplingParams(temperature=0.0, logprobs=2), None, [1], [2])]
+    out = rows_sampler(logits.copy(), mixed)
+    assert out.logprobs[5] is not None and out.logprobs[5].token_id == int(logits[5].argmax())
+    with pytest.raises(ValueError, match="logits must be"):
+        rows_sampler(logits[:5].copy(), plain)

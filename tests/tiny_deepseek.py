@@ -10,6 +10,9 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save_file
 
+from kvcore.cache.kv_cache import KVCache
+from kvcore.config import ModelConfig
+from kvcore.model import BatchInput, LlamaModel
 from tiny_model import write_tokenizer
 
 _YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
@@ -112,3 +115,19 @@ def make_tiny_deepseek(path: str | Path, kind: str = "v2", seed: int = 0,
               metadata={"format": "pt"})
     write_tokenizer(out)
     return out
+
+
+def mla_steps(model: LlamaModel, model_dir: Path, cache_dtype: str,
+              device: str = "cpu") -> list[np.ndarray]:
+    """Two sequences over shuffled blocks: a prompt in two chunks beside a shorter prompt, then
+    decode steps; the (2, vocab) logits of every step."""
+    c = ModelConfig.from_dir(model_dir)
+    heads, width, shared = c.kv_layout
+    cache = KVCache(c.num_layers, 16, 4, heads, width, cache_dtype, device, shared_kv=shared)
+    rng = np.random.default_rng(7)
+    seqs = [rng.integers(3, c.vocab_size, size=n).tolist() for n in (11, 5)]
+    tables = [[3, 9, 0, 12, 5], [7, 2, 14]]
+    steps = [([seqs[0][:6], seqs[1]], [0, 0]), ([seqs[0][6:], [41]], [6, 5])]
+    steps += [([[17 + i], [23 + i]], [11 + i, 6 + i]) for i in range(3)]
+    return [model.forward(BatchInput.build(chunks, computed, tables, 4), cache)
+            for chunks, computed in steps]

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The one prepared script for a GPU machine (an offline H200): the GPU tests, the kernel
-# benchmark table, the xp sampler on NumPy vs CuPy (noise bit for bit, token agreement on
-# fp32 and fp16 logits), then the engine end to end (tools/gpu_e2e.py: decode tok/s at batch 1,
-# 64, 256, device-busy fraction, greedy tokens vs the CPU engine), in at most about 9 minutes. Without a usable CUDA GPU it says so and
-# exits 2 at once.
+# The one prepared script for a GPU machine (an offline H200): the GPU tests, the MLA kernel
+# and model, the kernel benchmark table, the xp sampler on NumPy vs CuPy (noise bit for bit,
+# token agreement on fp32 and fp16 logits), then the engine end to end (tools/gpu_e2e.py:
+# decode tok/s at batch 1, 64, 256, device-busy fraction, greedy tokens vs the CPU engine);
+# the timeouts add up to 9 min 10 s (a 10-minute call). Without a usable CUDA GPU it says so
+# and exits 2 at once.
 #
 #   bash tools/gpu_check.sh            # python3 (or $PYTHON) with cupy; kvcore from src/
 #
@@ -25,7 +26,7 @@ if [ "${1:-}" = "--fetch-wheels" ]; then
     exit $?
 fi
 
-if ! timeout 60 "$PY" -c 'import cupy, sys; sys.exit(0 if cupy.cuda.runtime.getDeviceCount() > 0 else 1)' \
+if ! timeout 30 "$PY" -c 'import cupy, sys; sys.exit(0 if cupy.cuda.runtime.getDeviceCount() > 0 else 1)' \
         >/dev/null 2>&1; then
     echo "gpu_check: no CUDA GPU available (cupy cannot see a device); nothing was run" >&2
     exit 2
@@ -40,17 +41,20 @@ export KVCORE_EMU_CACHE="${KVCORE_EMU_CACHE:-/tmp/kvcore_cuda_emu}"
 "$PY" -c 'import cupy; p = cupy.cuda.runtime.getDeviceProperties(0); print("gpu_check:", p["name"].decode(), "cupy", cupy.__version__)'
 status=0
 echo "== pytest -m gpu"
-timeout 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gpu.py \
+timeout 120 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gpu.py \
     tests/test_cuda_graph_gpu.py tests/test_sampling_xp_gpu.py || status=1
+echo "== MLA (DeepSeek): the kernel at 512 + 64 vs the float64 oracle, a tiny model GPU vs CPU"
+timeout 60 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_mla_gpu.py || status=1
+timeout 45 "$PY" tools/bench_mla.py --quick --iters 10 || status=1
 echo "== tools/bench_kernels.py"
-timeout 150 "$PY" tools/bench_kernels.py --iters 10 || status=1
+timeout 100 "$PY" tools/bench_kernels.py --iters 10 || status=1
 echo "== tools/check_sampler_devices.py"
-timeout 60 "$PY" tools/check_sampler_devices.py || status=1
+timeout 45 "$PY" tools/check_sampler_devices.py || status=1
 echo "== tools/gpu_e2e.py (the engine on the GPU: tok/s, busy fraction, greedy vs the CPU engine)"
 if [ -f "$MODEL/model.safetensors" ]; then
-    timeout 180 "$PY" tools/gpu_e2e.py --model "$MODEL" || status=1
+    timeout 150 "$PY" tools/gpu_e2e.py --model "$MODEL" || status=1
 elif [ -f gpu_model/config.json ]; then
-    timeout 180 "$PY" tools/gpu_e2e.py --like gpu_model || status=1
+    timeout 150 "$PY" tools/gpu_e2e.py --like gpu_model || status=1
 else
     echo "gpu_e2e: no default model and no gpu_model/ (run --fetch-wheels first): skipped"
     status=1

@@ -49,8 +49,9 @@ def engine_cache_dtype(cache_dtype: str, half_model: bool) -> str:
 
 def load_engine_model(config: EngineConfig, device: str) -> tuple[EngineModel, str]:
     """(model, cache dtype) for a resolved device. cpu: the fp32 LlamaModel; cuda: the fp16
-    HalfLlamaModel with CUDA graphs for decode steps unless config.enforce_eager. A cache dtype
-    the device cannot use is a ValueError raised before any weight is loaded."""
+    HalfLlamaModel with CUDA graphs for decode steps unless config.enforce_eager (an MLA model,
+    HalfDeepseekModel, always runs eagerly). A cache dtype the device cannot use is a
+    ValueError raised before any weight is loaded."""
     cache_dtype = engine_cache_dtype(config.cache.cache_dtype, half_model=device == "cuda")
     if device != "cuda":
         model = load_model(config.model, device)
@@ -59,7 +60,7 @@ def load_engine_model(config: EngineConfig, device: str) -> tuple[EngineModel, s
         kernels.warm_up_cpu_kernels(cache_dtype)
         return model, cache_dtype
     model = load_half_model(config.model, device)
-    if not config.enforce_eager:
+    if not config.enforce_eager and model.config.mla is None:  # MLA steps run eagerly
         model.enable_cuda_graphs(config.scheduler.max_num_seqs,
                                  engine_max_model_len(config, model.config),
                                  config.cache.block_size)

@@ -11,7 +11,7 @@ from types import ModuleType
 from typing import Any
 
 from kvcore.device import array_module
-from kvcore.kernels import cpu
+from kvcore.kernels import cpu, mla
 from kvcore.kernels.cpu_numba import warm_up_cpu_kernels
 
 
@@ -45,6 +45,21 @@ def paged_attention(query: Any, k_cache: Any, v_cache: Any, block_tables: Any, c
                                 query_start_loc, scale, sliding_window, k_scale, v_scale)
 
 
+def mla_paged_attention(query: Any, cache: Any, block_tables: Any, context_lens: Any,
+                        query_start_loc: Any, kv_lora_rank: int, scale: float,
+                        kv_scale: float = 1.0) -> Any:
+    """Absorbed MLA attention over the shared latent cache: (T, H, kv_lora_rank)."""
+    impl = _cuda() if _on_gpu(query) else mla
+    return impl.mla_paged_attention(query, cache, block_tables, context_lens, query_start_loc,
+                                    kv_lora_rank, scale, kv_scale)
+
+
+def cache_latent(entries: Any, cache: Any, slot_mapping: Any, scale: float = 1.0) -> None:
+    """Write (T, 1, W) MLA latent + rope-key rows into their slots of the shared cache."""
+    impl = _cuda() if _on_gpu(entries) else mla
+    impl.cache_latent(entries, cache, slot_mapping, scale)
+
+
 def copy_blocks(k_caches: list[Any], v_caches: list[Any], block_mapping: Any) -> None:
     impl = _cuda() if k_caches and _on_gpu(k_caches[0]) else cpu
     impl.copy_blocks(k_caches, v_caches, block_mapping)
@@ -68,5 +83,6 @@ def rope(x: Any, positions: Any, cos: Any, sin: Any) -> Any:
     return _elementwise("rope", x)(x, positions, cos, sin)
 
 
-__all__ = ["copy_blocks", "paged_attention", "reshape_and_cache", "rms_norm", "rope",
-           "silu_and_mul", "uses_cuda_kernels", "warm_up_cpu_kernels"]
+__all__ = ["cache_latent", "copy_blocks", "mla_paged_attention", "paged_attention",
+           "reshape_and_cache", "rms_norm", "rope", "silu_and_mul", "uses_cuda_kernels",
+           "warm_up_cpu_kernels"]

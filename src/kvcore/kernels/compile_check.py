@@ -1,14 +1,15 @@
 """Static evidence for the CUDA kernels, without a GPU: NVRTC compiles every kernel variant.
 
 `python -m kvcore.kernels.compile_check [--json]` compiles each .cu source (each decode variant:
-head_dim x GQA group x activation/cache dtype) to a cubin for sm_80 and sm_90 through CuPy's
-NVRTC with CuPy's own options, and reports per kernel: registers, stack, spill bytes, static
-shared memory (ptxas' verbose log), the dynamic shared memory the launcher asks for, and facts
-read from the PTX of the same compile: 16-byte global loads (`ld.global*.v4` / `.v2.u64`) and
-tensor-core instructions (`wmma.mma` / `mma.sync`). It exits non-zero on a compile error, a
-spill, shared memory above the arch's opt-in limit, a decode variant of a group up to 8 above
-DECODE_REGISTER_BUDGET registers or without 16-byte loads, or a tensor-core prefill variant
-without tensor-core instructions.
+head_dim x GQA group x activation/cache dtype; the MLA kernel per latent shape x dtype) to a
+cubin for sm_80 and sm_90 through CuPy's NVRTC with CuPy's own options, and reports per
+kernel: registers, stack, spill bytes, static shared memory (ptxas' verbose log), the dynamic
+shared memory the launcher asks for, and facts read from the PTX of the same compile: 16-byte
+global loads (`ld.global*.v4` / `.v2.u64`) and tensor-core instructions (`wmma.mma` /
+`mma.sync`). It exits non-zero on a compile error, a spill, shared memory above the arch's
+opt-in limit, a decode variant of a group up to 8 above DECODE_REGISTER_BUDGET registers or
+without 16-byte loads, or a tensor-core (prefill or MLA) variant without tensor-core
+instructions.
 cuda.py loads the kernels with the same `nvrtc_options()`.
 """
 
@@ -31,6 +32,9 @@ DECODE_REGISTER_BUDGET = 96  # sm_90, groups up to 8: 5 blocks of 4 warps (2.5 o
 CHECK_HEAD_DIMS = (64, 128, 256)
 CHECK_GROUPS = (1, 2, 3, 4, 8, 16)
 CHECK_DTYPES = (("f16", "f16"), ("bf16", "bf16"), ("f16", "fp8"), ("f32", "f32"))
+# MLA variants: (kv_lora_rank, qk_rope_head_dim) of DeepSeek-V2, V2-Lite and V3 (all 512 + 64)
+CHECK_MLA_SHAPES = ((512, 64),)
+TENSOR_CORE_KERNELS = ("paged_attention_prefill_tc", "mla_paged_attention")
 SMEM_OPT_IN = {"80": 163 * 1024, "90": 227 * 1024}  # most shared memory a block may opt in to
 
 _ENTRY = re.compile(r"Compiling entry function '(\w+)' for 'sm_(\d+)'")
@@ -71,15 +75,18 @@ def kernel_sources() -> list[Path]:
 
 
 def variants(head_dims: tuple[int, ...] = CHECK_HEAD_DIMS, groups: tuple[int, ...] = CHECK_GROUPS,
-             dtypes: tuple[tuple[str, str], ...] = CHECK_DTYPES) -> list[Variant]:
+             dtypes: tuple[tuple[str, str], ...] = CHECK_DTYPES,
+             mla_shapes: tuple[tuple[int, int], ...] = CHECK_MLA_SHAPES) -> list[Variant]:
     """Every source once, the decode kernel once per (head_dim, group, dtypes) asked for, the
-    tensor-core prefill once per (head_dim, dtypes) (16-bit activations only)."""
+    tensor-core prefill once per (head_dim, dtypes) and the MLA kernel once per (latent shape,
+    dtypes) (both 16-bit activations only)."""
     from kvcore.kernels.cuda_attention import (
         decode_defines,
         decode_smem_bytes,
         prefill_tc_defines,
         prefill_tc_smem_bytes,
     )
+    from kvcore.kernels.cuda_mla import mla_defines, mla_smem_bytes
 
     out: list[Variant] = []
     for path in kernel_sources():
@@ -91,6 +98,9 @@ def variants(head_dims: tuple[int, ...] = CHECK_HEAD_DIMS, groups: tuple[int, ..
             out += [Variant(path.name, prefill_tc_defines(d, act, cache), 0,
                             prefill_tc_smem_bytes(d))
                     for d in head_dims for act, cache in dtypes if act != "f32"]
+        elif path.name == "mla_attention.cu":
+            out += [Variant(path.name, mla_defines(r, dr, act, cache), 0, mla_smem_bytes(r, dr))
+                    for r, dr in mla_shapes for act, cache in dtypes if act != "f32"]
         else:
             out.append(Variant(path.name))
     return out
@@ -183,7 +193,7 @@ def check_variants(chosen: list[Variant], archs: tuple[str, ...] = ARCHS) -> lis
 
 def problems(reports: list[KernelReport], chosen: list[Variant]) -> list[str]:
     """What fails the check: spills anywhere, shared memory over the arch's opt-in limit, decode
-    over budget or without 16-byte loads, the tensor-core prefill without tensor-core ops."""
+    over budget or without 16-byte loads, a tensor-core kernel without tensor-core ops."""
     group_of = {" ".join(v.defines): v.group for v in chosen if v.group}
     found: list[str] = []
     for r in reports:
@@ -198,7 +208,7 @@ def problems(reports: list[KernelReport], chosen: list[Variant]) -> list[str]:
                              f"{DECODE_REGISTER_BUDGET}")
             if r.vector_loads == 0:
                 found.append(f"no 16-byte global loads: {where}")
-        if r.kernel == "paged_attention_prefill_tc" and r.tensor_core_ops == 0:
+        if r.kernel in TENSOR_CORE_KERNELS and r.tensor_core_ops == 0:
             found.append(f"no tensor-core instructions: {where}")
         if r.static_smem + r.dynamic_smem > SMEM_OPT_IN.get(r.arch, SMEM_OPT_IN["80"]):
             found.append(f"shared memory over the sm_{r.arch} limit: {where} needs "

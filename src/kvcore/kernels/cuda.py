@@ -85,6 +85,17 @@ def paged_attention(query: Any, k_cache: Any, v_cache: Any, block_tables: Any, c
                                  query_start_loc, scale, sliding_window, k_scale, v_scale)
 
 
+def mla_paged_attention(query: Any, cache: Any, block_tables: Any, context_lens: Any,
+                        query_start_loc: Any, kv_lora_rank: int, scale: float,
+                        kv_scale: float = 1.0) -> Any:
+    return ops().mla_paged_attention(query, cache, block_tables, context_lens, query_start_loc,
+                                     kv_lora_rank, scale, kv_scale)
+
+
+def cache_latent(entries: Any, cache: Any, slot_mapping: Any, scale: float = 1.0) -> None:
+    ops().cache_latent(entries, cache, slot_mapping, scale)
+
+
 def copy_blocks(k_caches: list[Any], v_caches: list[Any], block_mapping: Any) -> None:
     ops().copy_blocks(k_caches, v_caches, block_mapping)
 

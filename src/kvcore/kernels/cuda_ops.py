@@ -20,6 +20,7 @@ from kvcore.kernels.cuda_launch import (
     check_int_array,
     suffix_of,
 )
+from kvcore.kernels.cuda_mla import plan_mla_attention
 
 
 class CudaOps:
@@ -63,6 +64,8 @@ class CudaOps:
         mapping = np.asarray(self.backend.to_host(block_mapping))
         if mapping.size == 0:
             return
+        if not v_caches:  # shared K/V (MLA): the kernel copies each block of the one array twice
+            v_caches = k_caches
         if mapping.ndim != 2 or mapping.shape[1] != 2:
             raise ValueError(f"block_mapping must be (M, 2), got {mapping.shape}")
         if not k_caches or len(k_caches) != len(v_caches):
@@ -95,6 +98,25 @@ class CudaOps:
         out, launches = plan_paged_attention(
             self.backend, query, k_cache, v_cache, block_tables, context_lens, query_start_loc,
             scale, sliding_window, k_scale, v_scale, num_partitions=num_partitions,
+            host_metadata=host_metadata)
+        for launch in launches:
+            launch()
+        return out
+
+    def cache_latent(self, entries: Any, cache: Any, slot_mapping: Any,
+                     scale: float = 1.0) -> None:
+        """MLA: write (T, 1, W) latent + rope-key rows into the shared cache (the K/V write
+        with both sides the same array and rows)."""
+        self.reshape_and_cache(entries, entries, cache, cache, slot_mapping, scale, scale)
+
+    def mla_paged_attention(self, query: Any, cache: Any, block_tables: Any, context_lens: Any,
+                            query_start_loc: Any, kv_lora_rank: int, scale: float,
+                            kv_scale: float = 1.0, *, num_partitions: int | None = None,
+                            host_metadata: bool | None = None) -> Any:
+        """Absorbed MLA attention over the latent cache: (T, H, kv_lora_rank)."""
+        out, launches = plan_mla_attention(
+            self.backend, query, cache, block_tables, context_lens, query_start_loc,
+            kv_lora_rank, scale, kv_scale, num_partitions=num_partitions,
             host_metadata=host_metadata)
         for launch in launches:
             launch()

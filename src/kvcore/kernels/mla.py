@@ -1,13 +1,14 @@
-"""CPU (NumPy) pieces of multi-head latent attention that the paged MQA kernel does not cover:
-writing the shared latent cache, reading one sequence's latents back, and the causal attention of
-a chunk against decompressed per-head keys and values."""
+"""CPU (NumPy) pieces of multi-head latent attention: writing the shared latent cache, the
+absorbed attention over it (the paged MQA kernel with K = V = the cached row; the reference of
+mla_attention.cu), reading one sequence's latents back, and the causal attention of a chunk
+against decompressed per-head keys and values."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from kvcore.kernels.attention import TILE_ELEMENTS, _gather, _softmax_weighted_ones
-from kvcore.kernels.cpu import _store
+from kvcore.kernels.cpu import _store, paged_attention
 from kvcore.kernels.parallel import run_parallel, split
 
 
@@ -27,6 +28,19 @@ def cache_latent(entries: np.ndarray, cache: np.ndarray, slot_mapping: np.ndarra
         raise ValueError(f"slot {int(slots.max())} is outside a cache of {cache.shape[0]} blocks "
                          f"x {cache.shape[1]}")
     cache.reshape(-1, *cache.shape[2:])[slots] = _store(rows, cache.dtype, scale)
+
+
+def mla_paged_attention(query: np.ndarray, cache: np.ndarray, block_tables: np.ndarray,
+                        context_lens: np.ndarray, query_start_loc: np.ndarray, kv_lora_rank: int,
+                        scale: float, kv_scale: float = 1.0) -> np.ndarray:
+    """Absorbed MLA attention: query (T, H, W) = [q_nope W_UK, q_rope] per head against the
+    cached rows (num_blocks, block_size, 1, W), each both the key and (its first kv_lora_rank
+    columns) the value; returns the latent-space output (T, H, kv_lora_rank)."""
+    if not 0 < kv_lora_rank < query.shape[-1]:
+        raise ValueError(f"kv_lora_rank must lie in (0, {query.shape[-1]}), got {kv_lora_rank}")
+    out = paged_attention(query, cache, cache, block_tables, context_lens, query_start_loc, scale,
+                          None, kv_scale, kv_scale)  # (T, H, W): the rope columns are dropped
+    return out[:, :, :kv_lora_rank]
 
 
 def read_latents(cache: np.ndarray, block_table: np.ndarray, num_tokens: int,

@@ -1,5 +1,6 @@
-"""The DeepSeek-V2/V3 forward on the CPU: MLA attention over the paged latent cache and the MoE
-FFN (dense MLP in the first first_k_dense_replace layers)."""
+"""The DeepSeek-V2/V3 forward: MLA attention over the paged latent cache and the MoE FFN (dense
+MLP in the first first_k_dense_replace layers). DeepseekModel is the fp32 CPU model; the fp16
+GPU model (half_deepseek.HalfDeepseekModel) reuses its layers and step."""
 
 from __future__ import annotations
 
@@ -19,16 +20,16 @@ from kvcore.model.moe import MoEWeights, moe_ffn
 
 @dataclass(slots=True)
 class DeepseekLayer:
-    input_norm: np.ndarray  # (hidden,)
+    input_norm: Any  # (hidden,)
     attn: MLAWeights
-    post_norm: np.ndarray  # (hidden,)
-    dense: tuple[np.ndarray, np.ndarray] | None  # ((2 I, hidden), (hidden, I)) before MoE layers
+    post_norm: Any  # (hidden,)
+    dense: tuple[Any, Any] | None  # ((2 I, hidden), (hidden, I)) before the MoE layers
     moe: MoEWeights | None
 
 
 class DeepseekModel(LlamaModel):
     """LlamaModel's embedding, final norm, LM head, rope tables and step checks, with MLA and
-    MoE layers. CPU only: the GPU MLA path is not built yet.
+    MoE layers. This fp32 model runs on the CPU; on the GPU, HalfDeepseekModel (fp16).
 
     mla_mode: "auto" picks the absorbed or decompressed form per sequence and step by their
     multiply-adds; "absorbed" / "decompressed" force one (tests, benchmarks)."""
@@ -37,17 +38,21 @@ class DeepseekModel(LlamaModel):
                  device: str = "cpu", mla_mode: str = "auto") -> None:
         if config.mla is None or config.moe is None:
             raise ValueError(f"DeepseekModel needs an MLA + MoE config, got {config.architecture}")
-        if device not in ("cpu", "auto"):
-            raise ValueError(f"device {device!r}: MLA models run on the CPU only in this version "
-                             f"(the GPU MLA path is not built yet)")
         if mla_mode not in MLA_MODES:
             raise ValueError(f"mla_mode must be one of {MLA_MODES}, got {mla_mode!r}")
         self.mla_mode = mla_mode
-        super().__init__(config, weights, "cpu")
+        super().__init__(config, weights, self._model_device(device))
         mla = config.mla
         self.scale = 1.0 / math.sqrt(mla.qk_head_dim)
         if config.rope_scaling is not None:
             self.scale *= config.rope_scaling.softmax_factor  # DeepSeek's yarn mscale
+
+    def _model_device(self, device: str) -> str:
+        """The fp32 model's device: the CPU (the GPU's MLA kernel takes 16-bit activations)."""
+        if device not in ("cpu", "auto"):
+            raise ValueError(f"device {device!r}: the fp32 DeepseekModel runs on the CPU; on the "
+                             "GPU use the fp16 model (load_half_model, or the engine on cuda)")
+        return "cpu"
 
     def _layer(self, w: dict[str, np.ndarray], p: str) -> DeepseekLayer:
         c, moe = self.config, self.config.moe
@@ -63,8 +68,9 @@ class DeepseekModel(LlamaModel):
             experts = range(moe.num_experts)
             shared = moe.num_shared_experts > 0
             moe_weights = MoEWeights(
-                gate=self._put(w[m + "gate.weight"]),
-                score_bias=self._put(w[m + "gate.e_score_correction_bias"])
+                # the router stays float32 (its choices are discrete); the bias lives on the host
+                gate=self.xp.asarray(np.ascontiguousarray(w[m + "gate.weight"], np.float32)),
+                score_bias=np.array(w[m + "gate.e_score_correction_bias"], dtype=np.float32)
                 if moe.has_score_bias else None,
                 gate_up=self._put(np.stack([np.concatenate(
                     [w[f"{m}experts.{e}.gate_proj.weight"], w[f"{m}experts.{e}.up_proj.weight"]])
@@ -79,7 +85,8 @@ class DeepseekModel(LlamaModel):
             )
         return DeepseekLayer(
             input_norm=self._put(w[p + "input_layernorm.weight"]),
-            attn=mla_weights(w, p, c.mla, c.num_heads),
+            attn=mla_weights(w, p, c.mla, c.num_heads, self._put,
+                             decompress=self.mla_mode != "absorbed"),
             post_norm=self._put(w[p + "post_attention_layernorm.weight"]),
             dense=dense,
             moe=moe_weights,

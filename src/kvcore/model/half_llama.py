@@ -65,10 +65,13 @@ class HalfLlamaModel(LlamaModel):
 
 
 def load_half_model(model_dir: str | Path, device: str = "cuda") -> HalfLlamaModel:
-    """Read config.json and the safetensors weights into a HalfLlamaModel on `device`."""
+    """Read config.json and the safetensors weights into a HalfLlamaModel on `device` (a
+    HalfDeepseekModel for an MLA checkpoint)."""
     config = ModelConfig.from_dir(model_dir)
     if config.mla is not None:
-        raise ValueError(f"{config.architecture} (MLA) has no GPU path yet; use device cpu")
+        from kvcore.model.half_deepseek import load_half_deepseek  # it imports this module
+
+        return load_half_deepseek(model_dir, device)
     checkpoint = Checkpoint(model_dir)
     try:
         weights = dict(iter_weights(checkpoint, config))  # float32 views of the memory map

@@ -18,11 +18,12 @@ _PROGRESS_MIN_BYTES = 64 << 20  # show a progress bar for loads at least this la
 def load_model(model_dir: str | Path, device: str = "cpu") -> LlamaModel:
     """Read config.json and the safetensors weights of an HF-style directory. The whole
     checkpoint is checked against config.json before any tensor is read (weights.iter_weights),
-    so a mismatch fails with nothing loaded. DeepSeek (MLA) models run on the CPU only."""
+    so a mismatch fails with nothing loaded. The fp32 DeepSeek (MLA) model runs on the CPU (on
+    the GPU: half_llama.load_half_model, fp16)."""
     config = ModelConfig.from_dir(model_dir)
     if config.mla is not None and device not in ("cpu", "auto"):
-        raise ValueError(f"device {device!r}: {config.architecture} (MLA) runs on the CPU only in "
-                         f"this version")
+        raise ValueError(f"device {device!r}: the fp32 {config.architecture} (MLA) model runs on "
+                         "the CPU; on the GPU load the fp16 model (load_half_model)")
     checkpoint = Checkpoint(model_dir)
     weights: dict[str, np.ndarray] = {}
     with tqdm(total=checkpoint.num_bytes, unit="B", unit_scale=True, desc="loading weights",

@@ -1,5 +1,8 @@
-"""The DeepSeek MoE FFN (CPU): routing (V2 softmax, grouped or not; V3 sigmoid with correction
-bias and group-limited choice), routed experts one GEMM each over their tokens, shared experts."""
+"""The DeepSeek MoE FFN: routing (V2 softmax, grouped or not; V3 sigmoid with correction bias and
+group-limited choice), routed experts one GEMM each over their tokens, shared experts.
+
+Routing runs on the host in float32 (the router's logits are copied back once per layer, a few
+numbers per token); the expert GEMMs run on the arrays' device (NumPy or CuPy)."""
 
 from __future__ import annotations
 
@@ -10,17 +13,18 @@ import numpy as np
 
 from kvcore import kernels
 from kvcore.config_deepseek import MoEConfig
+from kvcore.device import array_module, to_numpy
 from kvcore.model.llama import _linear
 
 
 @dataclass(slots=True)
 class MoEWeights:
-    gate: np.ndarray  # (E, hidden) router
-    score_bias: np.ndarray | None  # (E,) V3's e_score_correction_bias (choice only)
-    gate_up: np.ndarray  # (E, 2 I, hidden): every expert's gate and up fused
-    down: np.ndarray  # (E, hidden, I)
-    shared_gate_up: np.ndarray | None  # (2 I_shared, hidden): the shared experts as one MLP
-    shared_down: np.ndarray | None  # (hidden, I_shared)
+    gate: Any  # (E, hidden) router, float32 on the model's device
+    score_bias: np.ndarray | None  # (E,) V3's e_score_correction_bias (choice only), host
+    gate_up: Any  # (E, 2 I, hidden): every expert's gate and up fused
+    down: Any  # (E, hidden, I)
+    shared_gate_up: Any | None  # (2 I_shared, hidden): the shared experts as one MLP
+    shared_down: Any | None  # (hidden, I_shared)
 
 
 def route(x: np.ndarray, gate: np.ndarray, score_bias: np.ndarray | None,
@@ -28,7 +32,12 @@ def route(x: np.ndarray, gate: np.ndarray, score_bias: np.ndarray | None,
     """(experts (T, k) int64, weights (T, k) float32) of each token, in float32 as transformers.
 
     Order within a row is not meaningful (the output sums over it)."""
-    logits = x.astype(np.float32) @ gate.T  # (T, E)
+    return route_logits(x.astype(np.float32) @ gate.T, score_bias, moe)
+
+
+def route_logits(logits: np.ndarray, score_bias: np.ndarray | None,
+                 moe: MoEConfig) -> tuple[np.ndarray, np.ndarray]:
+    """route() from the router's (T, E) float32 logits (host)."""
     num_tokens, k = logits.shape[0], moe.num_experts_per_tok
     if moe.scoring_func == "softmax":
         scores = np.exp(logits - logits.max(axis=-1, keepdims=True))
@@ -63,29 +72,33 @@ def _keep_groups(scores: np.ndarray, group_scores: np.ndarray, topk_group: int,
     return np.where(keep, scores, np.float32(fill)).astype(np.float32)
 
 
-def moe_ffn(x: np.ndarray, w: MoEWeights, moe: MoEConfig) -> np.ndarray:
+def moe_ffn(x: Any, w: MoEWeights, moe: MoEConfig) -> Any:
     """Shared experts on every token plus the weighted sum of its routed experts: (T, hidden).
 
     Tokens are grouped by expert, so each chosen expert runs one GEMM pair over all its tokens
     of the step rather than one per token."""
+    xp = array_module(x)
     num_tokens, k = x.shape[0], moe.num_experts_per_tok
-    experts, weights = route(x, w.gate, w.score_bias, moe)
+    logits = to_numpy(x.astype(np.float32) @ w.gate.T)  # (T, E) on the host: one small copy
+    experts, weights = route_logits(logits, w.score_bias, moe)
     flat = experts.reshape(-1)  # (T k,) expert of each (token, slot)
     order = np.argsort(flat, kind="stable")  # (token, slot) pairs grouped by expert
     counts = np.bincount(flat, minlength=moe.num_experts)
     ends = np.cumsum(counts)
-    routed = np.empty((num_tokens * k, x.shape[1]), dtype=np.float32)  # (T k, hidden)
+    order_x = xp.asarray(order)  # one upload; each expert's pairs are a slice of it
+    routed = xp.empty((num_tokens * k, x.shape[1]), dtype=x.dtype)  # (T k, hidden)
     for e in np.flatnonzero(counts):
-        pairs = order[ends[e] - counts[e]:ends[e]]
+        pairs = order_x[ends[e] - counts[e]:ends[e]]
         rows = x[pairs // k]  # (n_e, hidden) this expert's tokens
         routed[pairs] = _mlp(rows, w.gate_up[e], w.down[e])
-    out: Any = np.einsum("tkh,tk->th", routed.reshape(num_tokens, k, -1), weights)
+    out = xp.einsum("tkh,tk->th", routed.reshape(num_tokens, k, -1),
+                    xp.asarray(weights.astype(x.dtype)))  # (T, hidden)
     if w.shared_gate_up is not None and w.shared_down is not None:
         out += _mlp(x, w.shared_gate_up, w.shared_down)
-    return out  # type: ignore[no-any-return]
+    return out
 
 
-def _mlp(x: np.ndarray, gate_up: np.ndarray, down: np.ndarray) -> np.ndarray:
+def _mlp(x: Any, gate_up: Any, down: Any) -> Any:
     """SwiGLU: down(silu(gate x) * up x), gate and up as one (2 I, hidden) weight; _linear's
     weight-left product for the few rows an expert usually gets."""
-    return _linear(kernels.silu_and_mul(_linear(x, gate_up)), down)  # type: ignore[no-any-return]
+    return _linear(kernels.silu_and_mul(_linear(x, gate_up)), down)

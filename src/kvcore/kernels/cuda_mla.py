@@ -1,0 +1,147 @@
+"""Planning of the MLA attention launches (mla_attention.cu): checks, grids, partitions, shared
+memory. One kernel serves the decode rows and the prefill chunks of the absorbed form; long
+decode contexts are split into partitions and merged by mla_reduce."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvcore.kernels.cuda_attention import MAX_PARTITIONS, decode_partitions
+from kvcore.kernels.cuda_launch import (
+    Backend,
+    Launch,
+    cache_suffix_of,
+    check_contiguous,
+    check_int_array,
+    suffix_of,
+)
+
+_CTYPES = {"f16": "__half", "bf16": "__nv_bfloat16", "fp8": "__nv_fp8_e4m3"}
+MLA_THREADS = 128
+MLA_ROWS = 32  # (position, head) query rows per block
+MLA_WIDTH_LIMIT = 1024  # kv_lora_rank + rope dim the kernel's tiles are written for
+
+
+def mla_defines(kv_lora_rank: int, rope_dim: int, suffix: str,
+                cache_suffix: str) -> tuple[str, ...]:
+    """The -D options selecting the MLA kernel's compiled variant."""
+    return (f"KVC_LORA_RANK={kv_lora_rank}", f"KVC_ROPE_DIM={rope_dim}",
+            f"KVC_SCALAR={_CTYPES[suffix]}", f"KVC_CACHE={_CTYPES[cache_suffix]}")
+
+
+def mla_key_tile(width: int) -> int:
+    """Keys per tile: 64, or 32 for rows wider than 320 (DeepSeek's 576) so the tiles fit."""
+    return 32 if width > 320 else 64
+
+
+def mla_smem_bytes(kv_lora_rank: int, rope_dim: int) -> int:
+    """mla_attention.cu's kSmemBytes: Q and K tiles (16-bit, rows padded by 8), scores (fp32,
+    +4), probabilities (16-bit, +8), output (fp32, +4)."""
+    width = kv_lora_rank + rope_dim
+    rows, keys = MLA_ROWS, mla_key_tile(width)
+    return (2 * (rows + keys) * (width + 8) + 4 * rows * (keys + 4) + 2 * rows * (keys + 8)
+            + 4 * rows * (kv_lora_rank + 4))
+
+
+def plan_mla_attention(backend: Backend, query: Any, cache: Any, block_tables: Any,
+                       context_lens: Any, query_start_loc: Any, kv_lora_rank: int, scale: float,
+                       kv_scale: float = 1.0, *, num_partitions: int | None = None,
+                       host_metadata: bool | None = None) -> tuple[Any, list[Launch]]:
+    """Check the arguments and prepare the launches; returns (out (T, H, kv_lora_rank),
+    launches). query (T, H, W) holds [q_nope W_UK, q_rope] per head, cache (num_blocks,
+    block_size, 1, W) the latent and rope key of each token (W = kv_lora_rank + rope dim).
+
+    Host (NumPy) metadata: the grids fit the batch and the values are checked. Device metadata:
+    nothing is read back, the grids come from the shapes (blocks skip what they do not own).
+    """
+    if query.ndim != 3 or cache.ndim != 4 or cache.shape[2] != 1:
+        raise ValueError(f"query {query.shape} must be (T, H, W) and cache {cache.shape} "
+                         "(num_blocks, block_size, 1, W)")
+    num_tokens, num_heads, width = query.shape
+    _, block_size, _, cache_width = cache.shape
+    rope_dim = width - kv_lora_rank
+    if cache_width != width:
+        raise ValueError(f"query width {width} != cache width {cache_width}")
+    if kv_lora_rank < 16 or kv_lora_rank % 16 or rope_dim < 16 or rope_dim % 16 or \
+            width > MLA_WIDTH_LIMIT:
+        raise ValueError(f"kv_lora_rank ({kv_lora_rank}) and the rope dim ({rope_dim}) must be "
+                         f"positive multiples of 16 with a sum <= {MLA_WIDTH_LIMIT}")
+    if num_partitions is not None and not 1 <= num_partitions <= MAX_PARTITIONS:
+        raise ValueError(f"num_partitions must be in [1, {MAX_PARTITIONS}], got "
+                         f"{num_partitions}")
+    for name, value in (("scale", scale), ("kv_scale", kv_scale)):
+        if not np.isfinite(value) or value <= 0:
+            raise ValueError(f"{name} must be a finite number > 0, got {value}")
+    suffix = suffix_of("query", query)
+    if suffix == "f32":
+        raise ValueError("query must be float16 or bfloat16 (the MLA kernel runs on tensor "
+                         "cores), got float32")
+    cache_suffix = cache_suffix_of("cache", cache, suffix)
+    check_contiguous("query", query)
+    check_contiguous("cache", cache)
+    if context_lens.ndim != 1:
+        raise ValueError(f"context_lens must be 1-D (num_seqs,), got shape {context_lens.shape}")
+    num_seqs = context_lens.shape[0]
+    if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables must be ({num_seqs}, max_blocks), "
+                         f"got {block_tables.shape}")
+    max_blocks = block_tables.shape[1]
+    if host_metadata is None:
+        host_metadata = isinstance(query_start_loc, np.ndarray) and isinstance(context_lens,
+                                                                               np.ndarray)
+    if host_metadata:
+        qsl = np.asarray(backend.to_host(query_start_loc)).astype(np.int64)
+        ctx = np.asarray(backend.to_host(context_lens)).astype(np.int64)
+        q_lens = np.diff(qsl)
+        if qsl.shape != (num_seqs + 1,) or qsl[0] != 0 or qsl[-1] != num_tokens or \
+                np.any(q_lens < 0):
+            raise ValueError(f"query_start_loc must rise from 0 to {num_tokens}, got {qsl}")
+        if np.any(q_lens > ctx) or np.any(-(-ctx // block_size) > max_blocks):
+            raise ValueError("context_lens must cover each sequence's queries and fit its "
+                             "block table")
+        num_decode: int | None = int(np.count_nonzero(q_lens == 1))
+        decode_span = int(ctx[q_lens == 1].max(initial=0))
+        max_q_len = int(q_lens.max(initial=0))
+    else:  # bounds from the shapes: every other sequence holds at least one of the T tokens
+        num_decode = None
+        decode_span = max_blocks * block_size
+        max_q_len = num_tokens - num_seqs + 1
+    xp = backend.xp
+    out = xp.empty((num_tokens, num_heads, kv_lora_rank), dtype=query.dtype)  # (T, H, r)
+    if num_tokens == 0 or num_seqs == 0:
+        return out, []
+    block_tables, context_lens, query_start_loc = (
+        xp.asarray(a) for a in (block_tables, context_lens, query_start_loc))
+    check_int_array("context_lens", context_lens, "int32", (num_seqs,))
+    check_int_array("query_start_loc", query_start_loc, "int32", (num_seqs + 1,))
+    check_int_array("block_tables", block_tables, "int32")
+    head_tiles = -(-num_heads // MLA_ROWS)
+    if num_partitions is not None:
+        parts = num_partitions
+    elif decode_span > 0 and num_decode != 0:
+        parts = decode_partitions((num_decode or num_seqs) * head_tiles,
+                                  -(-decode_span // block_size), block_size, backend.num_sms)
+    else:
+        parts = 1
+    stats_shape = (num_seqs, num_heads, parts) if parts > 1 else (1,)
+    tmp_out = xp.empty((*stats_shape, kv_lora_rank), np.float32)  # (S, H, P, r) partials
+    max_logits = xp.empty(stats_shape, np.float32)  # (S, H, P)
+    exp_sums = xp.empty(stats_shape, np.float32)
+    defines = mla_defines(kv_lora_rank, rope_dim, suffix, cache_suffix)
+    ints = (num_heads, block_size, max_blocks, parts)
+    launches = [Launch(
+        backend.function("mla_attention.cu", "mla_paged_attention", defines),
+        (-(-max_q_len * num_heads // MLA_ROWS), num_seqs, parts), (MLA_THREADS,),
+        (out, query, cache, block_tables, context_lens, query_start_loc, tmp_out, max_logits,
+         exp_sums, *(np.int32(v) for v in ints), np.float32(scale), np.float32(kv_scale)),
+        mla_smem_bytes(kv_lora_rank, rope_dim))]
+    if parts > 1:
+        launches.append(Launch(
+            backend.function("mla_attention.cu", "mla_reduce", defines),
+            (num_heads, num_seqs), (128,),
+            (out, tmp_out, max_logits, exp_sums, query_start_loc, np.int32(num_heads),
+             np.int32(parts)),
+            4 * (parts + 1)))
+    return out, launches
