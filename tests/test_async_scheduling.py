@@ -327,3 +327,71 @@ def test_row_sampler_launch_is_call_in_two_halves(kind: str) -> None:
     assert np.array_equal(np.asarray(token_ids), expected.token_ids)
     assert np.array_equal(out.token_ids, expected.token_ids)
     assert out.logprobs == expected.logprobs
+
+
+def test_tiny_model_fills_pending_tokens_on_its_device(tiny_model_dir: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """LlamaModel takes the pending ids as an InputFill (a scatter into its device input_ids
+    after the upload), not read back into the host batch."""
+    from kvcore.model import InputFill
+
+    applied: list[int] = []
+    real = InputFill.apply
+
+    def apply(self: InputFill, input_ids: Any) -> None:
+        applied.append(len(self.rows))
+        real(self, input_ids)
+
+    monkeypatch.setattr(InputFill, "apply", apply)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    requests = _requests(PROMPTS[:3], [params] * 3)
+    off = _run(make_engine(tiny_model_dir), requests)
+    assert not applied
+    engine = make_engine(tiny_model_dir, async_scheduling=True)
+    assert _run(engine, requests) == off
+    assert applied and sum(applied) == 3 * 5  # every decode row after each first token
+    assert_pool_empty(engine)
+
+
+def test_graphed_half_model_identical_on_and_off(tiny_model_dir: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA-graph path (stand-in capturer, emulated kernels): pending ids scattered into
+    the graph's static input buffer after its upload give the synchronous run's tokens."""
+    import dataclasses
+    import shutil
+
+    if shutil.which("g++") is None:
+        pytest.skip("the emulation harness needs g++")
+    pytest.importorskip("cupy", reason="cupy's CCCL headers provide <nv/target> for cuda_fp16.h")
+    from graph_helpers import StandInCapturer, route_kernels_through_emulation
+    from kvcore.config import CacheConfig, SchedulerConfig
+    from kvcore.model.half_llama import load_half_model
+
+    route_kernels_through_emulation(monkeypatch)
+    from kvcore.model import InputFill
+
+    applied: list[int] = []
+    real = InputFill.apply
+
+    def apply(self: InputFill, input_ids: Any) -> None:
+        applied.append(input_ids.shape[0])  # the graph's padded static buffer, or the batch's
+        real(self, input_ids)
+
+    monkeypatch.setattr(InputFill, "apply", apply)
+    base = EngineConfig(model=str(tiny_model_dir), device="cpu",
+                        cache=CacheConfig(block_size=4, num_blocks=128),
+                        scheduler=SchedulerConfig(max_num_seqs=4, max_model_len=64))
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (7, 3, 9, 5)]
+    params.append(SamplingParams(temperature=0.8, seed=4, max_tokens=6, ignore_eos=True))
+    requests = _requests(PROMPTS[:5], params)
+    outputs = []
+    for on in (False, True):
+        model = load_half_model(tiny_model_dir, device="cpu")
+        graphs = model.enable_cuda_graphs(4, 64, 4, StandInCapturer())
+        engine = Engine(dataclasses.replace(base, async_scheduling=on), model=model)
+        outputs.append(_run(engine, requests))
+        assert graphs.num_replays >= 5
+        assert_pool_empty(engine)
+        assert bool(applied) == on
+    assert outputs[0] == outputs[1]
+    assert 4 in applied  # a fill into the graph's static input ids (batch size bucket 4)

@@ -18,7 +18,7 @@ import numpy as np
 from kvcore.cache import PENDING_TOKEN_ID
 from kvcore.cache.kv_cache import KVCache
 from kvcore.device import array_module, to_numpy
-from kvcore.model import BatchInput
+from kvcore.model import BatchInput, InputFill
 from kvcore.scheduler import SchedulerOutput
 
 T = TypeVar("T")
@@ -123,18 +123,26 @@ class ModelRunner:
         copy_ops = output.copy_ops
         model = self.model
         kv_cache = self.kv_cache
-        forward = (model.forward_device  # type: ignore[attr-defined]
-                   if getattr(model, "xp", np) is not np else model.forward)
+        forward: Callable[..., Any] = (model.forward_device  # type: ignore[attr-defined]
+                                       if getattr(model, "xp", np) is not np else model.forward)
+        # a model that takes an InputFill gathers the pending ids on its device; another one
+        # gets them read back into the host batch (waiting for the step that sampled them)
+        on_device = getattr(model, "supports_input_fill", False)
 
         def device_work() -> T:
+            model_fill = None
             if src is not None:
                 assert fill is not None
-                # the ids the previous step sampled (stream order: done), gathered by row. On
-                # a GPU this reads P ids back (waiting for that step) into the host batch: the
-                # gather into the model's device copy of input_ids is still to come
-                ids = fill.token_ids()
-                batch.input_ids[pending] = to_numpy(ids[array_module(ids).asarray(src)])
+                ids = fill.token_ids()  # the previous step's samples (stream order: done)
+                gathered = ids[array_module(ids).asarray(src)]  # (P,) on their device
+                if on_device:
+                    batch.input_ids[pending] = 0  # any valid id: the device overwrites it
+                    model_fill = InputFill(pending, gathered)
+                else:
+                    batch.input_ids[pending] = to_numpy(gathered)
             if copy_ops:
                 kv_cache.copy_blocks(copy_ops)
-            return sample(forward(batch, kv_cache))
+            if model_fill is None:
+                return sample(forward(batch, kv_cache))
+            return sample(forward(batch, kv_cache, fill=model_fill))
         return self.stream.submit(device_work)

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+
+from kvcore.device import array_module
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,3 +84,17 @@ class BatchInput:
             block_tables=tables,
             logits_indices=logits_indices,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class InputFill:
+    """Rows of a step's input_ids that the device fills after the inputs went up, from token ids
+    already on the device (async scheduling: the tokens the step before sampled, never read back
+    to the host). The host's input_ids hold any valid id there."""
+
+    rows: np.ndarray  # (P,) int64 rows of input_ids
+    token_ids: Any  # (P,) int64 on the model's device
+
+    def apply(self, input_ids: Any) -> None:
+        """Scatter into the device copy of input_ids (stream order: after its upload)."""
+        input_ids[array_module(input_ids).asarray(self.rows)] = self.token_ids

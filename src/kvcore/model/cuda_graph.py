@@ -31,7 +31,7 @@ import structlog
 
 from kvcore.cache.kv_cache import KVCache
 from kvcore.device import to_numpy
-from kvcore.model.batch import BatchInput
+from kvcore.model.batch import BatchInput, InputFill
 from kvcore.model.llama import DeviceBatch
 from kvcore.model.staging import CupyStaging, HostStaging
 
@@ -126,17 +126,20 @@ class GraphedDecode:
             return None
         return next(s for s in self.sizes if s >= num_seqs)
 
-    def forward(self, batch: BatchInput, kv_cache: KVCache) -> np.ndarray | None:
+    def forward(self, batch: BatchInput, kv_cache: KVCache,
+                fill: InputFill | None = None) -> np.ndarray | None:
         """(S, vocab) float32 host logits through a graph, or None when `batch` is not
         graphable (the caller runs it eagerly). `batch` is assumed checked (LlamaModel._check)."""
-        logits = self.forward_device(batch, kv_cache)
+        logits = self.forward_device(batch, kv_cache, fill)
         return None if logits is None else np.ascontiguousarray(to_numpy(logits),
                                                                  dtype=np.float32)
 
-    def forward_device(self, batch: BatchInput, kv_cache: KVCache) -> Any:
+    def forward_device(self, batch: BatchInput, kv_cache: KVCache,
+                       fill: InputFill | None = None) -> Any:
         """forward() with the logits left on the device: a float32 copy of the graph's output
         rows (the graph overwrites its own output at the next replay; the sampler writes into
-        its logits), or None when `batch` is not graphable."""
+        its logits), or None when `batch` is not graphable. `fill`: rows of the static input
+        ids overwritten on the device after the upload (LlamaModel.forward_device)."""
         size = None if self.failed else self.bucket(batch)
         if size is None:
             return None
@@ -149,6 +152,8 @@ class GraphedDecode:
             if captured is None:
                 return None
         self._upload(captured.inputs, batch, size)
+        if fill is not None:
+            fill.apply(captured.inputs.input_ids)
         assert captured.graph is not None
         captured.graph.replay()
         self.num_replays += 1

@@ -18,7 +18,7 @@ import numpy as np
 
 from kvcore.cache.kv_cache import KVCache
 from kvcore.config import ModelConfig
-from kvcore.model.batch import BatchInput
+from kvcore.model.batch import BatchInput, InputFill
 from kvcore.model.cuda_graph import CudaGraphCapturer, GraphCapturer, GraphedDecode
 from kvcore.model.llama import LlamaModel
 from kvcore.model.weights import Checkpoint, iter_weights
@@ -50,7 +50,8 @@ class HalfLlamaModel(LlamaModel):
         # one conversion on the host, one copy to the device; rope tables stay fp32 (not _put)
         return self.xp.asarray(np.ascontiguousarray(array, dtype=np.float16))
 
-    def forward_device(self, batch: BatchInput, kv_cache: KVCache) -> Any:
+    def forward_device(self, batch: BatchInput, kv_cache: KVCache,
+                       fill: InputFill | None = None) -> Any:
         """(L, vocab) float32 logits on the device: through a CUDA graph for pure-decode steps
         (when enabled), else eagerly. forward() is this, copied to the host."""
         if kv_cache.dtype not in HALF_CACHE_DTYPES:
@@ -58,10 +59,10 @@ class HalfLlamaModel(LlamaModel):
                              f"activations, got {kv_cache.dtype!r}")
         if self.graphs is not None:
             self._check(batch, kv_cache)
-            logits = self.graphs.forward_device(batch, kv_cache)
+            logits = self.graphs.forward_device(batch, kv_cache, fill)
             if logits is not None:
                 return logits
-        return super().forward_device(batch, kv_cache)
+        return super().forward_device(batch, kv_cache, fill)
 
 
 def load_half_model(model_dir: str | Path, device: str = "cuda") -> HalfLlamaModel:

@@ -14,7 +14,7 @@ from kvcore.cache.kv_cache import KVCache
 from kvcore.config import ModelConfig
 from kvcore.device import get_xp, resolve_device, to_numpy
 from kvcore.kernels import cpu
-from kvcore.model.batch import BatchInput
+from kvcore.model.batch import BatchInput, InputFill
 from kvcore.model.staging import CupyStaging, HostStaging
 
 _FEW_ROWS = 64  # up to this many rows, _linear multiplies weight @ x.T (measured on this CPU)
@@ -138,16 +138,22 @@ class LlamaModel:
         if num_tokens and (batch.input_ids.min() < 0 or batch.input_ids.max() >= c.vocab_size):
             raise ValueError(f"batch.input_ids must lie in [0, {c.vocab_size})")
 
-    def forward(self, batch: BatchInput, kv_cache: KVCache) -> np.ndarray:
+    # forward(..., fill=InputFill): pending tokens gathered on the device (async scheduling)
+    supports_input_fill = True
+
+    def forward(self, batch: BatchInput, kv_cache: KVCache,
+                fill: InputFill | None = None) -> np.ndarray:
         """(L, vocab) float32 host logits at batch.logits_indices; writes the step's K/V to the
         cache."""
-        return np.ascontiguousarray(to_numpy(self.forward_device(batch, kv_cache)),
+        return np.ascontiguousarray(to_numpy(self.forward_device(batch, kv_cache, fill)),
                                     dtype=np.float32)
 
-    def forward_device(self, batch: BatchInput, kv_cache: KVCache) -> Any:
+    def forward_device(self, batch: BatchInput, kv_cache: KVCache,
+                       fill: InputFill | None = None) -> Any:
         """forward() with the logits left on the model's device: (L, vocab) float32, NumPy on
         the CPU, CuPy on the GPU (the engine samples them there). On the GPU each input field
-        goes up through its pinned staging buffer: one asynchronous copy per field."""
+        goes up through its pinned staging buffer: one asynchronous copy per field; `fill`
+        then overwrites its rows of the device input_ids."""
         self._check(batch, kv_cache)
         xp = self.xp
         if batch.input_ids.shape[0] == 0:
@@ -163,6 +169,8 @@ class LlamaModel:
             device_batch = DeviceBatch(**{f.name: staging.upload(f.name, getattr(batch, f.name))
                                           for f in fields(DeviceBatch)})
             staging.end_step()
+        if fill is not None:
+            fill.apply(device_batch.input_ids)
         logits = self.run(device_batch, kv_cache)  # (L, vocab)
         return xp.ascontiguousarray(logits, dtype=xp.float32)
 
