@@ -395,3 +395,22 @@ def test_graphed_half_model_identical_on_and_off(tiny_model_dir: Path,
         assert bool(applied) == on
     assert outputs[0] == outputs[1]
     assert 4 in applied  # a fill into the graph's static input ids (batch size bucket 4)
+
+
+def test_sliding_window_model_identical_on_and_off(tmp_path: Path) -> None:
+    """Mistral's window (16 tokens, blocks of 4): blocks leave the window at launch time, while
+    the step that still reads them is on the device (stream order keeps them until then)."""
+    from tiny_model import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "mistral", arch="mistral")
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=0.9, seed=2, ignore_eos=True)]
+    requests = _requests(PROMPTS[:6], params * 3)
+    off = _run(make_engine(model_dir, num_blocks=64), requests)
+    for stream in (None, WorkerStream()):
+        engine = make_engine(model_dir, num_blocks=64, async_scheduling=True)
+        assert engine.kv.sliding_window == 16
+        if stream is not None:
+            engine.core.runner.stream = stream
+        assert _run(engine, requests) == off
+        assert_pool_empty(engine)
