@@ -30,6 +30,8 @@ from kvcore.kernels.numba_blocks import (
     load_block,
     prefetch_block,
 )
+from kvcore.kernels.numba_simd import LANES
+from kvcore.kernels.numba_tiles import tile_scores, tile_values
 
 ROWS_PER_TILE = 16  # query rows of a prefill chunk per item: 16 x group vectors share each block
 MIN_SPLIT_KEYS = 256  # a key range is split only into pieces at least this long
@@ -137,6 +139,9 @@ def _attend_item(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     key_block = np.empty((block_size, num_kv_heads, head_dim), np.float32)  # (bs, Hkv, D)
     value_block = np.empty((block_size, num_kv_heads, head_dim), np.float32)
     probs = np.empty((num_vecs, block_size), np.float32)  # (V, bs) this block's scores, weights
+    # register tiles where the shapes allow (head_dim, and for scores the block, in 16s)
+    simd_values = head_dim % LANES == 0
+    simd_scores = simd_values and block_size % LANES == 0
     last_pos = first_pos + r1 - 1
     last_block = (k1 - 1) // block_size
     for b in range(k0 // block_size, last_block + 1):
@@ -158,7 +163,10 @@ def _attend_item(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
         else:
             load_block(k_bits, block_id, mode, key_block)
             keys = key_block
-        block_scores(queries, keys, num_heads, group, probs)
+        if simd_scores:
+            tile_scores(queries, keys, num_heads, group, probs)
+        else:
+            block_scores(queries, keys, num_heads, group, probs)
         # outside the item's keys, the future of the tile's first row, or keys behind its
         # last row's window
         if t0 > 0 or t1 < block_size or first_key + t1 - 1 > first_pos + r0 or (
@@ -193,7 +201,10 @@ def _attend_item(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
             for t in range(block_size):
                 if t < t0 or t >= t1:
                     values[t] = 0.0
-        block_values(probs, values, num_heads, group, acc, row_sum)
+        if simd_values:
+            tile_values(probs, values, num_heads, group, acc, row_sum)
+        else:
+            block_values(probs, values, num_heads, group, acc, row_sum)
     start = offset * num_heads
     part_max[start:start + num_vecs] = row_max
     part_sum[start:start + num_vecs] = row_sum

@@ -1,0 +1,106 @@
+"""A block's scores and weighted values in 16-lane register tiles (kvcore.kernels.numba_simd),
+for head_dim a multiple of 16 (and, for the scores, blocks of a multiple of 16 keys): the
+general loops in kvcore.kernels.numba_blocks serve every other shape.
+
+Vectors are a tile's query rows x heads, flat: vector i is query head i % num_heads of row
+i // num_heads, and reads KV head (i % num_heads) // group."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from kvcore.kernels.numba_blocks import FASTMATH
+from kvcore.kernels.numba_simd import LANES, add, load, muladd, splat, store, sums16
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def tile_scores(queries: np.ndarray, keys: np.ndarray, num_heads: int, group: int,
+                scores: np.ndarray) -> None:
+    """scores (V, bs) = queries (V, D) . keys (bs, Hkv, D), 16 keys at a time: 16 independent
+    accumulators over head_dim, then one shuffle tree gives the 16 scores as one vector (16
+    horizontal reductions would cost three times as much)."""
+    block_size, num_kv_heads, head_dim = keys.shape[0], keys.shape[1], keys.shape[2]
+    flat_keys = keys.reshape(keys.size)
+    flat_queries = queries.reshape(queries.size)
+    stride = num_kv_heads * head_dim  # from one key to the next
+    zero = splat(np.float32(0.0))
+    for i in range(queries.shape[0]):
+        q0 = i * head_dim
+        for t in range(0, block_size, LANES):
+            k = (t * num_kv_heads + (i % num_heads) // group) * head_dim
+            a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = zero
+            a8 = a9 = a10 = a11 = a12 = a13 = a14 = a15 = zero
+            for c in range(0, head_dim, LANES):
+                x = load(flat_queries, q0 + c)
+                a0 = muladd(x, load(flat_keys, k + c), a0)
+                a1 = muladd(x, load(flat_keys, k + c + stride), a1)
+                a2 = muladd(x, load(flat_keys, k + c + 2 * stride), a2)
+                a3 = muladd(x, load(flat_keys, k + c + 3 * stride), a3)
+                a4 = muladd(x, load(flat_keys, k + c + 4 * stride), a4)
+                a5 = muladd(x, load(flat_keys, k + c + 5 * stride), a5)
+                a6 = muladd(x, load(flat_keys, k + c + 6 * stride), a6)
+                a7 = muladd(x, load(flat_keys, k + c + 7 * stride), a7)
+                a8 = muladd(x, load(flat_keys, k + c + 8 * stride), a8)
+                a9 = muladd(x, load(flat_keys, k + c + 9 * stride), a9)
+                a10 = muladd(x, load(flat_keys, k + c + 10 * stride), a10)
+                a11 = muladd(x, load(flat_keys, k + c + 11 * stride), a11)
+                a12 = muladd(x, load(flat_keys, k + c + 12 * stride), a12)
+                a13 = muladd(x, load(flat_keys, k + c + 13 * stride), a13)
+                a14 = muladd(x, load(flat_keys, k + c + 14 * stride), a14)
+                a15 = muladd(x, load(flat_keys, k + c + 15 * stride), a15)
+            store(scores[i], t, sums16((a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12,
+                                        a13, a14, a15)))
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def tile_values(probs: np.ndarray, values: np.ndarray, num_heads: int, group: int,
+                acc: np.ndarray, row_sum: np.ndarray) -> None:
+    """acc (V, D) += probs (V, bs) @ values (bs, Hkv, D), and row_sum (V,) += probs' rows.
+    Up to four vectors of one KV head per pass (a group of fewer repeats its last one), 16
+    lanes of head_dim at a time: each value row is loaded once for the four, the accumulators
+    stay in registers over the block's keys, even and odd keys in separate ones (eight
+    independent chains keep both FMA pipes busy)."""
+    block_size, num_kv_heads, head_dim = values.shape[0], values.shape[1], values.shape[2]
+    flat_values = values.reshape(values.size)
+    stride = num_kv_heads * head_dim
+    zero = splat(np.float32(0.0))
+    i = 0
+    while i < acc.shape[0]:
+        kv_head = (i % num_heads) // group
+        last = (i // num_heads) * num_heads + (kv_head + 1) * group - 1  # of this KV head
+        i0, i1, i2, i3 = i, min(i + 1, last), min(i + 2, last), min(i + 3, last)
+        for c in range(0, head_dim, LANES):
+            a0, a1, a2, a3 = load(acc[i0], c), load(acc[i1], c), load(acc[i2], c), \
+                load(acc[i3], c)
+            b0 = b1 = b2 = b3 = zero
+            v0 = kv_head * head_dim + c
+            for t in range(0, block_size - 1, 2):
+                v = load(flat_values, v0 + t * stride)
+                w = load(flat_values, v0 + (t + 1) * stride)
+                a0 = muladd(splat(probs[i0, t]), v, a0)
+                a1 = muladd(splat(probs[i1, t]), v, a1)
+                a2 = muladd(splat(probs[i2, t]), v, a2)
+                a3 = muladd(splat(probs[i3, t]), v, a3)
+                b0 = muladd(splat(probs[i0, t + 1]), w, b0)
+                b1 = muladd(splat(probs[i1, t + 1]), w, b1)
+                b2 = muladd(splat(probs[i2, t + 1]), w, b2)
+                b3 = muladd(splat(probs[i3, t + 1]), w, b3)
+            if block_size % 2:
+                t = block_size - 1
+                v = load(flat_values, v0 + t * stride)
+                a0 = muladd(splat(probs[i0, t]), v, a0)
+                a1 = muladd(splat(probs[i1, t]), v, a1)
+                a2 = muladd(splat(probs[i2, t]), v, a2)
+                a3 = muladd(splat(probs[i3, t]), v, a3)
+            # (a repeated vector stores the same sums twice)
+            store(acc[i3], c, add(a3, b3))
+            store(acc[i2], c, add(a2, b2))
+            store(acc[i1], c, add(a1, b1))
+            store(acc[i0], c, add(a0, b0))
+        for j in range(i, i3 + 1):
+            total = np.float32(0.0)
+            for t in range(block_size):
+                total += probs[j, t]
+            row_sum[j] += total
+        i = i3 + 1
