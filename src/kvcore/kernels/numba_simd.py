@@ -91,20 +91,6 @@ def _muladd(typingctx: object, a: Float32x16, b: Float32x16, c: Float32x16) -> t
 
 
 @intrinsic
-def _total(typingctx: object, value: Float32x16) -> tuple:
-    """The sum of the 16 lanes (reassociated: a shuffle tree)."""
-    sig = types.float32(float32x16)
-
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.FloatType(), [ir.FloatType(), _VECTOR]),
-            "llvm.vector.reduce.fadd.v16f32")
-        return builder.call(fn, [ir.Constant(ir.FloatType(), -0.0), args[0]],
-                            fastmath=("reassoc",))
-    return sig, codegen
-
-
-@intrinsic
 def _add(typingctx: object, a: Float32x16, b: Float32x16) -> tuple:
     sig = float32x16(float32x16, float32x16)
 
@@ -153,6 +139,5 @@ load: Callable[[Any, int], Any] = cast(Any, _load)  # array[index:index + 16]
 store: Callable[[Any, int, Any], None] = cast(Any, _store)  # array[index:index + 16] = value
 splat: Callable[[Any], Any] = cast(Any, _splat)  # a float32 in every lane
 muladd: Callable[[Any, Any, Any], Any] = cast(Any, _muladd)
-total: Callable[[Any], Any] = cast(Any, _total)
 add: Callable[[Any, Any], Any] = cast(Any, _add)
 sums16: Callable[[tuple], Any] = cast(Any, _sums16)  # (16 vectors) -> their lane sums
