@@ -96,6 +96,19 @@ def test_compiled_matches_dense(seed: int) -> None:
     check(out, args, keys, values, 0.3, window, TOL)
 
 
+@pytest.mark.parametrize("block_size", [8, 32])
+@pytest.mark.parametrize("heads", [(9, 3), (2, 2), (8, 2), (5, 1)])
+def test_register_tiles_match_dense(block_size: int, heads: tuple[int, int]) -> None:
+    """The 16-lane tiles (head_dim in 16s; scores 8 keys x two vectors of a KV head at a time,
+    a lone vector paired with itself; values four vectors at a time) on blocks of 8 and 32
+    keys, decode tokens and prefill chunks, odd and even GQA groups."""
+    rng = np.random.default_rng(block_size + heads[0])
+    args, keys, values = problem(rng, [70, 33, 8], [1, 20, 8], *heads, 32, block_size,
+                                 np.dtype(np.float16), 1.0)
+    out = cpu_numba.paged_attention(*args, 0.2, None, 1.0, 1.0)
+    check(out, args, keys, values, 0.2, None, TOL)
+
+
 @pytest.mark.parametrize("threads", ["1", "2", "3"])
 @pytest.mark.parametrize("window", [None, 1000])
 def test_long_contexts_split_keys_and_merge(monkeypatch: pytest.MonkeyPatch, threads: str,

@@ -139,9 +139,9 @@ def _attend_item(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     key_block = np.empty((block_size, num_kv_heads, head_dim), np.float32)  # (bs, Hkv, D)
     value_block = np.empty((block_size, num_kv_heads, head_dim), np.float32)
     probs = np.empty((num_vecs, block_size), np.float32)  # (V, bs) this block's scores, weights
-    # register tiles where the shapes allow (head_dim, and for scores the block, in 16s)
+    # register tiles where the shapes allow (head_dim in 16s; for scores, the block in 8s)
     simd_values = head_dim % LANES == 0
-    simd_scores = simd_values and block_size % LANES == 0
+    simd_scores = simd_values and block_size % (LANES // 2) == 0
     last_pos = first_pos + r1 - 1
     last_block = (k1 - 1) // block_size
     for b in range(k0 // block_size, last_block + 1):

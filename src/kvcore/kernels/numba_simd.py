@@ -91,6 +91,28 @@ def _muladd(typingctx: object, a: Float32x16, b: Float32x16, c: Float32x16) -> t
 
 
 @intrinsic
+def _store_halves(typingctx: object, first: types.Array, second: types.Array,
+                  index: types.Integer, value: Float32x16) -> tuple:
+    """Lanes 0-7 of value into first[index:index + 8], lanes 8-15 into second[index:index + 8]
+    (C-contiguous 1-D float32 arrays; no bounds check)."""
+    sig = types.void(first, second, index, value)
+    half = ir.VectorType(ir.FloatType(), LANES // 2)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        for k in range(2):
+            array_type = signature.args[k]
+            data = context.make_array(array_type)(context, builder, args[k])
+            ptr = cgutils.get_item_pointer(context, builder, array_type, data, [args[2]],
+                                           wraparound=False)
+            lanes = ir.Constant(ir.VectorType(ir.IntType(32), LANES // 2),
+                                list(range(k * LANES // 2, (k + 1) * LANES // 2)))
+            part = builder.shuffle_vector(args[3], ir.Constant(_VECTOR, ir.Undefined), lanes)
+            builder.store(part, builder.bitcast(ptr, half.as_pointer()), align=4)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
 def _add(typingctx: object, a: Float32x16, b: Float32x16) -> tuple:
     sig = float32x16(float32x16, float32x16)
 
@@ -141,3 +163,4 @@ splat: Callable[[Any], Any] = cast(Any, _splat)  # a float32 in every lane
 muladd: Callable[[Any, Any, Any], Any] = cast(Any, _muladd)
 add: Callable[[Any, Any], Any] = cast(Any, _add)
 sums16: Callable[[tuple], Any] = cast(Any, _sums16)  # (16 vectors) -> their lane sums
+store_halves: Callable[[Any, Any, int, Any], None] = cast(Any, _store_halves)

@@ -1,5 +1,5 @@
 """A block's scores and weighted values in 16-lane register tiles (kvcore.kernels.numba_simd),
-for head_dim a multiple of 16 (and, for the scores, blocks of a multiple of 16 keys): the
+for head_dim a multiple of 16 (and, for the scores, blocks of a multiple of 8 keys): the
 general loops in kvcore.kernels.numba_blocks serve every other shape.
 
 Vectors are a tile's query rows x heads, flat: vector i is query head i % num_heads of row
@@ -11,46 +11,62 @@ import numpy as np
 from numba import njit
 
 from kvcore.kernels.numba_blocks import FASTMATH
-from kvcore.kernels.numba_simd import LANES, add, load, muladd, splat, store, sums16
+from kvcore.kernels.numba_simd import (
+    LANES,
+    add,
+    load,
+    muladd,
+    splat,
+    store,
+    store_halves,
+    sums16,
+)
 
 
 @njit(fastmath=FASTMATH, cache=True)
 def tile_scores(queries: np.ndarray, keys: np.ndarray, num_heads: int, group: int,
                 scores: np.ndarray) -> None:
-    """scores (V, bs) = queries (V, D) . keys (bs, Hkv, D), 16 keys at a time: 16 independent
-    accumulators over head_dim, then one shuffle tree gives the 16 scores as one vector (16
-    horizontal reductions would cost three times as much)."""
+    """scores (V, bs) = queries (V, D) . keys (bs, Hkv, D), two vectors of one KV head against
+    8 keys at a time: 16 independent accumulators over head_dim (each key chunk loaded once
+    serves both vectors), then one shuffle tree gives the 16 scores as one vector, its halves
+    the two vectors' rows (16 horizontal reductions would cost three times as much). A lone
+    vector, the last of its KV head's, pairs with itself."""
     block_size, num_kv_heads, head_dim = keys.shape[0], keys.shape[1], keys.shape[2]
     flat_keys = keys.reshape(keys.size)
     flat_queries = queries.reshape(queries.size)
     stride = num_kv_heads * head_dim  # from one key to the next
     zero = splat(np.float32(0.0))
-    for i in range(queries.shape[0]):
-        q0 = i * head_dim
-        for t in range(0, block_size, LANES):
-            k = (t * num_kv_heads + (i % num_heads) // group) * head_dim
+    i = 0
+    while i < queries.shape[0]:
+        kv_head = (i % num_heads) // group
+        j = i + 1 if i + 1 < queries.shape[0] and (i + 1) % num_heads // group == kv_head else i
+        for t in range(0, block_size, LANES // 2):
+            k = (t * num_kv_heads + kv_head) * head_dim
             a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = zero
-            a8 = a9 = a10 = a11 = a12 = a13 = a14 = a15 = zero
+            b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = zero
             for c in range(0, head_dim, LANES):
-                x = load(flat_queries, q0 + c)
-                a0 = muladd(x, load(flat_keys, k + c), a0)
-                a1 = muladd(x, load(flat_keys, k + c + stride), a1)
-                a2 = muladd(x, load(flat_keys, k + c + 2 * stride), a2)
-                a3 = muladd(x, load(flat_keys, k + c + 3 * stride), a3)
-                a4 = muladd(x, load(flat_keys, k + c + 4 * stride), a4)
-                a5 = muladd(x, load(flat_keys, k + c + 5 * stride), a5)
-                a6 = muladd(x, load(flat_keys, k + c + 6 * stride), a6)
-                a7 = muladd(x, load(flat_keys, k + c + 7 * stride), a7)
-                a8 = muladd(x, load(flat_keys, k + c + 8 * stride), a8)
-                a9 = muladd(x, load(flat_keys, k + c + 9 * stride), a9)
-                a10 = muladd(x, load(flat_keys, k + c + 10 * stride), a10)
-                a11 = muladd(x, load(flat_keys, k + c + 11 * stride), a11)
-                a12 = muladd(x, load(flat_keys, k + c + 12 * stride), a12)
-                a13 = muladd(x, load(flat_keys, k + c + 13 * stride), a13)
-                a14 = muladd(x, load(flat_keys, k + c + 14 * stride), a14)
-                a15 = muladd(x, load(flat_keys, k + c + 15 * stride), a15)
-            store(scores[i], t, sums16((a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12,
-                                        a13, a14, a15)))
+                x = load(flat_queries, i * head_dim + c)
+                y = load(flat_queries, j * head_dim + c)
+                key = load(flat_keys, k + c)
+                a0, b0 = muladd(x, key, a0), muladd(y, key, b0)
+                key = load(flat_keys, k + c + stride)
+                a1, b1 = muladd(x, key, a1), muladd(y, key, b1)
+                key = load(flat_keys, k + c + 2 * stride)
+                a2, b2 = muladd(x, key, a2), muladd(y, key, b2)
+                key = load(flat_keys, k + c + 3 * stride)
+                a3, b3 = muladd(x, key, a3), muladd(y, key, b3)
+                key = load(flat_keys, k + c + 4 * stride)
+                a4, b4 = muladd(x, key, a4), muladd(y, key, b4)
+                key = load(flat_keys, k + c + 5 * stride)
+                a5, b5 = muladd(x, key, a5), muladd(y, key, b5)
+                key = load(flat_keys, k + c + 6 * stride)
+                a6, b6 = muladd(x, key, a6), muladd(y, key, b6)
+                key = load(flat_keys, k + c + 7 * stride)
+                a7, b7 = muladd(x, key, a7), muladd(y, key, b7)
+            # lanes 0-7: vector i against keys t..t+7; lanes 8-15: vector j
+            store_halves(scores[i], scores[j], t, sums16((a0, a1, a2, a3, a4, a5, a6, a7, b0,
+                                                          b1, b2, b3, b4, b5, b6, b7)))
+        i = j + 1
 
 
 @njit(fastmath=FASTMATH, cache=True)
