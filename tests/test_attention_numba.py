@@ -96,6 +96,19 @@ def test_compiled_matches_dense(seed: int) -> None:
     check(out, args, keys, values, 0.3, window, TOL)
 
 
+@pytest.mark.parametrize("block_size", [8, 32])
+@pytest.mark.parametrize("heads", [(9, 3), (2, 2), (8, 2), (5, 1)])
+def test_register_tiles_match_dense(block_size: int, heads: tuple[int, int]) -> None:
+    """The 16-lane tiles (head_dim in 16s; scores 8 keys x two vectors of a KV head at a time,
+    a lone vector paired with itself; values four vectors at a time) on blocks of 8 and 32
+    keys, decode tokens and prefill chunks, odd and even GQA groups."""
+    rng = np.random.default_rng(block_size + heads[0])
+    args, keys, values = problem(rng, [70, 33, 8], [1, 20, 8], *heads, 32, block_size,
+                                 np.dtype(np.float16), 1.0)
+    out = cpu_numba.paged_attention(*args, 0.2, None, 1.0, 1.0)
+    check(out, args, keys, values, 0.2, None, TOL)
+
+
 @pytest.mark.parametrize("threads", ["1", "2", "3"])
 @pytest.mark.parametrize("window", [None, 1000])
 def test_long_contexts_split_keys_and_merge(monkeypatch: pytest.MonkeyPatch, threads: str,
@@ -134,16 +147,20 @@ def test_compiled_and_numpy_kernels_agree() -> None:
 @pytest.mark.parametrize("dtype,bits", [(np.dtype(np.float16), np.uint16), (BF16, np.uint16),
                                         (FP8, np.uint8)])
 def test_every_bit_pattern_reads_as_numpy_converts_it(dtype: np.dtype, bits: type) -> None:
-    """The in-kernel conversions (16-bit by shifts, fp8 by table) on every stored value:
-    normals, subnormals, zeros of both signs, infinities and NaNs."""
+    """The in-kernel conversions (bf16 by a shift, fp16 widened as halves, fp8 from its bits)
+    on every stored value: normals, subnormals, zeros of both signs, infinities and NaNs."""
     from kvcore.kernels.numba_blocks import load_block
 
     raw = np.arange(np.iinfo(bits).max + 1, dtype=np.int64).astype(bits)  # every pattern
     cache = raw.reshape(1, 1, 1, -1)  # one block of one slot
-    out = np.empty(raw.size, np.float32)
+    out = np.empty((1, 1, raw.size), np.float32)  # (bs, Hkv, D)
     mode = cpu_numba._cache_mode(raw.view(dtype).reshape(cache.shape))[0]  # type: ignore[index]
-    load_block(cache, 0, mode, cpu_numba.FP8_TABLE, out, out.view(np.uint32))
-    np.testing.assert_array_equal(out, raw.view(dtype).astype(np.float32))
+    load_block(cache, 0, mode, out)
+    expected = raw.view(dtype).astype(np.float32)
+    np.testing.assert_array_equal(out.reshape(-1), expected)  # NaN where NaN
+    finite = ~np.isnan(expected)  # and the sign of every zero
+    np.testing.assert_array_equal(out.reshape(-1)[finite].view(np.uint32),
+                                  expected[finite].view(np.uint32))
 
 
 def test_bad_block_ids_raise_before_any_read() -> None:

@@ -49,7 +49,7 @@ def fake_gpu(monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path) -> list[tupl
 
 
 def test_cache_dtype_follows_the_model() -> None:
-    assert engine_cache_dtype("auto", half_model=False) == "fp32"
+    assert engine_cache_dtype("auto", half_model=False) == "fp16"
     assert engine_cache_dtype("auto", half_model=True) == "fp16"
     for dtype in ("fp32", "fp16", "bf16", "fp8"):
         assert engine_cache_dtype(dtype, half_model=False) == dtype
@@ -61,7 +61,7 @@ def test_cache_dtype_follows_the_model() -> None:
 
 def test_cpu_path_is_unchanged(tiny_model_dir: Path, fake_gpu: list) -> None:
     model, cache_dtype = load_engine_model(config(tiny_model_dir, "cpu"), "cpu")
-    assert type(model) is LlamaModel and cache_dtype == "fp32" and not fake_gpu
+    assert type(model) is LlamaModel and cache_dtype == "fp16" and not fake_gpu
 
 
 @pytest.mark.parametrize("device", ["cuda", "auto"])

@@ -129,8 +129,8 @@ def test_snapshot_of_a_running_engine_matches_the_pool(tiny_model_dir: Path) -> 
     snapshot = build_kv_snapshot(engine)
     assert snapshot["totals"]["cow_copies"] == engine.kv.num_cow_copies
     planner = snapshot["planner"]
-    # tiny model: 2 layers x 2 KV heads x head_dim 16 x fp32, K and V
-    assert planner["bytes_per_token"] == 2 * 2 * 2 * 16 * 4
+    # tiny model: 2 layers x 2 KV heads x head_dim 16 x fp16 (the CPU default), K and V
+    assert planner["bytes_per_token"] == 2 * 2 * 2 * 16 * 2
     assert planner["max_concurrency"] == 48 // planner["blocks_per_sequence"]
     # counts and ids only: the only strings are ids, states, the block map and the dtype, and
     # no list is longer than a block table's runs (no token ids)
@@ -147,7 +147,7 @@ def test_snapshot_of_a_running_engine_matches_the_pool(tiny_model_dir: Path) -> 
                 walk(item)
 
     walk({k: v for k, v in snapshot.items() if k != "blocks"})
-    allowed = {"fp32", "waiting", "preempted", "prefilling", "decoding"}
+    allowed = {"fp16", "waiting", "preempted", "prefilling", "decoding"}
     allowed |= {r["id"] for r in snapshot["requests"]} | {r["group"] for r in snapshot["requests"]}
     assert set(strings) <= allowed
 

@@ -52,7 +52,7 @@ def test_serve_process(tiny_model_dir: Path, tmp_path: Path) -> None:
         pool = _events(proc, "engine ready")[-1]
         # 64 blocks of 4 tokens; a sequence of max_model_len=128 needs 32 of them
         assert pool["num_blocks"] == 64 and pool["max_concurrency"] == 2
-        assert pool["pool_size"] == "128 KiB"  # 64 x 4 tokens x (2 x 2 layers x 2 heads x 16 x 4 B)
+        assert pool["pool_size"] == "64 KiB"  # 64 x 4 tokens x (2 x 2 layers x 2 heads x 16 x 2 B)
         for _ in range(600):  # the model loads in the background; /health is 503 until then
             try:
                 with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:

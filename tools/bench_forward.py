@@ -5,8 +5,9 @@ the fraction of NumPy's own matmul rate (MLP shapes, batch 64) that the batch-64
 reaches (Llama-family models). For an MLA model (DeepSeek) `--mla-modes` times each form of
 its attention side by side (absorbed, decompressed, auto). `--breakdown` adds where the
 batch-64 step's time goes, kernel by kernel, and what that leaves attention for 60% of the
-matmul rate. `--record` writes the results into docs/benchmarks.md, section
-`## Forward pass (CPU)` (MLA models: `## MLA forward (CPU)`).
+matmul rate (when 64 is among --batches), and attention's share of a step at each batch size,
+NumPy vs compiled kernel, beside its memory bound. `--record` writes the results into
+docs/benchmarks.md, section `## Forward pass (CPU)` (MLA models: `## MLA forward (CPU)`).
 
     .venv/bin/python tools/bench_forward.py [--model DIR] [--threads N] [--breakdown] [--record]
         [--mla-modes absorbed,decompressed,auto]
@@ -42,7 +43,8 @@ def parse_args() -> argparse.Namespace:
                    help="MLA models: attention forms to time side by side, of absorbed, "
                         "decompressed, auto (default auto)")
     p.add_argument("--breakdown", action="store_true",
-                   help="also time each kernel of the batch-64 decode step")
+                   help="also time each kernel of the batch-64 decode step, and attention's "
+                   "share of every batch's step")
     p.add_argument("--record", action="store_true", help="write docs/benchmarks.md's section")
     p.add_argument("--kv-cache-dtype", default="fp32", choices=("fp32", "fp16", "bf16", "fp8"),
                    help="kvcore's KV cache dtype (default fp32, transformers' own)")
@@ -126,6 +128,12 @@ def ours_prefill(model: LlamaModel, length: int, rng: np.random.Generator) -> Ca
 
 def ours_decode(model: LlamaModel, batch: int, context: int,
                 rng: np.random.Generator) -> Callable[[], object]:
+    return decode_step(model, batch, context, rng)[0]
+
+
+def decode_step(model: LlamaModel, batch: int, context: int,
+                rng: np.random.Generator) -> tuple[Callable[[], object], KVCache]:
+    """(one decode step of `batch` sequences at `context`, the cache it reads: every block)."""
     per_seq = -(-context // BLOCK_SIZE)
     cache = fresh_cache(model, batch * per_seq, rng)
     perm = [int(b) for b in rng.permutation(batch * per_seq)]
@@ -133,7 +141,36 @@ def ours_decode(model: LlamaModel, batch: int, context: int,
     tokens = [[int(t)] for t in rng.integers(0, model.config.vocab_size, batch)]
     # one decode step: the batch is rebuilt every step, as the engine does
     return lambda: model.forward(
-        BatchInput.build(tokens, [context - 1] * batch, tables, BLOCK_SIZE), cache)
+        BatchInput.build(tokens, [context - 1] * batch, tables, BLOCK_SIZE), cache), cache
+
+
+def kv_read(cache: KVCache) -> Callable[[], object]:
+    """A read of every layer's K and V bytes in turn (what a step's attention must read when
+    every block is in use), split over the kernel threads: the memory bound of the step's
+    attention, on the same arrays."""
+    from numba import njit, prange
+
+    from kvcore.kernels.cpu_numba import compiled
+    from kvcore.kernels.parallel import num_threads
+
+    @njit(parallel=True, cache=False)
+    def read(words: np.ndarray) -> np.uint64:  # every 8 bytes once
+        total = np.uint64(0)
+        for i in prange(words.shape[0]):
+            total += words[i]
+        return total
+
+    kernel = compiled()
+    arrays = {id(a): a for a in cache.key_caches + cache.value_caches}.values()
+    words = [a.reshape(-1).view(np.uint64) for a in arrays]
+    read(words[0])
+
+    def run() -> None:
+        if kernel is not None:
+            kernel.set_threads(num_threads())
+        for w in words:
+            read(w)
+    return run
 
 
 def matmul_rates(model: LlamaModel, batch: int, repeats: int) -> tuple[float, float]:
@@ -331,6 +368,8 @@ def main() -> int:
                   f"**{achieved / streamed:.0%}**."]
         if ARGS.breakdown:
             lines += breakdown_lines(model, streamed)
+    if ARGS.breakdown:
+        lines += attention_share_lines(model)
     given = [a for a in sys.argv[1:] if a != "--record"]  # as run, every option it was given
     if not any(a.startswith("--threads") for a in given):
         given.insert(0, f"--threads {ARGS.threads}")
@@ -372,35 +411,50 @@ def breakdown_lines(model: LlamaModel, streamed: float) -> list[str]:
               f"everything but attention takes {rest * 1e3:.1f} ms of this one, which leaves "
               f"attention **{max(budget - rest, 0.0) * 1e3:.1f} ms** (it took "
               f"{parts['paged attention'] * 1e3:.1f} ms)."]
-    return lines + attention_share_lines(model)
+    return lines
 
 
 def attention_share_lines(model: LlamaModel) -> list[str]:
-    """Attention's share of a batch-32 and a batch-64 decode step, with the NumPy kernel and
-    with the compiled one, runs taking turns (the same steps, the same clock)."""
+    """Attention's share of a decode step at each --batches size, with the NumPy kernel and
+    with the compiled one, runs taking turns (the same steps, the same clock); beside them
+    attention's memory bound (a read of the step's K/V bytes, timed in the same turns) and the
+    share attention would have at that bound (the step's other work unchanged)."""
     from kvcore.kernels import cpu_numba
 
     lines = ["", f"Paged attention's share of a decode step at context {ARGS.context}, "
              f"{ARGS.kv_cache_dtype} cache, NumPy kernel vs compiled (numba) kernel "
-             f"({ARGS.repeats} runs each, taking turns):", "",
-             "| batch | kernel | step | attention | attention share | step speed-up |",
-             "|---|---|---|---|---|---|"]
-    for batch in (32, 64):
-        step = ours_decode(model, batch, ARGS.context, np.random.default_rng(batch))
+             f"({ARGS.repeats} runs each, taking turns); memory bound: a read of the step's "
+             "K/V bytes over the same threads, and the share attention would have at it:", "",
+             "| batch | kernel | step | attention | attention share | step speed-up | "
+             "K/V bytes | memory bound | share at the bound |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for batch in (int(x) for x in ARGS.batches.split(",")):
+        step, cache = decode_step(model, batch, ARGS.context, np.random.default_rng(batch))
+        read = kv_read(cache)
+        nbytes = sum(a.nbytes for a in {id(a): a for a in cache.key_caches
+                                        + cache.value_caches}.values())
         results: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+        reads = []
         for _ in range(ARGS.repeats):
             for compiled in (False, True):
                 cpu_numba.set_enabled(compiled)
                 total, parts = step_breakdown(step, 1)
                 results[compiled].append((total, parts["paged attention"]))
+            t = CLOCK()
+            read()
+            reads.append(CLOCK() - t)
         cpu_numba.set_enabled(True)
+        bound = statistics.median(reads)
         totals = {k: statistics.median(t for t, _ in v) for k, v in results.items()}
         for compiled in (False, True):
             attn = statistics.median(a for _, a in results[compiled])
+            rest = totals[compiled] - attn
             lines.append(f"| {batch} | {'numba' if compiled else 'NumPy'} | "
                          f"{totals[compiled] * 1e3:.1f} ms | {attn * 1e3:.1f} ms | "
                          f"{attn / totals[compiled]:.0%} | "
-                         f"{totals[False] / totals[compiled]:.2f}x |")
+                         f"{totals[False] / totals[compiled]:.2f}x | {nbytes / 2**20:.0f} MiB | "
+                         f"{bound * 1e3:.1f} ms ({nbytes / bound / 1e9:.0f} GB/s) | "
+                         f"{bound / (rest + bound):.0%} |")
     return lines
 
 

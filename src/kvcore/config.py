@@ -286,7 +286,7 @@ class CacheConfig:
     block_size: int = 16
     num_blocks: int | None = None  # None: size the pool from kv_cache_memory
     kv_cache_memory: int | None = None  # bytes for K/V of all layers; None: a device default
-    cache_dtype: str = "auto"  # "auto" = the model's compute dtype; or fp32/fp16/bf16/fp8
+    cache_dtype: str = "auto"  # "auto" = fp16 (CPU and GPU); or fp32/fp16/bf16/fp8
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:

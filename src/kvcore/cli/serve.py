@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pool.add_argument("--kv-cache-memory", metavar="SIZE",
                       help="KV cache budget, e.g. 2GiB (default: the device's default)")
     parser.add_argument("--kv-cache-dtype", default="auto",
-                        help="auto (the model's), fp32, fp16, bf16 or fp8")
+                        help="auto (fp16), fp32, fp16, bf16 or fp8")
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                         action="store_false", help="turn the prefix cache off")
     parser.add_argument("--max-waiting", type=int, metavar="N",

@@ -35,10 +35,12 @@ def engine_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int
 
 
 def engine_cache_dtype(cache_dtype: str, half_model: bool) -> str:
-    """The KV cache dtype: "auto" is the model's compute dtype (fp16 for the fp16 GPU model,
-    else fp32); the fp16 model pairs only with fp16 or fp8 caches (ValueError otherwise)."""
+    """The KV cache dtype: "auto" is fp16 on both devices (the fp16 GPU model's own dtype; on
+    the CPU, beside fp32 compute, half the bytes per token of fp32 with the default model's
+    greedy outputs unchanged, see docs/benchmarks.md); the fp16 model pairs only with fp16 or
+    fp8 caches (ValueError otherwise)."""
     if not half_model:
-        return "fp32" if cache_dtype == "auto" else cache_dtype
+        return "fp16" if cache_dtype == "auto" else cache_dtype
     if cache_dtype == "auto":
         return "fp16"
     if cache_dtype not in HALF_CACHE_DTYPES:

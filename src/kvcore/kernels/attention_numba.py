@@ -1,13 +1,14 @@
 """Compiled CPU paged attention (numba): reads K/V blocks in place, online softmax per work item.
 
 The batch is cut into work items: (sequence, a tile of up to ROWS_PER_TILE query rows, a range
-of keys), every head. An item walks the block table over its keys, converts each block (all its
-KV heads: one contiguous read) to float32 in a small L1-resident buffer (fp32 copied, bf16
-shifted, fp16 rebuilt from its bits, fp8 through a 256-entry table) while the next block is
-prefetched, and keeps a running maximum, sum and weighted values for every query vector of the
-tile (rows x heads), so one read of a block serves all of them. Items of one (sequence, tile)
-that split a long key range (so that a batch of one at a long context still gives every thread
-work) are merged afterwards from their partial maxima, sums and outputs.
+of keys), every head. An item walks the block table over its keys, reads each block (all its
+KV heads: one contiguous read) where it lies (fp32) or converted to float32 in one pass into a
+small L1-resident buffer (bf16 shifted, fp16 widened as halves, fp8 rebuilt from its bits) while
+the next block is prefetched, and keeps a running maximum, sum and weighted values for every
+query vector of the tile (rows x heads), so one read of a block serves all of them. Items of
+one (sequence, tile) that split a long key range (so that a batch of one at a long context
+still gives every thread work) are merged afterwards from their partial maxima, sums and
+outputs.
 
 Only this module imports numba; kvcore.kernels.cpu_numba decides whether it runs at all.
 """
@@ -20,7 +21,17 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from kvcore.kernels.numba_blocks import FASTMATH, exp_rows, load_block, prefetch_block
+from kvcore.kernels.numba_blocks import (
+    FASTMATH,
+    MODE_FP32,
+    block_scores,
+    block_values,
+    exp_rows,
+    load_block,
+    prefetch_block,
+)
+from kvcore.kernels.numba_simd import LANES
+from kvcore.kernels.numba_tiles import tile_scores, tile_values
 
 ROWS_PER_TILE = 16  # query rows of a prefill chunk per item: 16 x group vectors share each block
 MIN_SPLIT_KEYS = 256  # a key range is split only into pieces at least this long
@@ -103,16 +114,18 @@ def work_items(context_lens: np.ndarray, query_start_loc: np.ndarray, block_size
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _attend_item(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, mode: int,
-                 fp8_table: np.ndarray, block_tables: np.ndarray, context_lens: np.ndarray,
-                 query_start_loc: np.ndarray, window: int, item: np.ndarray,
-                 part_max: np.ndarray, part_sum: np.ndarray, part_out: np.ndarray) -> None:
+def _attend_item(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                 k_bits: np.ndarray, v_bits: np.ndarray, mode: int, block_tables: np.ndarray,
+                 context_lens: np.ndarray, query_start_loc: np.ndarray, window: int,
+                 item: np.ndarray, part_max: np.ndarray, part_sum: np.ndarray,
+                 part_out: np.ndarray) -> None:
     """One item: its query vectors (rows x heads) over keys [key0, key1), unnormalized, into
-    the partial arrays at the item's offset. Loops run over whole blocks and whole head_dim
-    from 0 (indices the compiler knows are non-negative, so the loops vectorize); keys outside
-    the item's range are masked like the future."""
+    the partial arrays at the item's offset. An fp32 cache's blocks are read where they lie
+    (k_cache, v_cache); a 16-bit or fp8 cache's (k_bits, v_bits: its raw bits) are converted
+    into a float32 block first. Keys outside the item's range are masked like the future."""
     s, r0, r1, k0, k1, offset = item[0], item[1], item[2], item[3], item[4], item[5]
-    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    shape = k_cache.shape if mode == MODE_FP32 else k_bits.shape
+    block_size, num_kv_heads, head_dim = shape[1], shape[2], shape[3]
     num_heads = query.shape[1]
     group = num_heads // num_kv_heads
     q_len = query_start_loc[s + 1] - query_start_loc[s]
@@ -123,12 +136,12 @@ def _attend_item(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, mo
     row_max = np.full(num_vecs, -np.inf, np.float32)  # (V,) running maxima
     row_sum = np.zeros(num_vecs, np.float32)  # (V,) running sums of exp(score - max)
     acc = np.zeros((num_vecs, head_dim), np.float32)  # (V, D) weighted values
-    keys = np.empty((block_size, num_kv_heads, head_dim), np.float32)  # (bs, Hkv, D) a block
-    values = np.empty((block_size, num_kv_heads, head_dim), np.float32)
-    keys_flat, values_flat = keys.reshape(keys.size), values.reshape(values.size)
-    key_bits, value_bits = keys_flat.view(np.uint32), values_flat.view(np.uint32)
+    key_block = np.empty((block_size, num_kv_heads, head_dim), np.float32)  # (bs, Hkv, D)
+    value_block = np.empty((block_size, num_kv_heads, head_dim), np.float32)
     probs = np.empty((num_vecs, block_size), np.float32)  # (V, bs) this block's scores, weights
-    exp_bits = np.empty((num_vecs, block_size), np.uint32)
+    # register tiles where the shapes allow (head_dim in 16s; for scores, the block in 8s)
+    simd_values = head_dim % LANES == 0
+    simd_scores = simd_values and block_size % (LANES // 2) == 0
     last_pos = first_pos + r1 - 1
     last_block = (k1 - 1) // block_size
     for b in range(k0 // block_size, last_block + 1):
@@ -136,19 +149,24 @@ def _attend_item(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, mo
         if block_id < 0:  # released (outside every row's window) or padding
             continue
         if b < last_block and block_tables[s, b + 1] >= 0:
-            prefetch_block(k_cache, block_tables[s, b + 1])
-            prefetch_block(v_cache, block_tables[s, b + 1])
+            if mode == MODE_FP32:
+                prefetch_block(k_cache, block_tables[s, b + 1])
+                prefetch_block(v_cache, block_tables[s, b + 1])
+            else:
+                prefetch_block(k_bits, block_tables[s, b + 1])
+                prefetch_block(v_bits, block_tables[s, b + 1])
         first_key = b * block_size
         t0 = max(k0, first_key) - first_key  # the item's keys in this block: [t0, t1)
         t1 = min(k1, first_key + block_size) - first_key
-        load_block(k_cache, block_id, mode, fp8_table, keys_flat, key_bits)
-        for i in range(num_vecs):
-            kv_head = (i % num_heads) // group
-            for t in range(block_size):
-                score = np.float32(0.0)
-                for d in range(head_dim):
-                    score += queries[i, d] * keys[t, kv_head, d]
-                probs[i, t] = score
+        if mode == MODE_FP32:
+            keys = k_cache[block_id]
+        else:
+            load_block(k_bits, block_id, mode, key_block)
+            keys = key_block
+        if simd_scores:
+            tile_scores(queries, keys, num_heads, group, probs)
+        else:
+            block_scores(queries, keys, num_heads, group, probs)
         # outside the item's keys, the future of the tile's first row, or keys behind its
         # last row's window
         if t0 > 0 or t1 < block_size or first_key + t1 - 1 > first_pos + r0 or (
@@ -170,21 +188,23 @@ def _attend_item(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, mo
                 for d in range(head_dim):
                     acc[i, d] *= alpha
                 row_max[i] = top
-        exp_rows(probs, exp_bits, row_max)
-        load_block(v_cache, block_id, mode, fp8_table, values_flat, value_bits)
+        exp_rows(probs, row_max)
+        if mode == MODE_FP32:
+            values = v_cache[block_id]
+        else:
+            load_block(v_bits, block_id, mode, value_block)
+            values = value_block
         if t0 > 0 or t1 < block_size:  # slots outside the range may hold stale inf / nan
+            if mode == MODE_FP32:  # never written: copy the block before zeroing them
+                value_block[:] = values
+                values = value_block
             for t in range(block_size):
                 if t < t0 or t >= t1:
                     values[t] = 0.0
-        for i in range(num_vecs):
-            kv_head = (i % num_heads) // group
-            total = np.float32(0.0)
-            for t in range(block_size):
-                p = probs[i, t]
-                total += p
-                for d in range(head_dim):
-                    acc[i, d] += p * values[t, kv_head, d]
-            row_sum[i] += total
+        if simd_values:
+            tile_values(probs, values, num_heads, group, acc, row_sum)
+        else:
+            block_values(probs, values, num_heads, group, acc, row_sum)
     start = offset * num_heads
     part_max[start:start + num_vecs] = row_max
     part_sum[start:start + num_vecs] = row_sum
@@ -192,8 +212,8 @@ def _attend_item(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, mo
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
-def attend(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, mode: int,
-           fp8_table: np.ndarray, block_tables: np.ndarray, context_lens: np.ndarray,
+def attend(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, k_bits: np.ndarray,
+           v_bits: np.ndarray, mode: int, block_tables: np.ndarray, context_lens: np.ndarray,
            query_start_loc: np.ndarray, window: int, items: np.ndarray, groups: np.ndarray,
            num_partial_rows: int, v_scale: float, out: np.ndarray) -> None:
     """Every item in parallel, then every group's items merged into out (T, H, D)."""
@@ -202,7 +222,7 @@ def attend(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, mode: in
     part_sum = np.empty(num_partial_rows * num_heads, np.float32)
     part_out = np.empty((num_partial_rows * num_heads, head_dim), np.float32)  # (P, D)
     for w in prange(items.shape[0]):
-        _attend_item(query, k_cache, v_cache, mode, fp8_table, block_tables, context_lens,
+        _attend_item(query, k_cache, v_cache, k_bits, v_bits, mode, block_tables, context_lens,
                      query_start_loc, window, items[w], part_max, part_sum, part_out)
     for g in prange(groups.shape[0]):
         row0, num_rows, i0, i1 = groups[g, 0], groups[g, 1], groups[g, 2], groups[g, 3]
@@ -231,13 +251,13 @@ def set_threads(threads: int) -> None:
     numba.set_num_threads(max(1, min(threads, limit)))
 
 
-def run(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, mode: int,
-        fp8_table: np.ndarray, block_tables: np.ndarray, context_lens: np.ndarray,
+def run(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, k_bits: np.ndarray,
+        v_bits: np.ndarray, mode: int, block_tables: np.ndarray, context_lens: np.ndarray,
         query_start_loc: np.ndarray, window: int, items: np.ndarray, groups: np.ndarray,
         num_partial_rows: int, v_scale: float, out: np.ndarray) -> None:
     """attend(...), its items handed out one at a time: a thread that starts late (a busy
     machine) takes fewer items instead of holding up the region with an equal share. Scoped
     to this call: other parallel code of the process keeps its own chunk size."""
     with numba.parallel_chunksize(1):
-        attend(query, k_cache, v_cache, mode, fp8_table, block_tables, context_lens,
+        attend(query, k_cache, v_cache, k_bits, v_bits, mode, block_tables, context_lens,
                query_start_loc, window, items, groups, num_partial_rows, v_scale, out)

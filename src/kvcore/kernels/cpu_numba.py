@@ -33,8 +33,9 @@ _BF16 = np.dtype(ml_dtypes.bfloat16)
 # the planner's cache dtype names -> the NumPy dtype of a CPU cache (as KVCache.storage_dtype)
 CPU_CACHE_DTYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": _BF16,
                     "fp8": _FP8}
-# every e4m3fn value, indexed by its bits: fp8 cache entries become float32 through this table
-FP8_TABLE = np.arange(256, dtype=np.uint8).view(_FP8).astype(np.float32)  # (256,)
+# what the kernel gets for the cache it does not read: an fp32 cache as floats, any other as bits
+_NO_FLOATS = np.zeros((1, 1, 1, 1), np.float32)
+_NO_BITS = np.zeros((1, 1, 1, 1), np.uint8)
 # prefill chunks of at least this many query tokens run the NumPy kernel (its GEMMs): 2,048-token
 # prefill measured 2.1x faster there on 2 cores; decode tokens and short chunks run compiled
 NUMPY_CHUNK_ROWS = 128
@@ -109,18 +110,20 @@ def path_name() -> str:
     return "numba (compiled)" if active() else "numpy (reference)"
 
 
-def _cache_mode(cache: np.ndarray) -> tuple[int, np.ndarray] | None:
-    """(mode, the cache viewed as unsigned ints), or None for a cache the kernel cannot read."""
+def _cache_mode(cache: np.ndarray) -> tuple[int, np.ndarray, np.ndarray] | None:
+    """(mode, the cache as float32 or a placeholder, its raw bits as unsigned ints or a
+    placeholder), or None for a cache the kernel cannot read. Two compiled variants in all:
+    (float32, uint8) serves fp32 and fp8, (float32, uint16) bf16 and fp16."""
     if not cache.flags.c_contiguous:
         return None
     if cache.dtype == np.float32:
-        return 0, cache.view(np.uint32)
+        return 0, cache, _NO_BITS
     if cache.dtype == _BF16:
-        return 1, cache.view(np.uint16)
+        return 1, _NO_FLOATS, cache.view(np.uint16)
     if cache.dtype == np.float16:
-        return 2, cache.view(np.uint16)
+        return 2, _NO_FLOATS, cache.view(np.uint16)
     if cache.dtype == _FP8:
-        return 3, cache.view(np.uint8)
+        return 3, _NO_FLOATS, cache.view(np.uint8)
     return None
 
 
@@ -138,8 +141,8 @@ def paged_attention(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     there). Arrays are cast to the one set of types the warm-up compiled: no JIT on a request."""
     kernel = compiled()
     assert kernel is not None
-    k_mode, k_bits = _cache_mode(k_cache)  # type: ignore[misc]
-    _, v_bits = _cache_mode(v_cache)  # type: ignore[misc]
+    k_mode, k_floats, k_bits = _cache_mode(k_cache)  # type: ignore[misc]
+    _, v_floats, v_bits = _cache_mode(v_cache)  # type: ignore[misc]
     # scale and k_scale folded into the queries: score = (q * scale * k_scale) . stored key
     q = np.multiply(query, np.float32(scale * k_scale), dtype=np.float32)  # (T, H, D) dense
     tables = np.ascontiguousarray(block_tables, dtype=np.int32)
@@ -153,8 +156,8 @@ def paged_attention(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     kernel.set_threads(threads)
     items, groups, num_rows = kernel.work_items(lens, starts, k_cache.shape[1], window, threads)
     out = np.empty(q.shape, np.float32)  # (T, H, D)
-    kernel.run(q, k_bits, v_bits, k_mode, FP8_TABLE, tables, lens, starts, window, items,
-               groups, num_rows, float(v_scale), out)
+    kernel.run(q, k_floats, v_floats, k_bits, v_bits, k_mode, tables, lens, starts, window,
+               items, groups, num_rows, float(v_scale), out)
     return out
 
 
