@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvcore.engine.core import SeqOutput
 from kvcore.engine.output import _Choice
+from kvcore.engine.records import SeqOutput
 from kvcore.request import Sequence, SequenceStatus
 from kvcore.sampling import SamplingParams, find_stop_string, num_holdback_chars
 

@@ -8,9 +8,7 @@ output processor detokenizes, finds stop strings and aborts sequences through `f
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -19,11 +17,11 @@ import structlog
 from kvcore.cache import PENDING_TOKEN_ID
 from kvcore.device import array_module
 from kvcore.engine.beam import BeamPolicy
-from kvcore.engine.draw import HostDraw, draw_rows, sampling_row
+from kvcore.engine.draw import draw_rows, sampling_row
+from kvcore.engine.records import Drawn, Group, Launched, SeqOutput, StepOutput
 from kvcore.engine.runner import ModelRunner, PendingFill
 from kvcore.request import Sequence, SequenceStatus
 from kvcore.sampling import (
-    BeamHypothesis,
     RowSampler,
     SamplingParams,
     TokenLogprob,
@@ -32,67 +30,6 @@ from kvcore.sampling import (
 from kvcore.scheduler import Scheduler, SchedulerOutput
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(slots=True)
-class SeqOutput:
-    """What one sequence got in one step."""
-
-    seq_id: str
-    request_id: str
-    index: int  # choice index within its request
-    token_ids: list[int]  # new this step
-    logprobs: list[TokenLogprob] | None  # of those tokens, when the request asked for them
-    finish_reason: str | None  # set when the core ended the sequence (stop id, length)
-    stop_reason: int | None
-    num_cached_tokens: int  # prompt tokens its first admission found in the prefix cache
-    first_scheduled_time: float | None
-
-
-@dataclass(slots=True)
-class StepOutput:
-    seqs: list[SeqOutput] = field(default_factory=list)
-    beams: dict[str, list[BeamHypothesis]] = field(default_factory=dict)  # done: best first
-    failed: dict[str, str] = field(default_factory=dict)  # request_id -> why it failed
-
-
-@dataclass(slots=True)
-class _Drawn:
-    """What a launched step's device work returns (device arrays where the device has them)."""
-
-    token_ids: Any  # (P,) int64 the plain rows' tokens on the device, row order (failed: 0)
-    read: Callable[[], HostDraw]  # the host's copy of the tokens (and the asked logprobs)
-    failed: dict[int, BaseException]  # plain row -> why its draw failed (its request fails)
-    host_logits: Any  # (H, V) logits of the host rows (forks, beams), a copy; None if none
-
-
-class _Launched:
-    """A step on the device: its schedule, its sampling rows, the future of its _Drawn."""
-
-    __slots__ = ("out", "plain", "host", "future", "needs_host", "row_of")
-
-    def __init__(self, out: SchedulerOutput, plain: list[Sequence], host: list[Sequence],
-                 needs_host: bool) -> None:
-        self.out = out
-        self.plain = plain  # rows drawn on the device, in row order
-        self.host = host  # rows the host decides after the step: a fork's first, beams
-        # some row needs the host between this step and the next (a fork, a beam, a sampler
-        # that reads the history): collect this step before scheduling the next
-        self.needs_host = needs_host
-        self.row_of = {seq.seq_id: i for i, seq in enumerate(plain)}
-        self.future: Future[_Drawn] | None = None
-
-
-class _Group:
-    """The live sequences of one user request, as the core knows them."""
-
-    __slots__ = ("request_id", "seqs", "policy", "num_forks")
-
-    def __init__(self, first: Sequence, policy: BeamPolicy | None) -> None:
-        self.request_id = first.request_id
-        self.seqs: list[Sequence] = [first]  # unfinished; beams in the policy's order
-        self.policy = policy
-        self.num_forks = 0
 
 
 class EngineCore:
@@ -107,8 +44,8 @@ class EngineCore:
         # schedule step N+1 while the device runs step N (see step())
         self.async_scheduling = async_scheduling
         self._seeds = np.random.SeedSequence(seed)
-        self._groups: dict[str, _Group] = {}
-        self._inflight: _Launched | None = None  # launched, not collected yet
+        self._groups: dict[str, Group] = {}
+        self._inflight: Launched | None = None  # launched, not collected yet
 
     # --- sequences in and out ---
 
@@ -118,7 +55,7 @@ class EngineCore:
                 not seq.params.greedy):
             seq.seed = make_seed(seq.params.seed, self._seeds)
         self.scheduler.add(seq)
-        self._groups[seq.request_id] = _Group(seq, policy)
+        self._groups[seq.request_id] = Group(seq, policy)
 
     def abort(self, request_id: str, status: SequenceStatus = SequenceStatus.FINISHED_ABORTED,
               uncache: bool = False) -> list[list[int]] | None:
@@ -178,13 +115,13 @@ class EngineCore:
             self._collect(self._take(), result, None)
         return result
 
-    def _take(self) -> _Launched:
+    def _take(self) -> Launched:
         launched = self._inflight
         assert launched is not None
         self._inflight = None
         return launched
 
-    def _add_pending_tokens(self, inflight: _Launched) -> None:
+    def _add_pending_tokens(self, inflight: Launched) -> None:
         """The sequences the in-flight step samples, which need nothing from the host before
         their next token, get a pending token now: their count is known, their id not yet.
         Never past max_tokens: one whose token ends it by length gets none."""
@@ -193,7 +130,7 @@ class EngineCore:
                     and len(seq.token_ids) + 1 < seq.length_limit):
                 seq.token_ids.append(PENDING_TOKEN_ID)
 
-    def _launch(self, out: SchedulerOutput, prev: _Launched | None) -> _Launched:
+    def _launch(self, out: SchedulerOutput, prev: Launched | None) -> Launched:
         """Host half of a step: its sampling rows, then the runner's launch. num_computed_tokens
         catches up now: the device computes the step's K/V before any later step reads it."""
         seqs = self.scheduler.seqs
@@ -219,25 +156,25 @@ class EngineCore:
         # built now: the rows' histories as they are (the host appends to them meanwhile)
         rows = [sampling_row(seq) for seq in plain]
         needs_host = needs_host or any(r.prompt_token_ids for r in rows)  # reads the history
-        launched = _Launched(out, plain, host, needs_host)
+        launched = Launched(out, plain, host, needs_host)
         fill = None
         if prev is not None and prev.future is not None:
             future = prev.future
             fill = PendingFill(lambda: future.result().token_ids, prev.row_of)
 
-        def sample(logits: Any) -> _Drawn:
+        def sample(logits: Any) -> Drawn:
             host_rows = None
             if host:  # before the draw: the sampler may process the logits in place
                 index = np.asarray(host_logits, dtype=np.int64)  # (H,)
                 host_rows = logits[array_module(logits).asarray(index)]  # (H, V) a copy
             token_ids, read, failed = draw_rows(self.sampler, logits, plain_logits, plain, rows)
-            return _Drawn(token_ids, read, failed, host_rows)
+            return Drawn(token_ids, read, failed, host_rows)
         launched.future = self.runner.launch(out, sample, fill)
         self.scheduler.advance(out)
         return launched
 
-    def _collect(self, launched: _Launched, result: StepOutput,
-                 after: _Launched | None) -> None:
+    def _collect(self, launched: Launched, result: StepOutput,
+                 after: Launched | None) -> None:
         """Wait for a launched step and apply it: append tokens, stop checks, forks, beams.
         `after`: the step launched after it, still on the device."""
         assert launched.future is not None
@@ -262,7 +199,7 @@ class EngineCore:
     def _decide_host(self, host: list[Sequence], logits: Any, result: StepOutput) -> None:
         rows: list[Sequence] = []
         row_logits: list[int] = []
-        beams: dict[str, _Group] = {}
+        beams: dict[str, Group] = {}
         for i, seq in enumerate(host):
             group = self._groups.get(seq.request_id)
             if seq.finished or group is None:
@@ -279,7 +216,7 @@ class EngineCore:
         for group in beams.values():
             self._step_beams(group, result)
 
-    def _roll_back(self, launched: _Launched, failed: _Launched) -> None:
+    def _roll_back(self, launched: Launched, failed: Launched) -> None:
         """`failed` (the step before `launched`) failed on the device: `launched` was computed
         on K/V it never wrote, and on tokens it never sampled. Its sequences of other requests
         are recomputed: back to waiting, their new blocks uncached (a draw depends only on the
@@ -298,7 +235,7 @@ class EngineCore:
                     group.policy.rows.pop(other.seq_id, None)
                 self.scheduler.preempt(other, uncache=True)
 
-    def _fork_choices(self, group: _Group, parent: Sequence) -> list[Sequence]:
+    def _fork_choices(self, group: Group, parent: Sequence) -> list[Sequence]:
         """n > 1: the prompt was prefilled once; n - 1 forks share its blocks."""
         params = parent.params
         assert isinstance(params, SamplingParams)
@@ -373,7 +310,7 @@ class EngineCore:
                 if not group.seqs:
                     del self._groups[seq.request_id]
 
-    def _step_beams(self, group: _Group, result: StepOutput) -> None:
+    def _step_beams(self, group: Group, result: StepOutput) -> None:
         policy = group.policy
         assert policy is not None
         live = group.seqs

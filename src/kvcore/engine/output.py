@@ -13,7 +13,7 @@ from collections.abc import Callable, Collection
 
 import structlog
 
-from kvcore.engine.core import SeqOutput, StepOutput
+from kvcore.engine.records import SeqOutput, StepOutput
 from kvcore.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvcore.request import CompletionOutput, RequestMetrics, RequestOutput
 from kvcore.sampling import BeamHypothesis, BeamSearchParams, SamplingParams, TokenLogprob
