@@ -35,7 +35,8 @@ UNSUPPORTED: dict[str, Any] = {
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
     "web_search_options": (None,), "prompt_logprobs": (None,), "guided_json": (None,),
     "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-    "structured_outputs": (None,),
+    "structured_outputs": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "logits_processors": (None,),
 }
 
 Prompt = str | list[int]
