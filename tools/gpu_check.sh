@@ -11,7 +11,9 @@
 # Python packages missing on the GPU machine travel as wheels in $KVCORE_WHEELS (default
 # ./gpu_wheels, untracked, so it travels with the working tree); they are installed with
 # pip --no-index --no-deps. Fill it here with `bash tools/gpu_check.sh --fetch-wheels`
-# (pure-Python wheels only: structlog and gguf, which that image lacks).
+# (pure-Python wheels only: structlog and gguf, which that image lacks); the same call copies
+# the default model's config and tokenizer to ./gpu_model (untracked too) for the end-to-end
+# run's random weights of its shape. Do not commit either folder.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
