@@ -11,6 +11,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from kvcore.config import ParamError
 from kvcore.engine import RequestFailed
 from kvcore.model.tokenizer import Tokenizer
 from kvcore.service.auth import ANONYMOUS_TENANT
@@ -197,6 +198,11 @@ async def _respond(request: web.Request, state: ServiceState, req: GenerationReq
     outcome = "ok"
     tracked = False
     try:
+        for job in jobs:  # a call that can never run is bad input (400), not a busy server
+            try:
+                async_engine.check_request(job.prompt_token_ids, job.params)
+            except ParamError as e:
+                raise bad_request(str(e), e.param) from None
         raise_if_busy(async_engine, state.max_waiting, len(jobs) * req.n)
         state.track(task, gen)
         tracked = True

@@ -329,3 +329,26 @@ def test_async_engine_num_waiting_counts_sequences(tiny_model_dir) -> None:
             await engine.stop()
 
     assert asyncio.run(main()) == 5
+
+
+@pytest.mark.asyncio
+async def test_a_call_that_can_never_run_is_a_400_even_when_the_queue_is_full(
+        aiohttp_client, tiny_model_dir) -> None:
+    """The engine's context checks run before the server's queue limit: with the waiting queue
+    full (max_waiting 0 refuses every call as busy), a call that no engine could ever run is
+    still bad input naming its parameter, and the request log records it."""
+    app = tiny_app(tiny_model_dir, max_waiting=0)  # max_model_len 128
+    client = await aiohttp_client(app)
+    with capture_logs() as logs:
+        too_long = await client.post("/v1/completions", json={"prompt": [5] * 100,
+                                                              "max_tokens": 50})
+        await _logged(logs, 1)
+    assert too_long.status == 400
+    assert (await too_long.json())["error"]["param"] == "max_tokens"
+    assert any(e.get("event") == "request" and e["outcome"] == "error 400" for e in logs)
+    no_room = await client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "a" * 300}]})
+    assert no_room.status == 400 and (await no_room.json())["error"]["param"] == "prompt"
+    busy = await client.post("/v1/completions", json={"prompt": [5] * 10, "max_tokens": 5})
+    assert busy.status == 429  # a call that could run is still refused as busy
+    await wait_pool_idle(app)

@@ -21,6 +21,7 @@ from kvcore.cluster.engine_view import IngressModel
 from kvcore.cluster.state import ReplicaReport, Route, RouterState
 from kvcore.config import ParamError
 from kvcore.engine import EngineStats, RequestFailed
+from kvcore.engine.setup import check_prompt
 from kvcore.request import CompletionOutput, RequestMetrics, RequestOutput
 from kvcore.sampling import BeamSearchParams, SamplingParams
 
@@ -56,6 +57,12 @@ class ClusterEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    def check_request(self, prompt_ids: Sequence[int],
+                      params: SamplingParams | BeamSearchParams) -> None:
+        """AsyncEngine.check_request's context and vocabulary checks (ParamError); the pool-size
+        check of n > 1 stays with the replica that takes the request."""
+        check_prompt(prompt_ids, params, self.max_model_len, self.model_config.vocab_size, None)
 
     @property
     def num_waiting(self) -> int:

@@ -17,6 +17,7 @@ import structlog
 from kvcore.config import EngineConfig, ModelConfig, ParamError
 from kvcore.engine.engine import Engine, EngineStats
 from kvcore.engine.kv_snapshot import KVProbe
+from kvcore.engine.setup import check_prompt
 from kvcore.model.tokenizer import Tokenizer
 from kvcore.request import RequestOutput
 from kvcore.sampling import BeamSearchParams, SamplingParams
@@ -102,6 +103,16 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    def check_request(self, prompt_ids: Sequence[int],
+                      params: SamplingParams | BeamSearchParams) -> None:
+        """The engine's checks of a request against its fixed configuration (context length,
+        vocabulary, pool size), without queuing it: ParamError naming the parameter. A server
+        runs them before its own queue limits, so a call that can never run is refused as bad
+        input, not as busy. Reads only what never changes after start-up."""
+        engine = self.engine
+        check_prompt(prompt_ids, params, engine.max_model_len, engine.model_config.vocab_size,
+                     engine.kv)
 
     def stats(self) -> EngineStats:
         """The engine's counters as of the last step (published by the driver between steps)."""

@@ -98,9 +98,10 @@ def pool_size(config: EngineConfig, model_config: ModelConfig, cache_dtype: str,
 
 
 def check_prompt(prompt_ids: Sequence[int], params: SamplingParams | BeamSearchParams,
-                 max_model_len: int, vocab_size: int, kv: KVCacheManager) -> int:
+                 max_model_len: int, vocab_size: int, kv: KVCacheManager | None) -> int:
     """Validate a request before it is queued; returns its resolved max_tokens. ParamError
-    (a ValueError) names the parameter."""
+    (a ValueError) names the parameter. `kv` None: no pool-size check (a cluster's ingress,
+    which holds no pool; the replica that takes the request checks it)."""
     if not isinstance(params, SamplingParams | BeamSearchParams):
         raise ParamError("params", f"params must be SamplingParams or BeamSearchParams, "
                          f"got {params!r}")
@@ -123,7 +124,7 @@ def check_prompt(prompt_ids: Sequence[int], params: SamplingParams | BeamSearchP
                          f"{max_tokens} in the completion). Please reduce the length of the "
                          f"prompt or completion.")
     num_seqs = params.n if isinstance(params, SamplingParams) else params.beam_width
-    if num_seqs > 1:
+    if num_seqs > 1 and kv is not None:
         # the sequences of one request run together: all of them at full length must fit
         bs = kv.block_size
         num_blocks = -(-num_prompt // bs) + num_seqs * (-(-max_tokens // bs) + 1)
