@@ -44,19 +44,31 @@ log = structlog.get_logger("kvcore.service")
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE_KEY]
-    body = await read_json(request, state.max_body_size, state.body_timeout)
-    engine = state.ready_engine()
-    req = parse_completion(body, engine.model_config.vocab_size)
-    name = state.model_name(req.model)
-    state.check_num_seqs(len(req.prompts) * req.n)
-    call_id = f"cmpl-{uuid.uuid4().hex}"
-    for prompt in req.prompts:
-        check_prompt_chars(prompt, engine.max_model_len, engine.tokenizer.max_token_chars,
-                           "prompt")
-    # tokenizing is request-sized CPU work: off the event loop
-    jobs = await state.offload(_completion_jobs, req, engine.tokenizer, engine.max_model_len,
-                               call_id)
+    try:
+        body = await read_json(request, state.max_body_size, state.body_timeout)
+        engine = state.ready_engine()
+        req = parse_completion(body, engine.model_config.vocab_size)
+        name = state.model_name(req.model)
+        state.check_num_seqs(len(req.prompts) * req.n)
+        call_id = f"cmpl-{uuid.uuid4().hex}"
+        for prompt in req.prompts:
+            check_prompt_chars(prompt, engine.max_model_len, engine.tokenizer.max_token_chars,
+                               "prompt")
+        # tokenizing is request-sized CPU work: off the event loop
+        jobs = await state.offload(_completion_jobs, req, engine.tokenizer,
+                                   engine.max_model_len, call_id)
+    except APIError as e:
+        _log_refused(request, "completion", e)
+        raise
     return await _respond(request, state, req, jobs, call_id, name)
+
+
+def _log_refused(request: web.Request, endpoint: str, error: APIError) -> None:
+    """The request log line of a call refused before it reached the engine (bad input, a
+    busy or loading server): the same fields as an admitted call's, nothing of the body."""
+    log.info("request", request_id=None, tenant=request.get(TENANT_KEY, ANONYMOUS_TENANT),
+             endpoint=endpoint, outcome=f"error {error.status}", prompt_tokens=0,
+             completion_tokens=0, cached_tokens=0, ttft_s=None, finish_reason=[], user=None)
 
 
 def _completion_jobs(req: GenerationRequest, tokenizer: Tokenizer, max_model_len: int,
@@ -77,15 +89,20 @@ def _completion_jobs(req: GenerationRequest, tokenizer: Tokenizer, max_model_len
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE_KEY]
-    body = await read_json(request, state.max_body_size, state.body_timeout)
-    engine = state.ready_engine()
-    req = parse_chat(body, engine.model_config.vocab_size)
-    name = state.model_name(req.model)
-    state.check_num_seqs(req.n)
-    check_prompt_chars("".join(m["content"] for m in req.messages), engine.max_model_len,
-                       engine.tokenizer.max_token_chars, "messages")
-    call_id = f"chatcmpl-{uuid.uuid4().hex}"
-    job = await state.offload(_chat_job, req, engine.tokenizer, engine.max_model_len, call_id)
+    try:
+        body = await read_json(request, state.max_body_size, state.body_timeout)
+        engine = state.ready_engine()
+        req = parse_chat(body, engine.model_config.vocab_size)
+        name = state.model_name(req.model)
+        state.check_num_seqs(req.n)
+        check_prompt_chars("".join(m["content"] for m in req.messages), engine.max_model_len,
+                           engine.tokenizer.max_token_chars, "messages")
+        call_id = f"chatcmpl-{uuid.uuid4().hex}"
+        job = await state.offload(_chat_job, req, engine.tokenizer, engine.max_model_len,
+                                  call_id)
+    except APIError as e:
+        _log_refused(request, "chat", e)
+        raise
     return await _respond(request, state, req, [job], call_id, name)
 
 

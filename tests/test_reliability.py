@@ -352,3 +352,20 @@ async def test_a_call_that_can_never_run_is_a_400_even_when_the_queue_is_full(
     busy = await client.post("/v1/completions", json={"prompt": [5] * 10, "max_tokens": 5})
     assert busy.status == 429  # a call that could run is still refused as busy
     await wait_pool_idle(app)
+
+
+@pytest.mark.asyncio
+async def test_calls_refused_before_the_engine_write_their_request_log_line(client) -> None:
+    """Bad input refused while the call is parsed still leaves the one request log line
+    (outcome, endpoint, tenant), and nothing of the body."""
+    with capture_logs() as logs:
+        bad = await client.post("/v1/completions", json={"prompt": "secret words",
+                                                         "temperature": -1})
+        chat = await client.post("/v1/chat/completions", json={"messages": "nope"})
+        await _logged(logs, 2)
+    assert bad.status == 400 and chat.status == 400
+    lines = [e for e in logs if e.get("event") == "request"]
+    assert [(e["endpoint"], e["outcome"]) for e in lines] == [("completion", "error 400"),
+                                                              ("chat", "error 400")]
+    assert all(e["tenant"] == "anonymous" and e["request_id"] is None for e in lines)
+    assert "secret" not in json.dumps(logs, default=str)
