@@ -64,26 +64,33 @@ def copy_bandwidth(cp: Any, iters: int) -> float:
     return 2 * src.nbytes / ms / 1e6
 
 
-def paged_inputs(cp: Any, context_lens: list[int], q_lens: list[int], fp8: bool,
-                 seed: int = 0) -> dict:
-    """Random queries and a paged cache (blocks shuffled) in the engine's device layout."""
-    blocks = [-(-c // BLOCK_SIZE) for c in context_lens]
-    num_blocks = sum(blocks)
-    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    if fp8:  # e4m3 codes of magnitude < 2^(0x58 >> 3 - 7) = 16, sign random, never NaN
-        k_cache = cp.random.randint(0, 0x58, size=shape, dtype=cp.uint8) | \
+def random_cache(cp: Any, shape: tuple[int, ...], fp8: bool) -> Any:
+    """A random cache on the device: fp16 normals, or fp8 e4m3 codes of magnitude
+    < 2^(0x58 >> 3 - 7) = 16 with random sign, never NaN."""
+    if fp8:
+        return cp.random.randint(0, 0x58, size=shape, dtype=cp.uint8) | \
             (cp.random.randint(0, 2, size=shape, dtype=cp.uint8) << 7)
-        v_cache = cp.random.randint(0, 0x58, size=shape, dtype=cp.uint8) | \
-            (cp.random.randint(0, 2, size=shape, dtype=cp.uint8) << 7)
-    else:
-        k_cache = cp.random.standard_normal(shape, dtype=cp.float32).astype(cp.float16)
-        v_cache = cp.random.standard_normal(shape, dtype=cp.float32).astype(cp.float16)
-    ids = np.random.default_rng(seed).permutation(num_blocks)
+    return cp.random.standard_normal(shape, dtype=cp.float32).astype(cp.float16)
+
+
+def shuffled_tables(blocks: list[int], seed: int) -> np.ndarray:
+    """(S, max_blocks) int32 block tables over sum(blocks) blocks in a random order."""
+    ids = np.random.default_rng(seed).permutation(sum(blocks))
     tables = np.zeros((len(blocks), max(blocks)), dtype=np.int32)  # (S, max_blocks)
     start = 0
     for s, n in enumerate(blocks):
         tables[s, :n] = ids[start:start + n]
         start += n
+    return tables
+
+
+def paged_inputs(cp: Any, context_lens: list[int], q_lens: list[int], fp8: bool,
+                 seed: int = 0) -> dict:
+    """Random queries and a paged cache (blocks shuffled) in the engine's device layout."""
+    blocks = [-(-c // BLOCK_SIZE) for c in context_lens]
+    shape = (sum(blocks), BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache, v_cache = random_cache(cp, shape, fp8), random_cache(cp, shape, fp8)
+    tables = shuffled_tables(blocks, seed)
     query = cp.random.standard_normal((sum(q_lens), NUM_HEADS, HEAD_DIM),
                                       dtype=cp.float32).astype(cp.float16)  # (T, H, D)
     scale = FP8_SCALE if fp8 else 1.0

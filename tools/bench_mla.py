@@ -25,7 +25,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_kernels import WrongOutput, copy_bandwidth, time_ms  # noqa: E402
+from bench_kernels import (  # noqa: E402
+    WrongOutput,
+    copy_bandwidth,
+    random_cache,
+    shuffled_tables,
+    time_ms,
+)
 from kvcore.device import cuda_available  # noqa: E402
 
 RANK, ROPE, BLOCK_SIZE = 512, 64, 16
@@ -40,19 +46,8 @@ TOL = 3e-3  # fp16 outputs (P is rounded to fp16 before P V)
 def mla_inputs(cp: Any, heads: int, context_lens: list[int], fp8: bool, seed: int = 0) -> dict:
     """Random absorbed queries and a latent cache (blocks shuffled) in the engine's layout."""
     blocks = [-(-c // BLOCK_SIZE) for c in context_lens]
-    num_blocks = sum(blocks)
-    shape = (num_blocks, BLOCK_SIZE, 1, WIDTH)
-    if fp8:  # e4m3 codes of magnitude < 16, sign random, never NaN
-        cache = cp.random.randint(0, 0x58, size=shape, dtype=cp.uint8) | \
-            (cp.random.randint(0, 2, size=shape, dtype=cp.uint8) << 7)
-    else:
-        cache = cp.random.standard_normal(shape, dtype=cp.float32).astype(cp.float16)
-    ids = np.random.default_rng(seed).permutation(num_blocks)
-    tables = np.zeros((len(blocks), max(blocks)), dtype=np.int32)  # (S, max_blocks)
-    start = 0
-    for s, n in enumerate(blocks):
-        tables[s, :n] = ids[start:start + n]
-        start += n
+    cache = random_cache(cp, (sum(blocks), BLOCK_SIZE, 1, WIDTH), fp8)
+    tables = shuffled_tables(blocks, seed)
     query = cp.random.standard_normal((len(context_lens), heads, WIDTH),
                                       dtype=cp.float32).astype(cp.float16)  # (S, H, W)
     return dict(query=query, cache=cache, block_tables=tables,
