@@ -109,6 +109,20 @@ def test_stop_token_ids_and_eos(tiny_model_dir: Path) -> None:
     assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
 
 
+def _independent_logits(model_dir: Path, prompt: list[int], output: list[int]) -> np.ndarray:
+    """(len(output), V) logits before each output token, from one forward of the whole
+    sequence in a fresh engine's cache (no engine step involved)."""
+    seq = prompt + output[:-1]
+    fresh = make_engine(model_dir, num_blocks=16)
+    fresh.kv.allocate_prefix("x", seq)
+    fresh.kv.allocate_slots("x", seq, len(seq))
+    batch = BatchInput.build([seq], [0], [fresh.kv.block_table("x")], 4)
+    batch = BatchInput(batch.input_ids, batch.positions, batch.slot_mapping,
+                       batch.query_start_loc, batch.context_lens, batch.block_tables,
+                       np.arange(len(prompt) - 1, len(seq), dtype=np.int64))
+    return fresh.model.forward(batch, fresh.kv_cache)
+
+
 def test_logprobs_match_the_model_distribution(tiny_model_dir: Path) -> None:
     engine = make_engine(tiny_model_dir)
     prompt = random_prompts(seed=11, num=1, low=9, high=10)[0]
@@ -116,15 +130,7 @@ def test_logprobs_match_the_model_distribution(tiny_model_dir: Path) -> None:
                                                    ignore_eos=True))[0].outputs[0]
     assert out.logprobs is not None and len(out.logprobs) == 6
     # an independent forward over the whole sequence in a fresh cache, in float64
-    seq = prompt + out.token_ids[:-1]
-    fresh = make_engine(tiny_model_dir, num_blocks=16)
-    fresh.kv.allocate_prefix("x", seq)
-    fresh.kv.allocate_slots("x", seq, len(seq))
-    batch = BatchInput.build([seq], [0], [fresh.kv.block_table("x")], 4)
-    batch = BatchInput(batch.input_ids, batch.positions, batch.slot_mapping,
-                       batch.query_start_loc, batch.context_lens, batch.block_tables,
-                       np.arange(len(prompt) - 1, len(seq), dtype=np.int64))
-    logits = fresh.model.forward(batch, fresh.kv_cache).astype(np.float64)  # (6, V)
+    logits = _independent_logits(tiny_model_dir, prompt, out.token_ids).astype(np.float64)
     ref = logits - logits.max(axis=1, keepdims=True)
     ref -= np.log(np.exp(ref).sum(axis=1, keepdims=True))
     for row, (token_id, lp) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
@@ -145,15 +151,7 @@ def test_random_draws_are_the_xp_samplers_at_seed_and_output_position(tiny_model
     prompt = random_prompts(seed=12, num=1, low=9, high=10)[0]
     params = SamplingParams(max_tokens=8, temperature=1.3, seed=2026, ignore_eos=True)
     out = run_all(engine, [prompt], params)[0].outputs[0]
-    seq = prompt + out.token_ids[:-1]
-    fresh = make_engine(tiny_model_dir, num_blocks=16)
-    fresh.kv.allocate_prefix("x", seq)
-    fresh.kv.allocate_slots("x", seq, len(seq))
-    batch = BatchInput.build([seq], [0], [fresh.kv.block_table("x")], 4)
-    batch = BatchInput(batch.input_ids, batch.positions, batch.slot_mapping,
-                       batch.query_start_loc, batch.context_lens, batch.block_tables,
-                       np.arange(len(prompt) - 1, len(seq), dtype=np.int64))
-    logits = fresh.model.forward(batch, fresh.kv_cache)  # (8, V)
+    logits = _independent_logits(tiny_model_dir, prompt, out.token_ids)  # (8, V)
     sampler = XpSampler(engine.eos_token_ids, logits.shape[1])
     rows = [SamplingRow(params, None, prompt, out.token_ids[:i], seed=2026) for i in range(8)]
     want = sampler(logits.copy(), sampler.batch(rows)).token_ids.tolist()
