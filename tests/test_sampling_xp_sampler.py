@@ -14,8 +14,8 @@ import pytest
 
 from kvcore.sampling import Sampler, SamplingParams, SamplingRow
 from kvcore.sampling.rng import gumbel_, row_keys, uniforms_dense
+from kvcore.sampling.row_sampler import RowSampler
 from kvcore.sampling.xp_sampler import (
-    RowSampler,
     XpSampler,
     _dense_draw,
     _pruned_draw,

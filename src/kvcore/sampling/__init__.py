@@ -12,6 +12,7 @@ from kvcore.sampling.beam import (
 )
 from kvcore.sampling.params import BeamSearchParams, SamplingParams, TokenLogprob
 from kvcore.sampling.rng import make_seed
+from kvcore.sampling.row_sampler import RowSampler
 from kvcore.sampling.sampler import (
     Sampler,
     SamplerOutput,
@@ -22,7 +23,7 @@ from kvcore.sampling.sampler import (
 )
 from kvcore.sampling.stop import find_stop_string, num_holdback_chars
 from kvcore.sampling.xp_batch import SamplingBatch
-from kvcore.sampling.xp_sampler import DeviceSample, RowSampler, XpSampler
+from kvcore.sampling.xp_sampler import DeviceSample, XpSampler
 
 __all__ = [
     "BeamCandidate",
