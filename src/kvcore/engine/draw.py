@@ -86,9 +86,7 @@ def sampling_row(seq: Sequence) -> SamplingRow:
     """The sequence's row for the sampler: its history only when a processor reads it."""
     params = seq.params
     assert isinstance(params, SamplingParams)
-    if (params.min_tokens == 0 and params.repetition_penalty == 1.0
-            and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0):
-        # no processor reads the history: the draw needs only the output position
+    if not params.reads_history:  # the draw needs only the output position
         return SamplingRow(params, None, (), (), seq.seed, seq.num_output_tokens)
     num_prompt = seq.num_prompt_tokens
     return SamplingRow(params, None, seq.token_ids[:num_prompt], seq.token_ids[num_prompt:],
@@ -97,7 +95,4 @@ def sampling_row(seq: Sequence) -> SamplingRow:
 
 def reads_only(row: SamplingRow) -> bool:
     """A greedy row with no processor: the sampler only takes its argmax (and raw logprobs)."""
-    p = row.params
-    return (p.greedy and not p.logit_bias and p.min_tokens == 0
-            and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
-            and p.presence_penalty == 0.0)
+    return row.params.argmax_only

@@ -129,6 +129,19 @@ class SamplingParams:
         """Argmax decoding: no randomness, so no generator is needed."""
         return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
 
+    @property
+    def reads_history(self) -> bool:
+        """A processor reads the sequence's tokens (min_tokens, repetition / frequency /
+        presence penalties): the sampler needs its history, not only its output position."""
+        return (self.min_tokens > 0 or self.repetition_penalty != 1.0
+                or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0)
+
+    @property
+    def argmax_only(self) -> bool:
+        """Greedy with no processor (no logit_bias, nothing reading the history): the token is
+        the raw logits' argmax (logprobs, if asked, are of the raw logits too)."""
+        return self.greedy and not self.logit_bias and not self.reads_history
+
 
 def _stop_strings(value: Any) -> tuple[str, ...]:
     # OpenAI accepts a single string as well as a list; a bare str must not be split into chars

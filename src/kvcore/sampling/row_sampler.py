@@ -56,6 +56,4 @@ class RowSampler:
 
 def _plain_greedy(p: SamplingParams) -> bool:
     """Greedy, no processor, no logprobs: SamplingBatch.plain_greedy, decided without a batch."""
-    return (p.greedy and p.logprobs is None and not p.logit_bias and p.min_tokens == 0
-            and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
-            and p.presence_penalty == 0.0)
+    return p.argmax_only and p.logprobs is None
