@@ -17,8 +17,9 @@ from kvcore.kernels.cuda_launch import (
     Launch,
     cache_suffix_of,
     check_contiguous,
-    check_int_array,
+    check_seq_metadata,
     suffix_of,
+    upload_seq_metadata,
 )
 
 _CTYPES = {"f32": "float", "f16": "__half", "bf16": "__nv_bfloat16", "fp8": "__nv_fp8_e4m3"}
@@ -142,8 +143,6 @@ def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: An
     for name, value in (("scale", scale), ("k_scale", k_scale), ("v_scale", v_scale)):
         if not np.isfinite(value) or value <= 0:
             raise ValueError(f"{name} must be a finite number > 0, got {value}")
-    if context_lens.ndim != 1:
-        raise ValueError(f"context_lens must be 1-D (num_seqs,), got shape {context_lens.shape}")
     suffix = suffix_of("query", query)
     cache_suffix = cache_suffix_of("k_cache", k_cache, suffix)
     for name, array in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -151,24 +150,11 @@ def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: An
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     window = int(sliding_window or 0)
-    num_seqs = context_lens.shape[0] if context_lens.ndim == 1 else -1
-    if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
-        raise ValueError(f"block_tables must be ({num_seqs}, max_blocks), "
-                         f"got {block_tables.shape}")
-    max_blocks = block_tables.shape[1]
-    if host_metadata is None:
-        host_metadata = isinstance(query_start_loc, np.ndarray) and isinstance(context_lens,
-                                                                               np.ndarray)
-    if host_metadata:
-        qsl = np.asarray(backend.to_host(query_start_loc))
-        ctx = np.asarray(backend.to_host(context_lens)).astype(np.int64)
-        q_lens = np.diff(qsl.astype(np.int64))
-        if qsl.shape != (num_seqs + 1,) or qsl[0] != 0 or qsl[-1] != num_tokens or \
-                np.any(q_lens < 0):
-            raise ValueError(f"query_start_loc must rise from 0 to {num_tokens}, got {qsl}")
-        if np.any(q_lens > ctx) or np.any(-(-ctx // block_size) > max_blocks):
-            raise ValueError("context_lens must cover each sequence's queries and fit its "
-                             "block table")
+    num_seqs, max_blocks, host_lens = check_seq_metadata(
+        backend, block_tables, context_lens, query_start_loc, num_tokens, block_size,
+        host_metadata)
+    if host_lens is not None:
+        q_lens, ctx = host_lens
         decode_ctx = ctx[q_lens == 1]
         num_decode: int | None = int(decode_ctx.shape[0])
         decode_span = int((decode_ctx - np.maximum(decode_ctx - window, 0) if window
@@ -185,12 +171,8 @@ def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: An
     xp = backend.xp
     if num_tokens == 0 or num_seqs == 0:
         return xp.empty((num_tokens, num_heads, head_dim), dtype=query.dtype), []
-    # metadata may come from the host: one upload each (a no-op for device arrays)
-    block_tables, context_lens, query_start_loc = (
-        xp.asarray(a) for a in (block_tables, context_lens, query_start_loc))
-    check_int_array("context_lens", context_lens, "int32", (num_seqs,))
-    check_int_array("query_start_loc", query_start_loc, "int32", (num_seqs + 1,))
-    check_int_array("block_tables", block_tables, "int32")
+    block_tables, context_lens, query_start_loc = upload_seq_metadata(
+        xp, block_tables, context_lens, query_start_loc, num_seqs)
     out = xp.empty((num_tokens, num_heads, head_dim), dtype=query.dtype)  # (T, H, D)
     group = num_heads // num_kv_heads
     metadata = (block_tables, context_lens, query_start_loc)

@@ -74,3 +74,47 @@ def check_int_array(name: str, array: Any, dtype: str,
     if shape is not None and tuple(array.shape) != shape:
         raise ValueError(f"{name} shape {tuple(array.shape)} != {shape}")
     check_contiguous(name, array)
+
+
+def check_seq_metadata(backend: Backend, block_tables: Any, context_lens: Any,
+                       query_start_loc: Any, num_tokens: int, block_size: int,
+                       host_metadata: bool | None
+                       ) -> tuple[int, int, tuple[np.ndarray, np.ndarray] | None]:
+    """The sequence metadata of a paged-attention launch: (num_seqs, max_blocks, host lens).
+    Host lens: ((S,) query lengths, (S,) context lengths) int64, read on the host and checked,
+    when the metadata is on the host (`host_metadata` None = decide by type); None for device
+    metadata, which is never read back (the grids then come from the shapes)."""
+    if context_lens.ndim != 1:
+        raise ValueError(f"context_lens must be 1-D (num_seqs,), got shape {context_lens.shape}")
+    num_seqs = context_lens.shape[0]
+    if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables must be ({num_seqs}, max_blocks), "
+                         f"got {block_tables.shape}")
+    max_blocks = block_tables.shape[1]
+    if host_metadata is None:
+        host_metadata = isinstance(query_start_loc, np.ndarray) and isinstance(context_lens,
+                                                                               np.ndarray)
+    if not host_metadata:
+        return num_seqs, max_blocks, None
+    qsl = np.asarray(backend.to_host(query_start_loc)).astype(np.int64)
+    ctx = np.asarray(backend.to_host(context_lens)).astype(np.int64)
+    q_lens = np.diff(qsl)
+    if qsl.shape != (num_seqs + 1,) or qsl[0] != 0 or qsl[-1] != num_tokens or \
+            np.any(q_lens < 0):
+        raise ValueError(f"query_start_loc must rise from 0 to {num_tokens}, got {qsl}")
+    if np.any(q_lens > ctx) or np.any(-(-ctx // block_size) > max_blocks):
+        raise ValueError("context_lens must cover each sequence's queries and fit its "
+                         "block table")
+    return num_seqs, max_blocks, (q_lens, ctx)
+
+
+def upload_seq_metadata(xp: Any, block_tables: Any, context_lens: Any, query_start_loc: Any,
+                        num_seqs: int) -> tuple[Any, Any, Any]:
+    """The metadata on the device (one upload each, a no-op for device arrays), dtypes and
+    shapes checked: (block_tables, context_lens, query_start_loc)."""
+    block_tables, context_lens, query_start_loc = (
+        xp.asarray(a) for a in (block_tables, context_lens, query_start_loc))
+    check_int_array("context_lens", context_lens, "int32", (num_seqs,))
+    check_int_array("query_start_loc", query_start_loc, "int32", (num_seqs + 1,))
+    check_int_array("block_tables", block_tables, "int32")
+    return block_tables, context_lens, query_start_loc

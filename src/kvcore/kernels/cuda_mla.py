@@ -14,8 +14,9 @@ from kvcore.kernels.cuda_launch import (
     Launch,
     cache_suffix_of,
     check_contiguous,
-    check_int_array,
+    check_seq_metadata,
     suffix_of,
+    upload_seq_metadata,
 )
 
 _CTYPES = {"f16": "__half", "bf16": "__nv_bfloat16", "fp8": "__nv_fp8_e4m3"}
@@ -81,26 +82,11 @@ def plan_mla_attention(backend: Backend, query: Any, cache: Any, block_tables: A
     cache_suffix = cache_suffix_of("cache", cache, suffix)
     check_contiguous("query", query)
     check_contiguous("cache", cache)
-    if context_lens.ndim != 1:
-        raise ValueError(f"context_lens must be 1-D (num_seqs,), got shape {context_lens.shape}")
-    num_seqs = context_lens.shape[0]
-    if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
-        raise ValueError(f"block_tables must be ({num_seqs}, max_blocks), "
-                         f"got {block_tables.shape}")
-    max_blocks = block_tables.shape[1]
-    if host_metadata is None:
-        host_metadata = isinstance(query_start_loc, np.ndarray) and isinstance(context_lens,
-                                                                               np.ndarray)
-    if host_metadata:
-        qsl = np.asarray(backend.to_host(query_start_loc)).astype(np.int64)
-        ctx = np.asarray(backend.to_host(context_lens)).astype(np.int64)
-        q_lens = np.diff(qsl)
-        if qsl.shape != (num_seqs + 1,) or qsl[0] != 0 or qsl[-1] != num_tokens or \
-                np.any(q_lens < 0):
-            raise ValueError(f"query_start_loc must rise from 0 to {num_tokens}, got {qsl}")
-        if np.any(q_lens > ctx) or np.any(-(-ctx // block_size) > max_blocks):
-            raise ValueError("context_lens must cover each sequence's queries and fit its "
-                             "block table")
+    num_seqs, max_blocks, host_lens = check_seq_metadata(
+        backend, block_tables, context_lens, query_start_loc, num_tokens, block_size,
+        host_metadata)
+    if host_lens is not None:
+        q_lens, ctx = host_lens
         num_decode: int | None = int(np.count_nonzero(q_lens == 1))
         decode_span = int(ctx[q_lens == 1].max(initial=0))
         max_q_len = int(q_lens.max(initial=0))
@@ -112,11 +98,8 @@ def plan_mla_attention(backend: Backend, query: Any, cache: Any, block_tables: A
     out = xp.empty((num_tokens, num_heads, kv_lora_rank), dtype=query.dtype)  # (T, H, r)
     if num_tokens == 0 or num_seqs == 0:
         return out, []
-    block_tables, context_lens, query_start_loc = (
-        xp.asarray(a) for a in (block_tables, context_lens, query_start_loc))
-    check_int_array("context_lens", context_lens, "int32", (num_seqs,))
-    check_int_array("query_start_loc", query_start_loc, "int32", (num_seqs + 1,))
-    check_int_array("block_tables", block_tables, "int32")
+    block_tables, context_lens, query_start_loc = upload_seq_metadata(
+        xp, block_tables, context_lens, query_start_loc, num_seqs)
     head_tiles = -(-num_heads // MLA_ROWS)
     if num_partitions is not None:
         parts = num_partitions
