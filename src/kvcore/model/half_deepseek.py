@@ -13,15 +13,12 @@ float16 NumPy arrays, which is how the tests drive it through the emulated kerne
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 
 from kvcore.config import ModelConfig
 from kvcore.model.cuda_graph import GraphCapturer, GraphedDecode
 from kvcore.model.deepseek import DeepseekModel
 from kvcore.model.half_llama import HalfLlamaModel
-from kvcore.model.weights import Checkpoint, iter_weights
 
 
 class HalfDeepseekModel(DeepseekModel, HalfLlamaModel):
@@ -38,17 +35,3 @@ class HalfDeepseekModel(DeepseekModel, HalfLlamaModel):
                            capturer: GraphCapturer | None = None) -> GraphedDecode:
         raise ValueError("MLA models run eagerly (enforce_eager): the MoE routing reads the "
                          "router's logits back to the host in every layer")
-
-
-def load_half_deepseek(model_dir: str | Path, device: str = "cuda") -> HalfDeepseekModel:
-    """Read config.json and the safetensors weights into a HalfDeepseekModel on `device`."""
-    config = ModelConfig.from_dir(model_dir)
-    if config.mla is None:
-        raise ValueError(f"{config.architecture} has no multi-head latent attention: use "
-                         "load_half_model")
-    checkpoint = Checkpoint(model_dir)
-    try:
-        weights = dict(iter_weights(checkpoint, config))  # float32 views of the memory map
-        return HalfDeepseekModel(config, weights, device)
-    finally:
-        checkpoint.close()

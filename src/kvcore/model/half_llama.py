@@ -69,13 +69,14 @@ def load_half_model(model_dir: str | Path, device: str = "cuda") -> HalfLlamaMod
     """Read config.json and the safetensors weights into a HalfLlamaModel on `device` (a
     HalfDeepseekModel for an MLA checkpoint)."""
     config = ModelConfig.from_dir(model_dir)
+    model_class: type[HalfLlamaModel] = HalfLlamaModel
     if config.mla is not None:
-        from kvcore.model.half_deepseek import load_half_deepseek  # it imports this module
+        from kvcore.model.half_deepseek import HalfDeepseekModel  # it imports this module
 
-        return load_half_deepseek(model_dir, device)
+        model_class = HalfDeepseekModel
     checkpoint = Checkpoint(model_dir)
     try:
         weights = dict(iter_weights(checkpoint, config))  # float32 views of the memory map
-        return HalfLlamaModel(config, weights, device)
+        return model_class(config, weights, device)
     finally:
         checkpoint.close()
