@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -10,13 +11,24 @@ import numpy as np
 from kvcore.engine import Engine
 from kvcore.engine.llm import engine_config
 from kvcore.request import RequestOutput
-from kvcore.sampling import BeamSearchParams, SamplingParams
+from kvcore.sampling import BeamSearchParams, SamplingParams, SamplingRow
 
 
 def make_engine(model_dir: Path, **engine_args: Any) -> Engine:
     engine_args.setdefault("block_size", 4)
     engine_args.setdefault("num_blocks", 512)
     return Engine(engine_config(str(model_dir), **engine_args))
+
+
+def inject_sampling_fault(engine: Engine, fault: Callable[[Sequence[SamplingRow]], None]) -> None:
+    """Before each draw the engine's sampler calls `fault(rows)`, which raises to fail the draw."""
+    sampler = engine.core.sampler
+    real = sampler.launch
+
+    def launch(logits: Any, rows: Sequence[SamplingRow]) -> Any:
+        fault(rows)
+        return real(logits, rows)
+    sampler.launch = launch  # type: ignore[method-assign]
 
 
 def random_prompts(seed: int, num: int, low: int = 1, high: int = 40) -> list[list[int]]:

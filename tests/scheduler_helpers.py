@@ -35,8 +35,11 @@ def make_scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 16,
 
 
 def run_step(scheduler: Scheduler, budget: int | None = None) -> SchedulerOutput:
-    """schedule -> (stub forward) -> update: requests whose tokens all got computed sample one."""
-    out = scheduler.schedule(budget)
+    """schedule -> (stub forward) -> update: requests whose tokens all got computed sample one.
+    `budget`: this step's max_num_batched_tokens (the scheduler's own when None)."""
+    if budget is not None:
+        scheduler.max_num_batched_tokens = budget
+    out = scheduler.schedule()
     scheduler.advance(out)
     for item in out.scheduled:
         seq = scheduler.seqs.get(item.seq_id)

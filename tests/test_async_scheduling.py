@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine_helpers import assert_pool_empty, make_engine, random_prompts
+from engine_helpers import assert_pool_empty, inject_sampling_fault, make_engine, random_prompts
 from fake_device import fake_engine
 from kvcore.cache import PENDING_TOKEN_ID, KVCacheManager
 from kvcore.config import EngineConfig
@@ -184,17 +184,15 @@ def test_a_failed_sampling_row_fails_its_request_only(tiny_model_dir: Path) -> N
     requests = _requests(PROMPTS[:6], MIX[:6])
     reference = _run(fake_engine(tiny_model_dir, False, False), requests)
     engine = fake_engine(tiny_model_dir, True)
-    real = engine.core.sampler
     calls = []
 
-    def sampler(logits: Any, rows: Any) -> Any:
+    def fault(rows: Any) -> None:
         if any(r.params.seed == 5 for r in rows):
             calls.append(1)
             if len(calls) >= 2:  # its second token
                 raise RuntimeError("injected")
-        return real(logits, rows)
 
-    engine.core.sampler = sampler  # type: ignore[assignment]
+    inject_sampling_fault(engine, fault)
     got = _run(engine, requests)
     assert got["r1"][0] is not None and got["r1"][0].startswith("sampling")
     assert {k: v for k, v in got.items() if k != "r1"} == {
@@ -318,7 +316,7 @@ def test_row_sampler_launch_is_call_in_two_halves(kind: str) -> None:
         SamplingParams(temperature=1.0, top_p=0.9, seed=2), SamplingParams(temperature=0.0),
         SamplingParams(temperature=0.7, top_k=5, seed=3, logprobs=1),
         SamplingParams(temperature=0.0, repetition_penalty=1.2)]
-    rows = [SamplingRow(p, None, [1, 2], [3], seed=10 + i, position=1)
+    rows = [SamplingRow(p, [1, 2], [3], seed=10 + i, position=1)
             for i, p in enumerate(params)]
     sampler = RowSampler([0], 50)
     expected = sampler(logits.copy(), rows)

@@ -153,10 +153,10 @@ def test_random_draws_are_the_xp_samplers_at_seed_and_output_position(tiny_model
     out = run_all(engine, [prompt], params)[0].outputs[0]
     logits = _independent_logits(tiny_model_dir, prompt, out.token_ids)  # (8, V)
     sampler = XpSampler(engine.eos_token_ids, logits.shape[1])
-    rows = [SamplingRow(params, None, prompt, out.token_ids[:i], seed=2026) for i in range(8)]
+    rows = [SamplingRow(params, prompt, out.token_ids[:i], seed=2026) for i in range(8)]
     want = sampler(logits.copy(), sampler.batch(rows)).token_ids.tolist()
     assert out.token_ids == want
     # the position matters: the same logits row at another position draws other noise
-    shifted = [SamplingRow(params, None, (), (), seed=2026, position=i + 1) for i in range(8)]
+    shifted = [SamplingRow(params, (), (), seed=2026, position=i + 1) for i in range(8)]
     assert sampler(logits.copy(), sampler.batch(shifted)).token_ids.tolist() != want
     assert len(set(want)) > 1

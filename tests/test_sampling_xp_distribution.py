@@ -53,7 +53,7 @@ def expected(base: np.ndarray, p: dict[str, Any]) -> np.ndarray:
 
 def draw(base: np.ndarray, params: SamplingParams, seed_offset: int = 0) -> np.ndarray:
     """DRAWS tokens: one row per draw, each with its own seed, all at the same position."""
-    rows = [SamplingRow(params, None, PROMPT, OUTPUT, seed=seed_offset + i) for i in range(DRAWS)]
+    rows = [SamplingRow(params, PROMPT, OUTPUT, seed=seed_offset + i) for i in range(DRAWS)]
     sampler = XpSampler(EOS, VOCAB)
     logits = np.tile(base, (DRAWS, 1))  # (DRAWS, V)
     return sampler(logits, sampler.batch(rows)).token_ids

@@ -1,4 +1,4 @@
-"""The xp sampler under NumPy: greedy equal to `Sampler`, logprobs equal to `Sampler`'s, a seeded
+"""The xp sampler under NumPy: greedy and logprobs equal to the NumPy reference (tests/), a seeded
 row's token independent of the batch (order, size, chunking), the candidate window, bad input."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvcore.sampling import Sampler, SamplingParams, SamplingRow
+from kvcore.sampling import SamplingParams, SamplingRow
 from kvcore.sampling.rng import gumbel_, row_keys, uniforms_dense
 from kvcore.sampling.row_sampler import RowSampler
 from kvcore.sampling.xp_sampler import (
@@ -21,6 +21,7 @@ from kvcore.sampling.xp_sampler import (
     _pruned_draw,
     _truncated_draw,
 )
+from sampling_oracle import Sampler
 
 VOCAB = 300
 EOS = (0, 7)
@@ -57,7 +58,6 @@ def make_rows(seed: int, num: int, greedy_fraction: float) -> list[SamplingRow]:
     for i in range(num):
         greedy = bool(rng.random() < greedy_fraction)
         rows.append(SamplingRow(every_processor(rng, greedy),
-                                None if greedy else np.random.default_rng(i),
                                 history(rng, int(rng.integers(0, 6))),
                                 history(rng, int(rng.integers(0, 6))), seed=1000 + i))
     return rows
@@ -67,7 +67,9 @@ def make_rows(seed: int, num: int, greedy_fraction: float) -> list[SamplingRow]:
 def test_greedy_rows_equal_sampler_with_every_processor(seed: int) -> None:
     rows = make_rows(seed, 24, greedy_fraction=0.6)
     logits = random_logits(len(rows), seed)
-    want = Sampler(EOS)(logits.copy(), rows)
+    # the reference draws random rows from its own generators (only greedy rows are compared)
+    gens = [np.random.default_rng(i) for i in range(len(rows))]
+    want = Sampler(EOS)(logits.copy(), rows, gens)
     sampler = XpSampler(EOS, VOCAB)
     got = sampler(logits.copy(), sampler.batch(rows))
     greedy = np.array([r.params.greedy for r in rows])
@@ -88,7 +90,7 @@ def test_greedy_rows_equal_sampler_with_every_processor(seed: int) -> None:
 
 def test_logprobs_equal_float64_reference() -> None:
     rows = make_rows(5, 16, greedy_fraction=0.3)
-    rows = [SamplingRow(SamplingParams(**{**_fields(r.params), "logprobs": 4}), r.generator,
+    rows = [SamplingRow(SamplingParams(**{**_fields(r.params), "logprobs": 4}),
                         r.prompt_token_ids, r.output_token_ids, seed=r.seed) for r in rows]
     logits = random_logits(len(rows), 5)
     raw = logits.astype(np.float64)
@@ -109,20 +111,20 @@ def _fields(params: SamplingParams) -> dict[str, Any]:
 
 
 def test_plain_greedy_is_one_argmax() -> None:
-    rows = [SamplingRow(SamplingParams(temperature=0.0), None, [1], [2, 3])] * 5
+    rows = [SamplingRow(SamplingParams(temperature=0.0), [1], [2, 3])] * 5
     logits = random_logits(5, 9)
     sampler = XpSampler(EOS, VOCAB)
     batch = sampler.batch(rows)
     assert batch.plain_greedy
     assert sampler(logits, batch).token_ids.tolist() == logits.argmax(axis=1).tolist()
-    assert not sampler.batch([SamplingRow(SamplingParams(temperature=0.0, logprobs=0), None,
-                                          [], [])]).plain_greedy
+    assert not sampler.batch(
+        [SamplingRow(SamplingParams(temperature=0.0, logprobs=0), [], [])]).plain_greedy
 
 
 def test_untruncated_row_is_the_gumbel_argmax() -> None:
     """A temperature-only row: argmax(logits / T + gumbel(seed, position)), recomputed here."""
     logits = random_logits(3, 4)
-    rows = [SamplingRow(SamplingParams(temperature=t, max_tokens=None), None, [], [5] * pos,
+    rows = [SamplingRow(SamplingParams(temperature=t, max_tokens=None), [], [5] * pos,
                         seed=seed) for t, pos, seed in [(0.7, 0, 1), (1.0, 3, 2), (1.9, 11, 3)]]
     sampler = XpSampler(EOS, VOCAB)
     got = sampler(logits.copy(), sampler.batch(rows)).token_ids
@@ -146,7 +148,7 @@ def run_request(params: SamplingParams, others: int, prune_noise: bool = True,
         logits[pos] = random_logits(1, 1000 + step)[0]  # the request's own logits
         rows = list(other_rows)
         rng.shuffle(rows)  # a different order every step
-        rows.insert(pos, SamplingRow(params, None, [1, 2], list(out), seed=1234))
+        rows.insert(pos, SamplingRow(params, [1, 2], list(out), seed=1234))
         out.append(int(sampler(logits, sampler.batch(rows)).token_ids[pos]))
     return out
 
@@ -220,7 +222,7 @@ def test_truncated_draw_window_growth_equals_a_full_sort() -> None:
 
 
 def test_float16_logits_are_upcast() -> None:
-    rows = [SamplingRow(SamplingParams(temperature=0.9, top_k=50), None, [], [], seed=s)
+    rows = [SamplingRow(SamplingParams(temperature=0.9, top_k=50), [], [], seed=s)
             for s in range(4)]
     logits = random_logits(4, 3).astype(np.float16)
     sampler = XpSampler(EOS, VOCAB)
@@ -231,16 +233,16 @@ def test_float16_logits_are_upcast() -> None:
 def test_bad_input_raises() -> None:
     sampler = XpSampler(EOS, VOCAB)
     with pytest.raises(ValueError, match="needs a seed"):
-        sampler.batch([SamplingRow(SamplingParams(), None, [], [])])
-    batch = sampler.batch([SamplingRow(SamplingParams(), None, [], [], seed=1)])
+        sampler.batch([SamplingRow(SamplingParams(), [], [])])
+    batch = sampler.batch([SamplingRow(SamplingParams(), [], [], seed=1)])
     with pytest.raises(ValueError, match="float32"):
         sampler(np.ones((1, VOCAB), dtype=np.float64), batch)
     with pytest.raises(ValueError, match="B=1"):
         sampler(np.ones((2, VOCAB), dtype=np.float32), batch)
     with pytest.raises(ValueError, match="logit_bias holds token id 300"):
-        sampler.batch([SamplingRow(SamplingParams(logit_bias={300: 1.0}), None, [], [], seed=1)])
+        sampler.batch([SamplingRow(SamplingParams(logit_bias={300: 1.0}), [], [], seed=1)])
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        sampler.batch([SamplingRow(SamplingParams(repetition_penalty=1.1), None, [400], [],
+        sampler.batch([SamplingRow(SamplingParams(repetition_penalty=1.1), [400], [],
                                    seed=1)])
     with pytest.raises(ValueError, match="vocab_size must be >= 1"):
         XpSampler(EOS, 0)
@@ -285,14 +287,14 @@ def test_row_sampler_plain_greedy_shortcut_equals_the_batch_path() -> None:
     other row (a processor, logprobs, a random row) takes the full xp sampler."""
     rng = np.random.default_rng(31)
     logits = rng.standard_normal((6, VOCAB)).astype(np.float32)  # (6, V)
-    plain = [SamplingRow(SamplingParams(temperature=0.0), None, [1], [2]) for _ in range(6)]
+    plain = [SamplingRow(SamplingParams(temperature=0.0), [1], [2]) for _ in range(6)]
     rows_sampler = RowSampler(EOS, VOCAB)
     got = rows_sampler(logits.copy(), plain)
     xp_sampler = XpSampler(EOS, VOCAB)
     want = xp_sampler(logits.copy(), xp_sampler.batch(plain))
     assert got.token_ids.tolist() == want.token_ids.tolist() == logits.argmax(1).tolist()
     assert got.logprobs == [None] * 6
-    mixed = [*plain[:5], SamplingRow(SamplingParams(temperature=0.0, logprobs=2), None, [1], [2])]
+    mixed = [*plain[:5], SamplingRow(SamplingParams(temperature=0.0, logprobs=2), [1], [2])]
     out = rows_sampler(logits.copy(), mixed)
     assert out.logprobs[5] is not None and out.logprobs[5].token_id == int(logits[5].argmax())
     with pytest.raises(ValueError, match="logits must be"):

@@ -135,18 +135,18 @@ def test_priority_victim_over_arrival() -> None:
     assert preempted and set(preempted) == {"bulk"}
 
 
-def test_abort_frees_blocks_at_once_and_reports_finished() -> None:
+def test_finish_frees_blocks_at_once() -> None:
     s = make_scheduler(budget=4)
-    s.add(make_request("a", 10, max_tokens=5))
-    s.add(make_request("b", 2, max_tokens=5))
+    a, b = make_request("a", 10, max_tokens=5), make_request("b", 2, max_tokens=5)
+    s.add(a)
+    s.add(b)
     run_step(s)  # a mid-prefill
     assert s.kv.usage() > 0
-    aborted = s.abort("a")
-    assert aborted is not None and aborted.status is SequenceStatus.FINISHED_ABORTED
-    assert s.abort("unknown") is None
-    assert s.abort("b") is not None  # still waiting: never held blocks
+    s.finish(a, SequenceStatus.FINISHED_ABORTED)
+    assert a.status is SequenceStatus.FINISHED_ABORTED
+    s.finish(b, SequenceStatus.FINISHED_ABORTED)  # still waiting: never held blocks
     assert s.kv.usage() == 0.0 and set(block_refcounts(s.kv)) == {0}
-    assert s.schedule().finished_ids == ("a", "b")
+    assert not s.seqs and not s.has_unfinished() and not s.schedule().scheduled
 
 
 def test_eos_finishes_unless_ignored() -> None:

@@ -71,11 +71,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(request_id=consumes(requests))
     def abort(self, request_id: str) -> None:
         request = self.s.seqs.get(request_id)
-        aborted = self.s.abort(request_id)
-        assert (aborted is None) == (request is None)
-        if aborted is not None:
-            assert aborted.status is SequenceStatus.FINISHED_ABORTED
-            assert request_id not in self.s.kv
+        if request is not None:
+            self.s.finish(request, SequenceStatus.FINISHED_ABORTED)
+            assert request_id not in self.s.kv and request_id not in self.s.seqs
         self.added_at.pop(request_id, None)
 
     @precondition(lambda self: self.s.has_unfinished())
@@ -83,7 +81,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     def step(self, budget: int) -> None:
         s = self.s
         running_before = {r.seq_id for r in s.running}
-        out = s.schedule(budget)
+        s.max_num_batched_tokens = budget
+        out = s.schedule()
         self.step_no += 1
         counts = dict(scheduled_counts(out))
         assert len(counts) == len(out.scheduled)

@@ -117,12 +117,10 @@ class StubModel:
 
 def build_engine(model_dir: Path, stub: StubModel, tokenizer: Tokenizer, n: int,
                  max_tokens: int, async_scheduling: bool = False, stream: Any = None) -> Any:
-    """An AsyncEngine over the real Engine with the stub model. In ids mode an engine that cannot
-    take token ids (up to main 0725fe3: `Engine.sampler` exists) gets a pass-through in place of
-    its Sampler: excluded from the figure are
-    Sampler.__call__ (its input checks, logprob bookkeeping, the per-row parameter scan of
-    process_logits and the greedy argmax). Still included: Engine._sample's row loop, its
-    `logits[row_logits]` gather (here over the (L,) ids: a small copy) and the SamplingRow list."""
+    """An AsyncEngine over the real Engine with the stub model. In ids mode the core's sampler is
+    a pass-through of the stub's (L,) token ids (the GPU path's argmax runs on the device):
+    excluded from the figure is the sampler's argmax; still included are the core's row loop,
+    its gather and the SamplingRow list."""
     from kvcore.engine import AsyncEngine, Engine
 
     blocks_per_seq = -(-(PROMPT_LEN + max_tokens) // BLOCK_SIZE) + 1
@@ -139,14 +137,18 @@ def build_engine(model_dir: Path, stub: StubModel, tokenizer: Tokenizer, n: int,
         engine.core.runner.stream = WorkerStream()
     elif stream is not None:
         engine.core.runner.stream = stream
-    # an engine whose core takes a model's (L,) token ids itself has no `sampler` of its own
-    if stub.mode == "ids" and hasattr(engine, "sampler"):
-        from kvcore.sampling.sampler import SamplerOutput
-
-        def pass_through(token_ids: np.ndarray, rows: Sequence[Any]) -> SamplerOutput:
-            return SamplerOutput(token_ids=token_ids, logprobs=[None] * len(rows))
-        engine.sampler = pass_through  # type: ignore[assignment]
+    if stub.mode == "ids":
+        engine.core.sampler = PassThroughSampler()  # type: ignore[assignment]
     return AsyncEngine(engine)
+
+
+class PassThroughSampler:
+    """The core's sampler for the ids stub: its (L,) token ids are the draw (greedy rows)."""
+
+    def launch(self, token_ids: np.ndarray, rows: Sequence[Any]) -> tuple[Any, Any]:
+        from kvcore.sampling import SamplerOutput
+
+        return token_ids, lambda: SamplerOutput(token_ids=token_ids, logprobs=[None] * len(rows))
 
 
 def greedy_params(max_tokens: int) -> Any:

@@ -1,4 +1,5 @@
-"""Today's NumPy Sampler vs the xp sampler under NumPy, side by side in one run: µs per row.
+"""The NumPy reference sampler (tests/sampling_oracle.py) vs the xp sampler under NumPy, side by
+side in one run: µs per row.
 
 Batch 1 / 32 / 256 over the default model's vocabulary (49,152). Modes: greedy (temperature 0),
 top_p (temperature 0.8 + top_p 0.95) and temperature (0.8 alone: the xp sampler then draws Gumbel
@@ -25,19 +26,17 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
-from kvcore.sampling import (
-    Sampler,
-    SamplingParams,
-    SamplingRow,
-    XpSampler,
-    make_generator,
-    process_logits,
-)
+from kvcore.sampling import SamplingParams, SamplingRow, XpSampler
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from sampling_oracle import Sampler, make_generator, process_logits  # noqa: E402
 
 EOS = (2,)
 MODES = {
@@ -86,17 +85,19 @@ def model_logits(model: str | None) -> np.ndarray:
     return np.ascontiguousarray(llama.forward(batch, kv), dtype=np.float32)
 
 
-def make_rows(params: SamplingParams, batch: int) -> list[SamplingRow]:
+def make_rows(params: SamplingParams, batch: int
+              ) -> tuple[list[SamplingRow], list[np.random.Generator | None]]:
+    """The rows, and the reference sampler's generators for them."""
     seeds = np.random.SeedSequence(0)
     rng = np.random.default_rng(1)
-    return [SamplingRow(params, None if params.greedy else make_generator(i, seeds),
-                        rng.integers(0, 1000, 64).tolist(), rng.integers(0, 1000, 16).tolist(),
-                        seed=i) for i in range(batch)]
+    rows = [SamplingRow(params, rng.integers(0, 1000, 64).tolist(),
+                        rng.integers(0, 1000, 16).tolist(), seed=i) for i in range(batch)]
+    return rows, [None if params.greedy else make_generator(i, seeds) for i in range(batch)]
 
 
-def validate(logits: np.ndarray, rows: list[SamplingRow], today: Sampler,
-             xp_sampler: XpSampler) -> None:
-    want = today(logits.copy(), rows).token_ids
+def validate(logits: np.ndarray, rows: list[SamplingRow], gens: list[np.random.Generator | None],
+             today: Sampler, xp_sampler: XpSampler) -> None:
+    want = today(logits.copy(), rows, gens).token_ids
     got = xp_sampler(logits.copy(), xp_sampler.batch(rows)).token_ids
     if rows[0].params.greedy:
         assert np.array_equal(got, want), "greedy tokens differ"
@@ -142,13 +143,14 @@ def main() -> None:
             real[np.arange(batch) % len(real)]  # (B, V)
         work = np.empty_like(logits)  # (B, V) the copy each call processes in place
         for mode, params in MODES.items():
-            rows = make_rows(params, batch)
-            validate(logits, rows, today, xp_sampler)
+            rows, gens = make_rows(params, batch)
+            validate(logits, rows, gens, today, xp_sampler)
             t_today: list[float] = []
             t_xp: list[float] = []
             t_build: list[float] = []
             for _ in range(args.repeats):
-                t_today.append(timed(lambda x, rows=rows: today(x, rows), logits, work, clock))
+                t_today.append(timed(lambda x, rows=rows, gens=gens: today(x, rows, gens), logits,
+                                    work, clock))
                 t_xp.append(timed(lambda x, rows=rows: xp_sampler(x, xp_sampler.batch(rows)),
                                   logits, work, clock))
                 start = clock()

@@ -6,9 +6,9 @@ through the real KVCacheManager), advance(), and each sampled token's Sequence.a
 'samples' a fixed token, so only the scheduler's work is timed. Target: <= 2 us per request-step.
 Several sizes run side by side in one process (`--num-requests 256 1024 4096`).
 
-Warm-up: every prompt is admitted and prefilled in ONE step (a one-step budget of N * prompt_len
-tokens through schedule(budget=...)). With the steady-state budget, max(2048, N), the decode-first
-order leaves only N - running tokens per step for new prompts, so admitting N requests takes about
+Warm-up: every prompt is admitted and prefilled in ONE step (a warm-up max_num_batched_tokens of
+N * prompt_len tokens). With the steady-state budget, max(2048, N), the decode-first order
+leaves only N - running tokens per step for new prompts, so admitting N requests takes about
 (N / prompt_len) * ln(prompt_len) + prompt_len * H(prompt_len) steps (~565 at N = 4,096) while the
 first ones keep decoding; with the old default steps they then hit max_tokens inside the timed
 loop, and with fewer steps they finished during the warm-up and the warm-up loop never ended.
@@ -48,11 +48,14 @@ def warm_scheduler(n: int, steps: int, prompt_len: int, block_size: int) -> Sche
         prompt = [(i * 7919 + j) % 32000 for j in range(prompt_len)]
         scheduler.add(Sequence(seq_id=f"r{i}", request_id=f"r{i}", prompt_token_ids=prompt,
                                params=params, max_tokens=max_tokens))
+    steady = scheduler.max_num_batched_tokens
+    scheduler.max_num_batched_tokens = n * prompt_len  # the warm-up admits every prompt at once
     for _ in range(MAX_WARMUP_STEPS):
-        out = scheduler.schedule(budget=n * prompt_len)
+        out = scheduler.schedule()
         scheduler.advance(out)
         append(scheduler, out)
         if len(scheduler.running) == n and all(r.num_output_tokens for r in scheduler.running):
+            scheduler.max_num_batched_tokens = steady
             return scheduler
     raise RuntimeError(f"{len(scheduler.running)} of {n} requests running after "
                        f"{MAX_WARMUP_STEPS} warm-up steps ({len(scheduler.waiting)} waiting)")

@@ -66,7 +66,7 @@ def check_noise(cupy: Any) -> bool:
 
 def rows_for(params: SamplingParams) -> list[SamplingRow]:
     rng = np.random.default_rng(1)
-    return [SamplingRow(params, None, rng.integers(0, VOCAB, 32).tolist(),
+    return [SamplingRow(params, rng.integers(0, VOCAB, 32).tolist(),
                         rng.integers(0, VOCAB, 8).tolist(), seed=1000 + i)
             for i in range(BATCH)]
 

@@ -35,7 +35,6 @@ class SchedulerOutput:
     scheduled: tuple[ScheduledSeq, ...]  # batch order
     copy_ops: tuple[CopyOp, ...]  # copy-on-write block copies, run before the forward pass
     preempted_ids: tuple[str, ...]  # sent back to waiting this step (their K/V is gone)
-    finished_ids: tuple[str, ...]  # finished (or aborted) since the previous schedule()
     num_batched_tokens: int
 
 
@@ -67,7 +66,6 @@ class Scheduler:
         # forks still to come of running sequences (Sequence.num_pending_forks): they count
         # toward max_num_seqs from admission on, so forks never exceed it
         self.num_pending_forks = 0
-        self._finished_ids: list[str] = []
         self._arrivals = 0
         self._step = 0
 
@@ -106,14 +104,6 @@ class Scheduler:
         self.running.append(seq)
         self.seqs[seq.seq_id] = seq
 
-    def abort(self, seq_id: str) -> Sequence | None:
-        """Finish a sequence as aborted and free its blocks now; unknown id: None."""
-        seq = self.seqs.get(seq_id)
-        if seq is None:
-            return None
-        self.finish(seq, SequenceStatus.FINISHED_ABORTED)
-        return seq
-
     def finish(self, seq: Sequence, status: SequenceStatus, uncache: bool = False) -> None:
         """End a sequence and free its blocks (`uncache`: see KVCacheManager.free)."""
         assert status.finished
@@ -125,18 +115,17 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = status
         del self.seqs[seq.seq_id]
-        self._finished_ids.append(seq.seq_id)
 
     def has_unfinished(self) -> bool:
         return bool(self.seqs)
 
     # --- one step ---
 
-    def schedule(self, budget: int | None = None) -> SchedulerOutput:
-        """Pick this step's tokens; `budget` overrides max_num_batched_tokens for one step."""
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's tokens, at most max_num_batched_tokens."""
         self._step += 1
         step = self._step
-        budget = self.max_num_batched_tokens if budget is None else budget
+        budget = self.max_num_batched_tokens
         kv = self.kv
         scheduled: dict[str, int] = {}
         ops: dict[str, list[CopyOp]] = {}
@@ -196,7 +185,6 @@ class Scheduler:
             self._preempt(victim)
             preempted.append(victim.seq_id)
             self._admit(scheduled, ops, budget, step)
-        finished, self._finished_ids = self._finished_ids, []
         seqs = self.seqs
         block_ids = kv.block_ids  # no copy: the runner reads them before the tables change
         items = []
@@ -210,7 +198,6 @@ class Scheduler:
             scheduled=tuple(items),
             copy_ops=tuple(op for copies in ops.values() for op in copies),
             preempted_ids=tuple(preempted),
-            finished_ids=tuple(finished),
             num_batched_tokens=sum(scheduled.values()),
         )
 

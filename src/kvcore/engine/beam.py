@@ -37,6 +37,10 @@ class BeamPolicy:
         self.search = search
         self.rows: dict[str, Any] = {}  # live beam seq id -> its (V,) logits row (NumPy or CuPy)
 
+    def preempted(self, seq_id: str) -> None:
+        """A preempted beam recomputes: the row it had this step is stale."""
+        self.rows.pop(seq_id, None)
+
     def ready(self, live_ids: list[str]) -> bool:
         return all(seq_id in self.rows for seq_id in live_ids)
 

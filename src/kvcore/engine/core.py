@@ -33,7 +33,8 @@ log = structlog.get_logger(__name__)
 
 
 class EngineCore:
-    """Owns the scheduler, the runner and the sampler; one `step()` at a time."""
+    """Owns the scheduler, the runner and the sampler; one `step()` at a time (`step_sync` or
+    `step_async`, picked at construction)."""
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, sampler: RowSampler,
                  vocab_size: int, seed: int = 0, async_scheduling: bool = False) -> None:
@@ -41,8 +42,9 @@ class EngineCore:
         self.runner = runner
         self.sampler = sampler
         self.vocab_size = vocab_size
-        # schedule step N+1 while the device runs step N (see step())
+        # chosen once: schedule step N+1 while the device runs step N (step_async), or not
         self.async_scheduling = async_scheduling
+        self.step = self.step_async if async_scheduling else self.step_sync
         self._seeds = np.random.SeedSequence(seed)
         self._groups: dict[str, Group] = {}
         self._inflight: Launched | None = None  # launched, not collected yet
@@ -86,40 +88,42 @@ class EngineCore:
 
     # --- one step ---
 
-    def step(self) -> StepOutput:
-        """One step. Synchronous: schedule N, run it, collect it. Async scheduling: schedule and
-        launch N+1 while the device runs N, then collect N (the caller processes N's outputs
-        while N+1 runs). A sequence whose token N samples goes into N+1 with a pending token
-        (PENDING_TOKEN_ID) that the device fills from N's sampled ids; a step with rows that
-        need the host between steps (forks, beams, history-reading samplers) is collected
-        before the next one is scheduled."""
+    def step_sync(self) -> StepOutput:
+        """One step: schedule -> execute -> sample -> update."""
         result = StepOutput()
-        inflight = self._inflight
-        if inflight is not None and (inflight.needs_host or not self.async_scheduling):
-            self._inflight = None
+        out = self.scheduler.schedule()
+        self._forget_preempted(out.preempted_ids)
+        if out.scheduled:
+            self._collect(self._launch(out, None), result, None)
+        return result
+
+    def step_async(self) -> StepOutput:
+        """Async scheduling: schedule and launch step N+1 while the device runs N, then collect
+        N (the caller processes N's outputs while N+1 runs). A sequence whose token N samples
+        goes into N+1 with a pending token (PENDING_TOKEN_ID) that the device fills from N's
+        sampled ids; a step with rows that need the host between steps (forks, beams,
+        history-reading samplers) is collected before the next one is scheduled."""
+        result = StepOutput()
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None and inflight.needs_host:
             self._collect(inflight, result, None)
             inflight = None
         if inflight is not None:
             self._add_pending_tokens(inflight)
         out = self.scheduler.schedule()
-        for seq_id in out.preempted_ids:  # a preempted beam recomputes its row
-            seq = self.scheduler.seqs[seq_id]
-            group = self._groups.get(seq.request_id)
-            if group is not None and group.policy is not None:
-                group.policy.rows.pop(seq_id, None)
+        self._forget_preempted(out.preempted_ids)
         launched = self._launch(out, inflight) if out.scheduled else None
+        if inflight is not None and not self._collect(inflight, result, launched):
+            launched = None  # rolled back: computed on a step that failed
         self._inflight = launched
-        if inflight is not None:
-            self._collect(inflight, result, launched)
-        if launched is not None and not self.async_scheduling:
-            self._collect(self._take(), result, None)
         return result
 
-    def _take(self) -> Launched:
-        launched = self._inflight
-        assert launched is not None
-        self._inflight = None
-        return launched
+    def _forget_preempted(self, seq_ids: Iterable[str]) -> None:
+        """A preempted beam recomputes its row: its policy forgets the row it had."""
+        for seq_id in seq_ids:
+            group = self._groups.get(self.scheduler.seqs[seq_id].request_id)
+            if group is not None and group.policy is not None:
+                group.policy.preempted(seq_id)
 
     def _add_pending_tokens(self, inflight: Launched) -> None:
         """The sequences the in-flight step samples, which need nothing from the host before
@@ -174,9 +178,10 @@ class EngineCore:
         return launched
 
     def _collect(self, launched: Launched, result: StepOutput,
-                 after: Launched | None) -> None:
+                 after: Launched | None) -> bool:
         """Wait for a launched step and apply it: append tokens, stop checks, forks, beams.
-        `after`: the step launched after it, still on the device."""
+        `after`: the step launched after it, still on the device, rolled back when this one
+        failed. False: it failed."""
         assert launched.future is not None
         try:
             drawn = launched.future.result()
@@ -184,10 +189,8 @@ class EngineCore:
         except Exception as e:
             if after is not None:
                 self._roll_back(after, launched)
-                if self._inflight is after:
-                    self._inflight = None
             self._fail_step(launched.out, e, result)
-            return
+            return False
         for i, error in drawn.failed.items():
             seq = launched.plain[i]
             if not seq.finished and seq.request_id not in result.failed:
@@ -195,6 +198,7 @@ class EngineCore:
         self._append(zip(launched.plain, token_ids, logprobs, strict=True), result)
         if launched.host:
             self._decide_host(launched.host, drawn.host_logits, result)
+        return True
 
     def _decide_host(self, host: list[Sequence], logits: Any, result: StepOutput) -> None:
         rows: list[Sequence] = []
@@ -230,9 +234,7 @@ class EngineCore:
             if (other is not None and other.status is SequenceStatus.RUNNING
                     and other.request_id not in failing):
                 assert other.token_ids[-1] != PENDING_TOKEN_ID
-                group = self._groups.get(other.request_id)
-                if group is not None and group.policy is not None:
-                    group.policy.rows.pop(other.seq_id, None)
+                self._forget_preempted([other.seq_id])
                 self.scheduler.preempt(other, uncache=True)
 
     def _fork_choices(self, group: Group, parent: Sequence) -> list[Sequence]:

@@ -84,12 +84,6 @@ class ModelRunner:
         self.block_size = block_size
         self.stream: DeviceStream = stream if stream is not None else InlineStream()
 
-    def execute(self, output: SchedulerOutput) -> tuple[Any, list[str]]:
-        """Returns (logits (L, vocab) float32 on the model's device, the L sequence ids that
-        sample, in row order): launch + wait."""
-        future = self.launch(output, lambda logits: logits)
-        return future.result(), [s.seq_id for s in output.scheduled if s.sample]
-
     def launch(self, output: SchedulerOutput, sample: Callable[[Any], T],
                fill: PendingFill | None = None) -> Future[T]:
         """Launch one step: its future holds sample(logits of its L sampling rows, in row
@@ -99,7 +93,7 @@ class ModelRunner:
 
         A model on a device (its `xp` is not NumPy) keeps its logits there through
         `forward_device` (CuPy on the GPU: the engine core samples them there); on the CPU
-        `forward` gives host logits (or (L,) token ids, for models that sample themselves)."""
+        `forward` gives host logits."""
         try:
             scheduled = output.scheduled
             batch = BatchInput.build([s.token_ids for s in scheduled],

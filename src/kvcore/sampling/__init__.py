@@ -1,4 +1,4 @@
-"""Sampling: parameters, batched logits processors, the samplers (NumPy; xp for NumPy and CuPy),
+"""Sampling: parameters, batched logits processors, the xp sampler (NumPy and CuPy),
 stop conditions, beam scoring."""
 
 from kvcore.sampling.beam import (
@@ -13,14 +13,7 @@ from kvcore.sampling.beam import (
 from kvcore.sampling.params import BeamSearchParams, SamplingParams, TokenLogprob
 from kvcore.sampling.rng import make_seed
 from kvcore.sampling.row_sampler import RowSampler
-from kvcore.sampling.sampler import (
-    Sampler,
-    SamplerOutput,
-    SamplingRow,
-    draw,
-    make_generator,
-    process_logits,
-)
+from kvcore.sampling.rows import SamplerOutput, SamplingRow
 from kvcore.sampling.stop import find_stop_string, num_holdback_chars
 from kvcore.sampling.xp_batch import SamplingBatch
 from kvcore.sampling.xp_sampler import DeviceSample, XpSampler
@@ -34,19 +27,15 @@ __all__ = [
     "BeamStep",
     "DeviceSample",
     "RowSampler",
-    "Sampler",
     "SamplerOutput",
     "SamplingBatch",
     "SamplingParams",
     "SamplingRow",
     "TokenLogprob",
     "XpSampler",
-    "draw",
     "find_stop_string",
     "length_penalized",
-    "make_generator",
     "make_seed",
     "num_holdback_chars",
-    "process_logits",
     "top_candidates",
 ]

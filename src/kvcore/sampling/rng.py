@@ -35,7 +35,7 @@ _U64 = np.uint64  # explicit uint64 operands: a Python int above 2**63 is no int
 
 def make_seed(seed: int | None, seed_sequence: np.random.SeedSequence) -> int:
     """A sequence's seed as an int in [0, 2**64): the request's own seed (negative seeds map to
-    seed mod 2**64, as make_generator), or for an unseeded request 64 bits drawn once from a
+    seed mod 2**64), or for an unseeded request 64 bits drawn once from a
     spawn of the engine's SeedSequence. Create it once per sequence (n > 1: seed + index)."""
     if seed is None:
         return int(seed_sequence.spawn(1)[0].generate_state(1, np.uint64)[0])

@@ -10,7 +10,7 @@ import numpy as np
 
 from kvcore.device import array_module, to_numpy
 from kvcore.sampling.params import SamplingParams
-from kvcore.sampling.sampler import SamplerOutput, SamplingRow
+from kvcore.sampling.rows import SamplerOutput, SamplingRow
 from kvcore.sampling.xp_sampler import XpSampler
 
 

@@ -15,9 +15,83 @@ from typing import Any
 
 import numpy as np
 
+from kvcore.sampling import logits as lp
 from kvcore.sampling.params import SamplingParams
 from kvcore.sampling.rng import row_keys
-from kvcore.sampling.sampler import ProcessorPairs, SamplingRow
+from kvcore.sampling.rows import SamplingRow
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessorPairs:
+    """The processors any row may have (logit_bias, min_tokens, repetition, frequency/presence)
+    as flat (row, token) arrays over the whole batch, on the host; None where no row has one.
+    Built in one pass over the rows."""
+
+    bias: tuple[np.ndarray, np.ndarray, np.ndarray] | None  # rows, token ids, biases (float64)
+    stop_mask: tuple[np.ndarray, np.ndarray] | None  # rows, token ids masked (min_tokens)
+    # distinct (row, token) pairs of prompt + output, and the (B,) penalties (float64)
+    repetition: tuple[np.ndarray, np.ndarray, np.ndarray] | None
+    # distinct (row, token) pairs of the output, their counts, (B,) frequency, (B,) presence
+    frequency: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[SamplingRow], eos_token_ids: Sequence[int],
+                  vocab_size: int) -> ProcessorPairs:
+        """ValueError for a token id outside the vocabulary (logit_bias, stop_token_ids, the
+        token history)."""
+        bias_rows: list[int] = []
+        bias_tokens: list[int] = []
+        bias_values: list[float] = []
+        mask_rows: list[int] = []
+        mask_tokens: list[int] = []
+        rep_rows: list[int] = []
+        freq_rows: list[int] = []
+        for i, row in enumerate(rows):
+            p = row.params
+            if p.logit_bias:
+                bias_rows.extend([i] * len(p.logit_bias))
+                bias_tokens.extend(p.logit_bias.keys())
+                bias_values.extend(p.logit_bias.values())
+            if len(row.output_token_ids) < p.min_tokens:
+                stop_ids = set(p.stop_token_ids)
+                if not p.ignore_eos:
+                    stop_ids.update(eos_token_ids)
+                mask_rows.extend([i] * len(stop_ids))
+                mask_tokens.extend(stop_ids)
+            if p.repetition_penalty != 1.0:
+                rep_rows.append(i)
+            if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+                freq_rows.append(i)
+
+        bias = stop_mask = repetition = frequency = None
+        if bias_rows:
+            bias = (np.array(bias_rows, dtype=np.int64),
+                    _checked_ids(bias_tokens, vocab_size, "logit_bias"), np.array(bias_values))
+        if mask_rows:
+            stop_mask = (np.array(mask_rows, dtype=np.int64),
+                         _checked_ids(mask_tokens, vocab_size, "stop_token_ids"))
+        if rep_rows:
+            seen = [list(rows[i].prompt_token_ids) + list(rows[i].output_token_ids)
+                    for i in rep_rows]
+            pair_rows, pair_tokens, _ = lp.token_pairs(seen, np.array(rep_rows), vocab_size)
+            penalties = np.array([r.params.repetition_penalty for r in rows])  # (B,)
+            repetition = (pair_rows, pair_tokens, penalties)
+        if freq_rows:
+            outputs = [rows[i].output_token_ids for i in freq_rows]
+            pair_rows, pair_tokens, counts = lp.token_pairs(outputs, np.array(freq_rows),
+                                                            vocab_size)
+            frequency = (pair_rows, pair_tokens, counts,
+                         np.array([r.params.frequency_penalty for r in rows]),  # (B,)
+                         np.array([r.params.presence_penalty for r in rows]))  # (B,)
+        return cls(bias, stop_mask, repetition, frequency)
+
+
+def _checked_ids(token_ids: list[int], vocab_size: int, name: str) -> np.ndarray:
+    ids = np.array(token_ids, dtype=np.int64)  # (N,)
+    if ids.size and ids.max() >= vocab_size:
+        raise ValueError(f"{name} holds token id {int(ids.max())}, outside the vocabulary "
+                         f"of size {vocab_size}")
+    return ids
 
 
 @dataclass(frozen=True, slots=True)

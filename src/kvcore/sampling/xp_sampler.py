@@ -1,11 +1,11 @@
 """The xp sampler: one batch sampler for NumPy and CuPy, drawing with counter-based Gumbel noise.
 
-Same processors, in the same order, as `Sampler` (vLLM v1's): logit_bias, min_tokens, repetition,
-frequency/presence, then for random rows temperature, min_p, top_k, top_p. Greedy rows take the
-argmax (bit for bit today's, the float32 ops are the same); a random row takes
-argmax(logits / T + gumbel) over its kept tokens, the Gumbel-max trick, with noise from
-`rng` (seed, output position, token id), so its token depends only on its own logits, seed and
-position. Only token ids and the requested logprobs cross to the host.
+Same processors, in the same order, as vLLM v1's sampler (and the NumPy reference in tests/):
+logit_bias, min_tokens, repetition, frequency/presence, then for random rows temperature, min_p,
+top_k, top_p. Greedy rows take the argmax (bit for bit the reference's: the float32 ops are the
+same); a random row takes argmax(logits / T + gumbel) over its kept tokens, the Gumbel-max
+trick, with noise from `rng` (seed, output position, token id), so its token depends only on
+its own logits, seed and position. Only token ids and the requested logprobs cross to the host.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import numpy as np
 from kvcore.device import array_module, to_numpy
 from kvcore.sampling.params import TokenLogprob
 from kvcore.sampling.rng import gumbel_, uniforms, uniforms_dense
-from kvcore.sampling.sampler import SamplerOutput, SamplingRow
+from kvcore.sampling.rows import SamplerOutput, SamplingRow
 from kvcore.sampling.xp_batch import SamplingBatch
 
 TOP_WINDOW = 128  # first candidate window of top_k / top_p (grows x8 while too small)
@@ -47,7 +47,7 @@ class DeviceSample:
 
 class XpSampler:
     """Samples one token per row of (B, V) logits on the logits' own device. Logprobs are those of
-    the RAW distribution (log_softmax of the unprocessed logits), as `Sampler`'s."""
+    the RAW distribution (log_softmax of the unprocessed logits), vLLM's default (raw_logprobs)."""
 
     def __init__(self, eos_token_ids: Sequence[int], vocab_size: int, xp: ModuleType = np,
                  prune_noise: bool | None = None) -> None:
@@ -124,7 +124,7 @@ class XpSampler:
 
     def _penalize(self, logits: Any, batch: SamplingBatch) -> None:
         """logit_bias, min_tokens, repetition, frequency/presence on every row, in place; the
-        same float32 arithmetic as logits.py, so greedy rows match `Sampler` bit for bit."""
+        same float32 arithmetic as logits.py, so greedy rows match the NumPy reference exactly."""
         xp = self.xp
         if batch.bias is not None:
             rows, tokens, values = batch.bias

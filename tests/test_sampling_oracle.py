@@ -1,4 +1,5 @@
-"""The sampler: seeded determinism whatever the batch, empirical distributions, greedy, logprobs."""
+"""The NumPy reference sampler (the oracle of the xp sampler tests): seeded determinism whatever
+the batch, empirical distributions, greedy, logprobs."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvcore.sampling import Sampler, SamplingParams, SamplingRow, draw, make_generator
+from kvcore.sampling import SamplingParams, SamplingRow
+from sampling_oracle import Sampler, draw, make_generator
 
 VOCAB = 64
 EOS = (0,)
@@ -35,9 +37,10 @@ def run_request(seed: int, params: SamplingParams, others: int, steps: int = 24)
         pos = (step * 7 + others) % (others + 1)
         batch = step_logits(step, others + 1, salt=99)  # (B, V) noise for the others
         batch[pos] = step_logits(step, 1, salt=seed)[0]  # the request's own logits
-        rows = [SamplingRow(other_params[i], other_gens[i], [1, 2], []) for i in range(others)]
-        rows.insert(pos, SamplingRow(params, generator, [1, 2], out))
-        out.append(int(sampler(batch, rows).token_ids[pos]))
+        rows = [SamplingRow(other_params[i], [1, 2], []) for i in range(others)]
+        rows.insert(pos, SamplingRow(params, [1, 2], out))
+        gens = [*other_gens[:pos], generator, *other_gens[pos:]]
+        out.append(int(sampler(batch, rows, gens).token_ids[pos]))
     return out
 
 
@@ -105,9 +108,9 @@ def test_empirical_distribution(params: dict[str, Any]) -> None:
 
     generator = make_generator(2024, np.random.SeedSequence(0))
     sp = SamplingParams(max_tokens=None, **params)
-    rows = [SamplingRow(sp, generator, [], [])] * draws  # one generator, one draw per row
+    rows = [SamplingRow(sp, [], [])] * draws
     logits = np.tile(base, (draws, 1))  # (draws, V)
-    tokens = Sampler(EOS)(logits, rows).token_ids
+    tokens = Sampler(EOS)(logits, rows, [generator] * draws).token_ids  # one draw per row
     stat, dof = chi_square(np.bincount(tokens, minlength=vocab), expected)
     # a fixed seed makes this deterministic; the bound is ~mean + 6 standard deviations
     assert stat < dof + 6 * np.sqrt(2 * max(dof, 1)), (stat, dof, expected)
@@ -145,9 +148,9 @@ def test_greedy_rows_take_the_argmax_of_processed_logits() -> None:
     best = int(logits[0].argmax())
     second = int(np.argsort(logits[0])[-2])
     rows = [
-        SamplingRow(SamplingParams(temperature=0.0, presence_penalty=2.0), None, [], [best]),
-        SamplingRow(SamplingParams(temperature=0.5, top_k=1), None, [], []),
-        SamplingRow(SamplingParams(temperature=0.0, logit_bias={5: 100.0}), None, [], []),
+        SamplingRow(SamplingParams(temperature=0.0, presence_penalty=2.0), [], [best]),
+        SamplingRow(SamplingParams(temperature=0.5, top_k=1), [], []),
+        SamplingRow(SamplingParams(temperature=0.0, logit_bias={5: 100.0}), [], []),
     ]
     want_row0 = best if logits[0, best] - 2.0 > logits[0, second] else second
     want = [want_row0, int(logits[1].argmax()), 5]
@@ -158,7 +161,7 @@ def test_min_tokens_blocks_eos_until_reached() -> None:
     logits = np.full((2, VOCAB), -5.0, dtype=np.float32)  # (2, V)
     logits[:, 0] = 10.0  # EOS is by far the most likely
     params = SamplingParams(temperature=0.0, min_tokens=3)
-    rows = [SamplingRow(params, None, [], [4, 5]), SamplingRow(params, None, [], [4, 5, 6])]
+    rows = [SamplingRow(params, [], [4, 5]), SamplingRow(params, [], [4, 5, 6])]
     assert Sampler(EOS)(logits, rows).token_ids[0] != 0
     assert Sampler(EOS)(logits, rows).token_ids[1] == 0
 
@@ -169,13 +172,13 @@ def test_logprobs_are_raw_log_softmax_with_top_k() -> None:
     raw = logits.astype(np.float64)
     ref = raw - np.log(np.exp(raw).sum(axis=1, keepdims=True))
     rows = [
-        SamplingRow(SamplingParams(temperature=0.0, logprobs=5, logit_bias={9: 50.0}),
-                    None, [], []),
-        SamplingRow(SamplingParams(), make_generator(1, np.random.SeedSequence(0)), [], []),
-        SamplingRow(SamplingParams(temperature=0.3, top_k=3, logprobs=0),
-                    make_generator(2, np.random.SeedSequence(0)), [], []),
+        SamplingRow(SamplingParams(temperature=0.0, logprobs=5, logit_bias={9: 50.0}), [], []),
+        SamplingRow(SamplingParams(), [], []),
+        SamplingRow(SamplingParams(temperature=0.3, top_k=3, logprobs=0), [], []),
     ]
-    out = Sampler(EOS)(logits.copy(), rows)
+    gens = [None, make_generator(1, np.random.SeedSequence(0)),
+            make_generator(2, np.random.SeedSequence(0))]
+    out = Sampler(EOS)(logits.copy(), rows, gens)
     assert out.logprobs[1] is None
     first = out.logprobs[0]
     assert first is not None and first.token_id == 9 == out.token_ids[0]
@@ -189,7 +192,7 @@ def test_logprobs_are_raw_log_softmax_with_top_k() -> None:
 
 
 def test_bad_input_raises() -> None:
-    rows = [SamplingRow(SamplingParams(), None, [], [])]
+    rows = [SamplingRow(SamplingParams(), [], [])]
     with pytest.raises(ValueError, match="needs a generator"):
         Sampler(EOS)(np.ones((1, VOCAB), dtype=np.float32), rows)
     with pytest.raises(ValueError, match="float32"):

@@ -1,14 +1,17 @@
-"""The batch sampler: processes (B, V) logits row by row's parameters, draws tokens, logprobs."""
+"""The NumPy reference sampler (the oracle the xp sampler is checked against): processes (B, V)
+logits by each row's parameters, draws tokens from per-row NumPy generators, logprobs. Nothing in
+kvcore runs it; tests compare against it (chi-square, equality of greedy rows and logprobs)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from kvcore.sampling import logits as lp
-from kvcore.sampling.params import SamplingParams, TokenLogprob
+from kvcore.sampling.params import TokenLogprob
+from kvcore.sampling.rows import SamplerOutput, SamplingRow
+from kvcore.sampling.xp_batch import ProcessorPairs
 
 
 def make_generator(seed: int | None, seed_sequence: np.random.SeedSequence) -> np.random.Generator:
@@ -20,26 +23,6 @@ def make_generator(seed: int | None, seed_sequence: np.random.SeedSequence) -> n
     return np.random.Generator(np.random.PCG64(seed % 2**64))
 
 
-@dataclass(frozen=True, slots=True)
-class SamplingRow:
-    """One row of the logits batch: a sequence that samples this step."""
-
-    params: SamplingParams
-    generator: np.random.Generator | None  # required unless params.greedy
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]  # tokens generated so far (before this step's)
-    seed: int | None = None  # the xp sampler's per-sequence seed (rng.make_seed); unused here
-    # the xp sampler's output position (tokens generated so far) when output_token_ids is left
-    # empty because no processor reads the history; None: len(output_token_ids)
-    position: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class SamplerOutput:
-    token_ids: np.ndarray  # (B,) int64, the sampled token of each row
-    logprobs: list[TokenLogprob | None]  # per row; None where params.logprobs is None
-
-
 class Sampler:
     """Samples one token per row. Logprobs are those of the RAW model distribution: the
     log-softmax of the logits before any processor (vLLM's default logprobs_mode=raw_logprobs)."""
@@ -47,8 +30,11 @@ class Sampler:
     def __init__(self, eos_token_ids: Sequence[int]) -> None:
         self.eos_token_ids = tuple(eos_token_ids)
 
-    def __call__(self, logits: np.ndarray, rows: Sequence[SamplingRow]) -> SamplerOutput:
-        """`logits` (B, V) float32, one row per entry of `rows`; it is modified in place."""
+    def __call__(self, logits: np.ndarray, rows: Sequence[SamplingRow],
+                 generators: Sequence[np.random.Generator | None] | None = None) -> SamplerOutput:
+        """`logits` (B, V) float32, one row per entry of `rows` (and of `generators`, each
+        required unless its row is greedy); `logits` is modified in place."""
+        gens = list(generators) if generators is not None else [None] * len(rows)
         if logits.ndim != 2 or logits.shape[0] != len(rows) or logits.dtype != np.float32:
             raise ValueError(f"logits must be float32 (B={len(rows)}, V), got "
                              f"{logits.dtype} {logits.shape}")
@@ -67,7 +53,7 @@ class Sampler:
         random_rows = np.flatnonzero(~greedy)
         if len(random_rows):
             sub = logits if len(random_rows) == num_rows else logits[random_rows]
-            token_ids[random_rows] = draw(sub, [rows[int(i)].generator for i in random_rows])
+            token_ids[random_rows] = draw(sub, [gens[int(i)] for i in random_rows])
 
         out: list[TokenLogprob | None] = [None] * num_rows
         for j, i in enumerate(want):
@@ -75,71 +61,6 @@ class Sampler:
             assert k is not None and raw_lse is not None
             out[int(i)] = _token_logprob(raw[j], float(raw_lse[j]), int(token_ids[i]), k)
         return SamplerOutput(token_ids=token_ids, logprobs=out)
-
-
-@dataclass(frozen=True, slots=True)
-class ProcessorPairs:
-    """The processors any row may have (logit_bias, min_tokens, repetition, frequency/presence)
-    as flat (row, token) arrays over the whole batch, on the host; None where no row has one.
-    Built in one pass over the rows, for either sampler."""
-
-    bias: tuple[np.ndarray, np.ndarray, np.ndarray] | None  # rows, token ids, biases (float64)
-    stop_mask: tuple[np.ndarray, np.ndarray] | None  # rows, token ids masked (min_tokens)
-    # distinct (row, token) pairs of prompt + output, and the (B,) penalties (float64)
-    repetition: tuple[np.ndarray, np.ndarray, np.ndarray] | None
-    # distinct (row, token) pairs of the output, their counts, (B,) frequency, (B,) presence
-    frequency: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None
-
-    @classmethod
-    def from_rows(cls, rows: Sequence[SamplingRow], eos_token_ids: Sequence[int],
-                  vocab_size: int) -> ProcessorPairs:
-        """ValueError for a token id outside the vocabulary (logit_bias, stop_token_ids, the
-        token history)."""
-        bias_rows: list[int] = []
-        bias_tokens: list[int] = []
-        bias_values: list[float] = []
-        mask_rows: list[int] = []
-        mask_tokens: list[int] = []
-        rep_rows: list[int] = []
-        freq_rows: list[int] = []
-        for i, row in enumerate(rows):
-            p = row.params
-            if p.logit_bias:
-                bias_rows.extend([i] * len(p.logit_bias))
-                bias_tokens.extend(p.logit_bias.keys())
-                bias_values.extend(p.logit_bias.values())
-            if len(row.output_token_ids) < p.min_tokens:
-                stop_ids = set(p.stop_token_ids)
-                if not p.ignore_eos:
-                    stop_ids.update(eos_token_ids)
-                mask_rows.extend([i] * len(stop_ids))
-                mask_tokens.extend(stop_ids)
-            if p.repetition_penalty != 1.0:
-                rep_rows.append(i)
-            if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
-                freq_rows.append(i)
-
-        bias = stop_mask = repetition = frequency = None
-        if bias_rows:
-            bias = (np.array(bias_rows, dtype=np.int64),
-                    _checked_ids(bias_tokens, vocab_size, "logit_bias"), np.array(bias_values))
-        if mask_rows:
-            stop_mask = (np.array(mask_rows, dtype=np.int64),
-                         _checked_ids(mask_tokens, vocab_size, "stop_token_ids"))
-        if rep_rows:
-            seen = [list(rows[i].prompt_token_ids) + list(rows[i].output_token_ids)
-                    for i in rep_rows]
-            pair_rows, pair_tokens, _ = lp.token_pairs(seen, np.array(rep_rows), vocab_size)
-            penalties = np.array([r.params.repetition_penalty for r in rows])  # (B,)
-            repetition = (pair_rows, pair_tokens, penalties)
-        if freq_rows:
-            outputs = [rows[i].output_token_ids for i in freq_rows]
-            pair_rows, pair_tokens, counts = lp.token_pairs(outputs, np.array(freq_rows),
-                                                            vocab_size)
-            frequency = (pair_rows, pair_tokens, counts,
-                         np.array([r.params.frequency_penalty for r in rows]),  # (B,)
-                         np.array([r.params.presence_penalty for r in rows]))  # (B,)
-        return cls(bias, stop_mask, repetition, frequency)
 
 
 def process_logits(logits: np.ndarray, rows: Sequence[SamplingRow],
@@ -177,14 +98,6 @@ def process_logits(logits: np.ndarray, rows: Sequence[SamplingRow],
     if len(sel):
         lp.apply_top_p(logits, sel, top_p[sel])
     return greedy
-
-
-def _checked_ids(token_ids: list[int], vocab_size: int, name: str) -> np.ndarray:
-    ids = np.array(token_ids, dtype=np.int64)  # (N,)
-    if ids.size and ids.max() >= vocab_size:
-        raise ValueError(f"{name} holds token id {int(ids.max())}, outside the vocabulary "
-                         f"of size {vocab_size}")
-    return ids
 
 
 DRAW_BLOCK = 1024  # tokens per block of the two-level inverse-CDF search
