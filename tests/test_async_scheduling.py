@@ -363,7 +363,7 @@ def test_graphed_half_model_identical_on_and_off(tiny_model_dir: Path,
     pytest.importorskip("cupy", reason="cupy's CCCL headers provide <nv/target> for cuda_fp16.h")
     from graph_helpers import StandInCapturer, route_kernels_through_emulation
     from kvcore.config import CacheConfig, SchedulerConfig
-    from kvcore.model.half_llama import load_half_model
+    from kvcore.model import load_model
 
     route_kernels_through_emulation(monkeypatch)
     from kvcore.model import InputFill
@@ -384,7 +384,7 @@ def test_graphed_half_model_identical_on_and_off(tiny_model_dir: Path,
     requests = _requests(PROMPTS[:5], params)
     outputs = []
     for on in (False, True):
-        model = load_half_model(tiny_model_dir, device="cpu")
+        model = load_model(tiny_model_dir, device="cpu", half=True)
         graphs = model.enable_cuda_graphs(4, 64, 4, StandInCapturer())
         engine = Engine(dataclasses.replace(base, async_scheduling=on), model=model)
         outputs.append(_run(engine, requests))

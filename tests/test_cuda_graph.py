@@ -20,9 +20,9 @@ import pytest
 from structlog.testing import capture_logs
 
 from kvcore.cache.kv_cache import KVCache
-from kvcore.model import BatchInput
+from kvcore.model import BatchInput, load_model
 from kvcore.model.cuda_graph import capture_sizes, is_pure_decode
-from kvcore.model.half_llama import HalfLlamaModel, load_half_model
+from kvcore.model.half_llama import HalfLlamaModel
 
 pytest.importorskip("cupy", reason="cupy's CCCL headers provide <nv/target> for cuda_fp16.h")
 if shutil.which("g++") is None:
@@ -50,7 +50,7 @@ def test_capture_sizes() -> None:
 
 
 def test_buckets_and_what_runs_eagerly(tiny_model_dir: Path) -> None:
-    model = load_half_model(tiny_model_dir, device="cpu")
+    model = load_model(tiny_model_dir, device="cpu", half=True)
     graphs = model.enable_cuda_graphs(max_num_seqs=8, max_model_len=40, block_size=BLOCK_SIZE,
                                       capturer=StandInCapturer())
     assert graphs.sizes == (1, 2, 4, 8) and graphs.max_blocks == 10
@@ -116,9 +116,9 @@ def run_steps(model: HalfLlamaModel, model_dir: Path, cache_dtype: str
 @pytest.mark.parametrize("cache_dtype", ["fp16", "fp8"])
 def test_graphed_decode_equals_eager(tiny_model_dir: Path, cache_dtype: str,
                                      emulated: None) -> None:
-    eager = load_half_model(tiny_model_dir, device="cpu")
+    eager = load_model(tiny_model_dir, device="cpu", half=True)
     want, want_cache = run_steps(eager, tiny_model_dir, cache_dtype)
-    model = load_half_model(tiny_model_dir, device="cpu")
+    model = load_model(tiny_model_dir, device="cpu", half=True)
     capturer = StandInCapturer()
     # max_model_len 1024: padded tables of 256 blocks, two decode partitions plus the reduction
     graphs = model.enable_cuda_graphs(max_num_seqs=4, max_model_len=1024, block_size=BLOCK_SIZE,
@@ -143,8 +143,8 @@ def test_graphed_decode_equals_eager(tiny_model_dir: Path, cache_dtype: str,
 def test_replay_after_new_inputs_and_a_new_cache(tiny_model_dir: Path, emulated: None) -> None:
     """The same graph replayed for different sequences gives each step's eager logits; a
     different KVCache drops the graphs (they hold the old cache's addresses) and recaptures."""
-    model = load_half_model(tiny_model_dir, device="cpu")
-    eager = load_half_model(tiny_model_dir, device="cpu")
+    model = load_model(tiny_model_dir, device="cpu", half=True)
+    eager = load_model(tiny_model_dir, device="cpu", half=True)
     capturer = StandInCapturer()
     graphs = model.enable_cuda_graphs(4, 64, BLOCK_SIZE, capturer)
     c = model.config
@@ -180,8 +180,8 @@ class FailingCapturer(StandInCapturer):
 
 def test_a_failed_capture_runs_eagerly_from_then_on(tiny_model_dir: Path,
                                                     emulated: None) -> None:
-    model = load_half_model(tiny_model_dir, device="cpu")
-    eager = load_half_model(tiny_model_dir, device="cpu")
+    model = load_model(tiny_model_dir, device="cpu", half=True)
+    eager = load_model(tiny_model_dir, device="cpu", half=True)
     capturer = FailingCapturer()
     graphs = model.enable_cuda_graphs(4, 64, BLOCK_SIZE, capturer)
     c = model.config

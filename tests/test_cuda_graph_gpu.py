@@ -29,9 +29,9 @@ def decode_run(model_dir: Path, graphed: bool, cache_dtype: str, prompts: list[l
     """Greedy decoding of all prompts together with HalfLlamaModel on cuda; the first sequence
     stops half-way so the decode batch changes size (and capture bucket). Returns (tokens per
     prompt, logits of every step, the model). `after_step(i)` runs after decode step i."""
-    from kvcore.model.half_llama import load_half_model
+    from kvcore.model import load_model
 
-    model = load_half_model(model_dir, "cuda")
+    model = load_model(model_dir, "cuda")
     if graphed:
         model.enable_cuda_graphs(max_num_seqs=8, max_model_len=MAX_MODEL_LEN,
                                  block_size=BLOCK_SIZE)

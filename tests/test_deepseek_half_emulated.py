@@ -18,7 +18,6 @@ from kvcore.engine import Engine
 from kvcore.engine.setup import load_engine_model
 from kvcore.model import load_model
 from kvcore.model.half_deepseek import HalfDeepseekModel
-from kvcore.model.half_llama import load_half_model
 from kvcore.sampling import SamplingParams
 
 pytest.importorskip("cupy", reason="cupy's CCCL headers provide <nv/target> for cuda_fp16.h")
@@ -38,7 +37,7 @@ def test_half_deepseek_through_emulated_kernels(tmp_path: Path, kind: str, cache
                                    qk_rope_head_dim=16)
     want = mla_steps(load_model(model_dir), model_dir, "fp32")
     route_kernels_through_emulation(monkeypatch)
-    model = load_half_model(model_dir, device="cpu")  # NumPy fp16 stands in for CuPy
+    model = load_model(model_dir, device="cpu", half=True)  # NumPy fp16 stands in for CuPy
     assert isinstance(model, HalfDeepseekModel) and model.mla_mode == "absorbed"
     assert model.layers[0].attn.w_uk.dtype == np.float16 and model.layers[0].attn.kv_b is None
     got = mla_steps(model, model_dir, cache_dtype)
@@ -70,8 +69,8 @@ def test_engine_on_cuda_serves_the_half_deepseek_model(tmp_path: Path,
     want = [o.outputs[0].token_ids for o in run_all(Engine(config("cpu")), prompts, params)]
     route_kernels_through_emulation(monkeypatch)
     monkeypatch.setattr(kvcore.device, "cuda_available", lambda: True)
-    monkeypatch.setattr(setup, "load_half_model",
-                        lambda model_dir, device="cuda": load_half_model(model_dir, "cpu"))
+    monkeypatch.setattr(setup, "load_model",
+                        lambda model_dir, device="cuda": load_model(model_dir, "cpu", half=True))
     model, cache_dtype = load_engine_model(config("cuda"), "cuda")
     assert isinstance(model, HalfDeepseekModel) and model.graphs is None
     assert cache_dtype == "fp16"

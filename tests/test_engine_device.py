@@ -18,7 +18,8 @@ from kvcore.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvcore.device import resolve_device
 from kvcore.engine import Engine
 from kvcore.engine.setup import engine_cache_dtype, load_engine_model
-from kvcore.model.half_llama import HalfLlamaModel, load_half_model
+from kvcore.model import load_model
+from kvcore.model.half_llama import HalfLlamaModel
 from kvcore.model.llama import LlamaModel
 from kvcore.sampling import SamplingParams
 
@@ -32,18 +33,19 @@ def config(model_dir: Path, device: str = "cuda", cache_dtype: str = "auto",
 
 @pytest.fixture
 def fake_gpu(monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path) -> list[tuple[str, str]]:
-    """cuda "available"; load_half_model loads onto the CPU and CUDA graphs use the stand-in
-    capturer. Returns the (model_dir, device) of each load_half_model call."""
+    """cuda "available"; the fp16 model loads onto the CPU and CUDA graphs use the stand-in
+    capturer. Returns the (model_dir, device) of each load_model call on cuda."""
     from graph_helpers import StandInCapturer
 
     calls: list[tuple[str, str]] = []
 
-    def load(model_dir: str, device: str = "cuda") -> HalfLlamaModel:
-        calls.append((model_dir, device))
-        return load_half_model(model_dir, device="cpu")
+    def load(model_dir: str, device: str = "cpu") -> LlamaModel:
+        if device == "cuda":
+            calls.append((model_dir, device))
+        return load_model(model_dir, device="cpu", half=device == "cuda")
 
     monkeypatch.setattr(kvcore.device, "cuda_available", lambda: True)
-    monkeypatch.setattr(setup, "load_half_model", load)
+    monkeypatch.setattr(setup, "load_model", load)
     monkeypatch.setattr(half_llama, "CudaGraphCapturer", StandInCapturer)
     return calls
 
@@ -143,7 +145,7 @@ def test_engine_over_a_graphed_half_model_equals_eager(tiny_model_dir: Path,
               for n in (7, 3, 9, 5, 2, 6)]
     outputs = []
     for graphed in (False, True):
-        model = load_half_model(tiny_model_dir, device="cpu")
+        model = load_model(tiny_model_dir, device="cpu", half=True)
         if graphed:
             graphs = model.enable_cuda_graphs(4, 64, 4, StandInCapturer())
         with capture_logs() as logs:

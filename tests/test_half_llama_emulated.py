@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from kvcore.model import load_model
-from kvcore.model.half_llama import load_half_model
 
 pytest.importorskip("cupy", reason="cupy's CCCL headers provide <nv/target> for cuda_fp16.h")
 if shutil.which("g++") is None:
@@ -24,7 +23,7 @@ def test_half_model_through_emulated_kernels(tiny_model_dir: Path, cache_dtype: 
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     want_tokens, want_logits = greedy(load_model(tiny_model_dir), tiny_model_dir, "fp32", 8)
     route_kernels_through_emulation(monkeypatch)
-    model = load_half_model(tiny_model_dir, device="cpu")  # NumPy fp16 stands in for CuPy
+    model = load_model(tiny_model_dir, device="cpu", half=True)  # NumPy fp16 stands in for CuPy
     assert model.layers[0].qkv.dtype == np.float16 and model.embed.dtype == np.float16
     tokens, logits = greedy(model, tiny_model_dir, cache_dtype, 8)
     np.testing.assert_allclose(logits, want_logits, rtol=0, atol=3e-2 * np.abs(want_logits).max())

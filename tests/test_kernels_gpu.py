@@ -145,10 +145,9 @@ def test_tiny_model_greedy_gpu_equals_cpu(tiny_model_dir: Path) -> None:
 def test_half_model_greedy_on_gpu(tiny_model_dir: Path, cache_dtype: str) -> None:
     from kernel_problems import greedy
     from kvcore.model import load_model
-    from kvcore.model.half_llama import load_half_model
 
     want_tokens, want_logits = greedy(load_model(tiny_model_dir), tiny_model_dir, "fp32", 8)
-    tokens, logits = greedy(load_half_model(tiny_model_dir), tiny_model_dir, cache_dtype, 8,
+    tokens, logits = greedy(load_model(tiny_model_dir, "cuda"), tiny_model_dir, cache_dtype, 8,
                             "cuda")
     np.testing.assert_allclose(logits, want_logits, rtol=0,
                                atol=3e-2 * np.abs(want_logits).max())

@@ -20,7 +20,6 @@ from kvcore.device import cuda_available
 from kvcore.engine import LLM
 from kvcore.kernels import cpu_numba
 from kvcore.model import BatchInput, load_model
-from kvcore.model.half_llama import load_half_model
 from kvcore.sampling import SamplingParams
 from tiny_deepseek import make_tiny_deepseek, mla_steps
 
@@ -66,7 +65,7 @@ def test_tiny_deepseek_gpu_tracks_cpu(tmp_path: Path, monkeypatch: pytest.Monkey
                                    qk_rope_head_dim=16)
     cpu_model = load_model(model_dir)
     want = mla_steps(cpu_model, model_dir, "fp32")
-    got = mla_steps(load_half_model(model_dir, "cuda"), model_dir, "fp16", "cuda")
+    got = mla_steps(load_model(model_dir, "cuda"), model_dir, "fp16", "cuda")
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-2 * np.abs(w).max())
     # the engine on cuda: its greedy tokens, teacher-forced through the fp32 CPU model, are each

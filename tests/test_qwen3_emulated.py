@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from kvcore.model import load_model
-from kvcore.model.half_llama import load_half_model
 from tiny_model import make_tiny_model
 
 pytest.importorskip("cupy", reason="cupy's CCCL headers provide <nv/target> for cuda_fp16.h")
@@ -27,7 +26,7 @@ def test_qwen3_half_model_through_emulated_kernels(tmp_path: Path,
     model_dir = make_tiny_model(tmp_path / "qwen3", "qwen3", seed=6, head_dim=32)
     want_tokens, want_logits = greedy(load_model(model_dir), model_dir, "fp32", 8)
     route_kernels_through_emulation(monkeypatch)
-    model = load_half_model(model_dir, device="cpu")  # NumPy fp16 stands in for CuPy
+    model = load_model(model_dir, device="cpu", half=True)  # NumPy fp16 stands in for CuPy
     assert model.layers[0].q_norm is not None and model.layers[0].q_norm.dtype == np.float16
     tokens, logits = greedy(model, model_dir, "fp16", 8)
     np.testing.assert_allclose(logits, want_logits, rtol=0, atol=3e-2 * np.abs(want_logits).max())

@@ -4,24 +4,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import logging
-import signal
 import sys
 
 import structlog
-from aiohttp import web
 
 from kvcore.cli import CLIError
 from kvcore.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvcore.device import resolve_device
 from kvcore.engine import AsyncEngine
 from kvcore.planner import format_size, parse_size, plan_for_model
-from kvcore.service import STATE_KEY, drain, make_app
+from kvcore.service import make_app
 from kvcore.service.app import DEFAULT_BODY_TIMEOUT_S
 from kvcore.service.auth import keys_from_list, read_keys_file
 from kvcore.service.edge import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, Edge
-from kvcore.service.state import DEFAULT_MAX_SEQUENCES_PER_REQUEST, FAILED, LOADING
+from kvcore.service.serve import serve
+from kvcore.service.state import DEFAULT_MAX_SEQUENCES_PER_REQUEST
 
 log = structlog.get_logger("kvcore.serve")
 
@@ -166,51 +164,6 @@ def _build_engine(config: EngineConfig) -> AsyncEngine:
     return engine
 
 
-async def _exit_on_load_failure(app: web.Application, stop: asyncio.Event) -> None:
-    state = app[STATE_KEY]
-    while state.status == LOADING:
-        await asyncio.sleep(0.1)
-    if state.status == FAILED:
-        stop.set()
-
-
-async def serve(app: web.Application, host: str, port: int, drain_timeout: float,
-                edge: Edge | None = None) -> int:
-    """Run until SIGTERM/SIGINT, then drain: 503 to new requests, finish or abort the rest.
-
-    Returns the exit status: 0 after a drain, 1 when the model failed to load.
-    """
-    edge = edge or Edge()
-    edge.install(app)
-    # handler_cancellation: a client that disconnects cancels its handler, which aborts its
-    # engine requests at once (no polling)
-    runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True,
-                           **edge.handler_args)
-    await runner.setup()
-    loop = asyncio.get_running_loop()
-    server = await loop.create_server(edge.protocol_factory(runner), host, port)
-    bound = server.sockets[0].getsockname()[1]  # the port, when 0 asked for any free one
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    log.info("serving", url=f"http://{host}:{bound}", port=bound)
-    watcher = asyncio.create_task(_exit_on_load_failure(app, stop))
-    try:
-        await stop.wait()
-        if app[STATE_KEY].status == FAILED:
-            return 1
-        log.info("draining", timeout_s=drain_timeout)
-        aborted = await drain(app, drain_timeout)
-        log.info("drained", aborted=aborted)
-        return 0
-    finally:
-        watcher.cancel()
-        server.close()
-        await runner.cleanup()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
-
-
 def run(args: argparse.Namespace) -> int:
     from kvcore.model.hub import resolve_model
 
@@ -248,9 +201,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_cluster(args: argparse.Namespace, config: EngineConfig, app_kwargs: dict[str, object],
                  edge: Edge) -> int:
-    """kvcore.cluster sits above the CLI (DESIGN.md layers): found by name, like subcommands."""
+    """The cluster extra (Ray) is imported only when --replicas asks for it."""
     try:
-        cluster = importlib.import_module("kvcore.cluster.serve")
+        from kvcore.cluster import serve as cluster
     except ImportError as e:
         raise CLIError(f"--replicas needs the cluster extra (pip install 'kvcore[cluster]'): "
                        f"{e}") from e

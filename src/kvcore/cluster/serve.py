@@ -8,7 +8,6 @@ from collections.abc import Mapping
 
 from aiohttp import web
 
-from kvcore.cli.serve import serve
 from kvcore.cluster.app import (
     Cluster,
     ClusterOptions,
@@ -21,6 +20,7 @@ from kvcore.config import EngineConfig
 from kvcore.engine import AsyncEngine
 from kvcore.service import STATE_KEY, make_app
 from kvcore.service.edge import Edge
+from kvcore.service.serve import serve
 
 
 def options_from_args(args: argparse.Namespace) -> ClusterOptions:

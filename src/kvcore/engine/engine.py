@@ -48,7 +48,7 @@ class EngineStats:
 
 
 class Engine:
-    """Continuous batching over one model and one paged KV cache (see DESIGN.md): the engine
+    """Continuous batching over one model and one paged KV cache (docs/architecture.md): the engine
     core runs the sequences, the output processor turns their tokens into request outputs."""
 
     def __init__(self, config: EngineConfig, model: EngineModel | None = None,

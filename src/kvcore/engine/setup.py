@@ -12,7 +12,7 @@ from kvcore.cache import KVCacheManager
 from kvcore.cache.kv_cache import KVCache
 from kvcore.config import EngineConfig, ModelConfig, ParamError
 from kvcore.model import BatchInput, load_model
-from kvcore.model.half_llama import HALF_CACHE_DTYPES, load_half_model
+from kvcore.model.half_llama import HALF_CACHE_DTYPES, HalfLlamaModel
 from kvcore.planner import model_bytes_per_token, num_blocks_for_memory
 from kvcore.sampling import BeamSearchParams, SamplingParams
 
@@ -55,13 +55,13 @@ def load_engine_model(config: EngineConfig, device: str) -> tuple[EngineModel, s
     HalfDeepseekModel, always runs eagerly). A cache dtype the device cannot use is a
     ValueError raised before any weight is loaded."""
     cache_dtype = engine_cache_dtype(config.cache.cache_dtype, half_model=device == "cuda")
+    model = load_model(config.model, device)
     if device != "cuda":
-        model = load_model(config.model, device)
         # the compiled CPU attention for this cache dtype, loaded (or compiled) before the
         # engine takes requests: no JIT on a request
         kernels.warm_up_cpu_kernels(cache_dtype)
         return model, cache_dtype
-    model = load_half_model(config.model, device)
+    assert isinstance(model, HalfLlamaModel)
     if not config.enforce_eager and model.config.mla is None:  # MLA steps run eagerly
         model.enable_cuda_graphs(config.scheduler.max_num_seqs,
                                  engine_max_model_len(config, model.config),

@@ -51,7 +51,7 @@ class DeepseekModel(LlamaModel):
         """The fp32 model's device: the CPU (the GPU's MLA kernel takes 16-bit activations)."""
         if device not in ("cpu", "auto"):
             raise ValueError(f"device {device!r}: the fp32 DeepseekModel runs on the CPU; on the "
-                             "GPU use the fp16 model (load_half_model, or the engine on cuda)")
+                             "GPU use the fp16 model (load_model on cuda, or the engine on cuda)")
         return "cpu"
 
     def _layer(self, w: dict[str, np.ndarray], p: str) -> DeepseekLayer:

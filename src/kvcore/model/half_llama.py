@@ -11,17 +11,14 @@ unless enforce_eager; every other step runs eagerly. The CPU path keeps LlamaMod
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from kvcore.cache.kv_cache import KVCache
-from kvcore.config import ModelConfig
 from kvcore.model.batch import BatchInput, InputFill
 from kvcore.model.cuda_graph import CudaGraphCapturer, GraphCapturer, GraphedDecode
 from kvcore.model.llama import LlamaModel
-from kvcore.model.weights import Checkpoint, iter_weights
 
 HALF_CACHE_DTYPES = ("fp16", "fp8")
 
@@ -63,20 +60,3 @@ class HalfLlamaModel(LlamaModel):
             if logits is not None:
                 return logits
         return super().forward_device(batch, kv_cache, fill)
-
-
-def load_half_model(model_dir: str | Path, device: str = "cuda") -> HalfLlamaModel:
-    """Read config.json and the safetensors weights into a HalfLlamaModel on `device` (a
-    HalfDeepseekModel for an MLA checkpoint)."""
-    config = ModelConfig.from_dir(model_dir)
-    model_class: type[HalfLlamaModel] = HalfLlamaModel
-    if config.mla is not None:
-        from kvcore.model.half_deepseek import HalfDeepseekModel  # it imports this module
-
-        model_class = HalfDeepseekModel
-    checkpoint = Checkpoint(model_dir)
-    try:
-        weights = dict(iter_weights(checkpoint, config))  # float32 views of the memory map
-        return model_class(config, weights, device)
-    finally:
-        checkpoint.close()
