@@ -14,8 +14,10 @@ from aiohttp.typedefs import Handler, Middleware
 
 from kvcore.engine import AsyncEngine
 from kvcore.service import inspector, routes
+from kvcore.service.admission import Admission
 from kvcore.service.auth import TenantAuth, keys_from_list
 from kvcore.service.errors import APIError
+from kvcore.service.logtext import log_text
 from kvcore.service.metrics import ServiceMetrics
 from kvcore.service.openai_routes import chat_completions, completions
 from kvcore.service.state import (
@@ -51,7 +53,7 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except (asyncio.CancelledError, ConnectionError):
         raise
     except Exception:
-        log.exception("unhandled error", path=request.path)
+        log.exception("unhandled error", path=log_text(request.path))
         return APIError(500, "internal server error").response()
 
 
@@ -145,8 +147,6 @@ def make_app(engine: AsyncEngine | Callable[[], AsyncEngine], *,
     """
     if max_body_size <= 0:
         raise ValueError(f"max_body_size must be > 0, got {max_body_size}")
-    if max_waiting is not None and max_waiting < 0:
-        raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
     if max_sequences_per_request < 1:
         raise ValueError(f"max_sequences_per_request must be >= 1, "
                          f"got {max_sequences_per_request}")
@@ -171,7 +171,7 @@ def make_app(engine: AsyncEngine | Callable[[], AsyncEngine], *,
     state = ServiceState(
         engine_factory=None if isinstance(engine, AsyncEngine) else engine,
         auth=auth, served_model_names=names, max_body_size=max_body_size,
-        max_waiting=max_waiting, metrics=None,  # type: ignore[arg-type]
+        admission=Admission(max_waiting), metrics=None,  # type: ignore[arg-type]
         created=int(time.time()), engine=engine if isinstance(engine, AsyncEngine) else None,
         max_sequences_per_request=max_sequences_per_request, body_timeout=body_timeout)
     state.metrics = ServiceMetrics(

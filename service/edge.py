@@ -18,7 +18,8 @@ from kvcore.service.errors import APIError
 log = structlog.get_logger("kvcore.service")
 
 DEFAULT_MAX_CONNECTIONS = 1024
-DEFAULT_HEADER_TIMEOUT_S = 30.0  # from a request's first byte to its complete header block
+# from a connection's opening (a later request's: its first byte) to the complete header block
+DEFAULT_HEADER_TIMEOUT_S = 30.0
 KEEPALIVE_TIMEOUT_S = 75.0  # an idle keep-alive connection is closed after this
 # after an early answer (413, 408) aiohttp reads and drops the rest of the body for this long
 # before it closes (aiohttp's default is 10 s: a stalled client would keep the connection)
@@ -57,15 +58,18 @@ class JSONErrorHandler(RequestHandler):
 
 
 class _Connection(asyncio.Protocol):
-    """One client connection: counts toward the cap, and closes with a 408 when a request's
-    header block does not complete within the header timeout (slowloris). The timer starts at a
-    request's first byte and stops when the request reaches the application."""
+    """One client connection: counts toward the cap, and is closed when a request's header
+    block does not complete within the header timeout (slowloris: a 408), or when it opens and
+    sends nothing for that long (silently: no request to answer). The timer starts when the
+    connection opens, again at the first byte of each later request, and stops when a request
+    reaches the application."""
 
     def __init__(self, edge: Edge, handler: RequestHandler | None) -> None:
         self.edge = edge
         self.handler = handler  # None: refused (over the connection cap)
         self.transport: asyncio.Transport | None = None
         self.in_app = False
+        self.received = False  # any byte yet
         self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -83,13 +87,14 @@ class _Connection(asyncio.Protocol):
             return
         self.edge.connections[transport] = self
         self.handler.connection_made(transport)
+        self._start_timer()  # a socket that never sends a byte holds a slot no longer
 
     def data_received(self, data: bytes) -> None:
         if self.handler is None:
             return
+        self.received = True
         if not self.in_app and self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(self.edge.header_timeout,
-                                                                self._header_timeout)
+            self._start_timer()
         self.handler.data_received(data)
 
     def eof_received(self) -> bool | None:
@@ -121,6 +126,10 @@ class _Connection(asyncio.Protocol):
     def left(self) -> None:
         self.in_app = False
 
+    def _start_timer(self) -> None:
+        self._timer = asyncio.get_running_loop().call_later(self.edge.header_timeout,
+                                                            self._header_timeout)
+
     def _cancel_timer(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
@@ -130,6 +139,11 @@ class _Connection(asyncio.Protocol):
         self._timer = None
         transport = self.transport
         if self.in_app or transport is None or transport.is_closing():
+            return
+        if not self.received:
+            log.warning("connection closed", reason="idle_timeout",
+                        timeout_s=self.edge.header_timeout)
+            transport.close()
             return
         log.warning("connection closed", reason="header_timeout",
                     timeout_s=self.edge.header_timeout)

@@ -12,6 +12,7 @@ from kvcore.config import ParamError
 from kvcore.engine import RequestFailed
 from kvcore.request import RequestOutput
 from kvcore.sampling.params import BeamSearchParams, SamplingParams, TokenLogprob
+from kvcore.service.admission import Reservation
 from kvcore.service.errors import APIError, bad_request
 from kvcore.service.protocol import GenerationRequest
 
@@ -88,6 +89,7 @@ class Generation:
         self._queue: asyncio.Queue[tuple[Job, RequestOutput | None, BaseException | None]] = (
             asyncio.Queue())
         self._tasks: list[asyncio.Task[None]] = []
+        self._reservation: Reservation | None = None
 
     async def _pump(self, job: Job) -> None:
         try:
@@ -100,8 +102,14 @@ class Generation:
             raise
         except Exception as e:  # handed to the consumer, which decides 400 or in-stream error
             self._queue.put_nowait((job, None, e))
+        finally:  # the engine request ended: its sequences no longer wait
+            if self._reservation is not None:
+                self._reservation.release(self.req.n)
 
-    def start(self) -> None:
+    def start(self, reservation: Reservation) -> None:
+        """Run the engine requests; `reservation` (the call's admitted sequences) is released
+        as they end, and in full at close()."""
+        self._reservation = reservation
         self._tasks = [asyncio.create_task(self._pump(job)) for job in self.jobs]
 
     async def deltas(self) -> AsyncIterator[list[Delta]]:
@@ -170,6 +178,8 @@ class Generation:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._reservation is not None:
+            self._reservation.close()
         for job in self.jobs:
             if not job.finished:
                 await self.engine.abort(job.request_id)
@@ -182,14 +192,3 @@ class Generation:
                 "prompt_tokens_details": {"cached_tokens": sum(j.num_cached_tokens
                                                                for j in self.jobs)}}
 
-
-def raise_if_busy(engine: Any, max_waiting: int | None, num_seqs: int) -> None:
-    """429 unless the call's `num_seqs` sequences fit the waiting queue whole. A call bigger
-    than the whole queue is let into an empty one (else it could never run)."""
-    if max_waiting is None:
-        return
-    waiting = engine.num_waiting
-    if waiting + num_seqs > max_waiting and (waiting > 0 or max_waiting == 0):
-        raise APIError(429, f"the server's waiting queue is full ({waiting} of {max_waiting} "
-                       f"sequences wait; this call brings {num_seqs}); retry later",
-                       headers={"Retry-After": "1"})

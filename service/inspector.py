@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from aiohttp import web
 
-from kvcore.service.errors import APIError
+from kvcore.service.errors import APIError, bad_request
+from kvcore.service.logtext import log_text
 from kvcore.service.state import STATE_KEY, ServiceState
 
 PAGE = Path(__file__).parent / "static" / "inspector.html"  # package data of kvcore.service
@@ -34,13 +36,47 @@ async def inspector_page(request: web.Request) -> web.Response:
                         headers={"Cache-Control": "no-store"})
 
 
+@runtime_checkable
+class ReplicatedEngine(Protocol):
+    """An engine of several replicas (`kvcore serve --replicas`): one KV pool each."""
+
+    def replica_ids(self) -> list[str]: ...
+
+    async def kv_snapshot(self, replica_id: str) -> dict[str, Any] | None: ...
+
+
+def _snapshot_reader(engine: Any, replica: str | None
+                     ) -> tuple[Callable[[], Awaitable[dict[str, Any] | None]], dict[str, Any]]:
+    """How to read the snapshot asked for, and what the answer adds: under replicas the
+    `replica` shown (the first by default) and the ids to choose from."""
+    if isinstance(engine, ReplicatedEngine):
+        ids = engine.replica_ids()
+        if not ids:
+            raise APIError(503, "no replica is up yet", headers={"Retry-After": "1"})
+        if replica is None:
+            replica = ids[0]
+        elif replica not in ids:
+            raise bad_request(f"replica must be one of {', '.join(ids)}; got "
+                              f"{log_text(replica, 80)}", "replica")
+        chosen = replica
+        return lambda: engine.kv_snapshot(chosen), {"replica": chosen, "replicas": ids}
+    if replica is not None:
+        raise bad_request("this server runs one engine: there is no replica to choose",
+                          "replica")
+
+    async def read() -> dict[str, Any] | None:
+        return engine.kv_snapshot()  # type: ignore[no-any-return]
+    return read, {}
+
+
 async def debug_kv(request: web.Request) -> web.Response:
     """The engine's last published KV snapshot (kvcore.engine.kv_snapshot's format) with the
-    tenant of each request group; the encoded body is reused while the snapshot is the same."""
+    tenant of each request group; under replicas, one replica's (`?replica=ID`). The encoded
+    body is reused while the snapshot is the same."""
     _require_admin(request)
     state = request.app[STATE_KEY]
-    engine = state.ready_engine()
-    snapshot = engine.kv_snapshot()
+    read, extra = _snapshot_reader(state.ready_engine(), request.query.get("replica"))
+    snapshot = await read()
     loop = asyncio.get_running_loop()
     deadline = loop.time() + FIRST_SNAPSHOT_TIMEOUT_S
     while snapshot is None:  # nobody polled before: the driver publishes within a tick
@@ -48,11 +84,11 @@ async def debug_kv(request: web.Request) -> web.Response:
             raise APIError(503, "the engine has not published a KV snapshot yet",
                            headers={"Retry-After": "1"})
         await asyncio.sleep(0.02)
-        snapshot = engine.kv_snapshot()
+        snapshot = await read()
     cached = state.inspector_body
     if cached is None or cached[0] is not snapshot:
         tenants = {r["group"]: state.tenants.get(r["group"]) for r in snapshot["requests"]}
-        body: dict[str, Any] = {**snapshot, "tenants": tenants}
+        body: dict[str, Any] = {**snapshot, "tenants": tenants, **extra}
         cached = (snapshot, json.dumps(body, separators=(",", ":")).encode())
         state.inspector_body = cached
     return web.Response(body=cached[1], content_type="application/json",

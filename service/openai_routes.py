@@ -21,9 +21,9 @@ from kvcore.service.generation import (
     Generation,
     Job,
     build_params,
-    raise_if_busy,
 )
 from kvcore.service.inspector import forget_tenants
+from kvcore.service.logtext import log_text
 from kvcore.service.protocol import (
     GenerationRequest,
     check_prompt_chars,
@@ -55,8 +55,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
             check_prompt_chars(prompt, engine.max_model_len, engine.tokenizer.max_token_chars,
                                "prompt")
         # tokenizing is request-sized CPU work: off the event loop
-        jobs = await state.offload(_completion_jobs, req, engine.tokenizer,
-                                   engine.max_model_len, call_id)
+        jobs = await state.offload(request.get(TENANT_KEY, ANONYMOUS_TENANT), _completion_jobs,
+                                   req, engine.tokenizer, engine.max_model_len, call_id)
     except APIError as e:
         _log_refused(request, "completion", e)
         raise
@@ -98,8 +98,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         check_prompt_chars("".join(m["content"] for m in req.messages), engine.max_model_len,
                            engine.tokenizer.max_token_chars, "messages")
         call_id = f"chatcmpl-{uuid.uuid4().hex}"
-        job = await state.offload(_chat_job, req, engine.tokenizer, engine.max_model_len,
-                                  call_id)
+        job = await state.offload(request.get(TENANT_KEY, ANONYMOUS_TENANT), _chat_job, req,
+                                  engine.tokenizer, engine.max_model_len, call_id)
     except APIError as e:
         _log_refused(request, "chat", e)
         raise
@@ -220,14 +220,15 @@ async def _respond(request: web.Request, state: ServiceState, req: GenerationReq
                 async_engine.check_request(job.prompt_token_ids, job.params)
             except ParamError as e:
                 raise bad_request(str(e), e.param) from None
-        raise_if_busy(async_engine, state.max_waiting, len(jobs) * req.n)
+        # reserved before any await: calls that arrive together each see the others' sequences
+        reservation = state.admission.admit(async_engine, len(jobs) * req.n)
         state.track(task, gen)
         tracked = True
         for job in jobs:  # the KV inspector names each request's tenant
             state.tenants[job.request_id] = tenant
         # a client that goes away cancels this handler (aiohttp's handler_cancellation, which
         # `kvcore serve` and aiohttp's test server turn on): the finally below aborts
-        gen.start()
+        gen.start(reservation)
         if not (req.stream or binary):
             async for _ in gen.deltas():
                 pass
@@ -321,4 +322,4 @@ def _account(state: ServiceState, gen: Generation, call_id: str, tenant: str,
              prompt_tokens=usage["prompt_tokens"], completion_tokens=usage["completion_tokens"],
              cached_tokens=usage["prompt_tokens_details"]["cached_tokens"],
              ttft_s=round(min(ttfts), 6) if ttfts else None,
-             finish_reason=[c.finish_reason for c in gen.choices], user=req.user)
+             finish_reason=[c.finish_reason for c in gen.choices], user=log_text(req.user))

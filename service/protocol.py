@@ -26,6 +26,7 @@ from kvcore.service.fields import (
 )
 
 MAX_PROMPTS = 256  # prompts of one batched completions request
+MAX_USER_CHARS = 256  # the `user` field: an end-user id, echoed into the request log
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 # OpenAI (and vLLM) fields kvcore does not implement: refused by name rather than ignored, so a
 # client never gets a different behaviour than it asked for. A value equal to the default passes.
@@ -212,8 +213,16 @@ def _common(body: dict[str, Any], kind: Literal["completion", "chat"], vocab_siz
         echo=echo,
         priority=get_int(body, "priority", 0) or 0,
         cache_salt=get_str(body, "cache_salt", non_empty=True),
-        user=get_str(body, "user"),
+        user=_user(body),
     )
+
+
+def _user(body: dict[str, Any]) -> str | None:
+    user = get_str(body, "user")
+    if user is not None and len(user) > MAX_USER_CHARS:
+        raise bad_request(f"user must be at most {MAX_USER_CHARS} characters, got {len(user)}",
+                          "user")
+    return user
 
 
 def parse_completion(body: dict[str, Any], vocab_size: int) -> GenerationRequest:

@@ -8,11 +8,12 @@ from aiohttp import web
 
 import kvcore
 from kvcore.model.tokenizer import Tokenizer
+from kvcore.service.auth import ANONYMOUS_TENANT
 from kvcore.service.errors import bad_request
 from kvcore.service.fields import as_int, get_bool
 from kvcore.service.openapi import openapi_document
-from kvcore.service.protocol import GenerationRequest, parse_chat
-from kvcore.service.state import READY, STATE_KEY, read_json
+from kvcore.service.protocol import GenerationRequest, check_prompt_chars, parse_chat
+from kvcore.service.state import READY, STATE_KEY, TENANT_KEY, read_json
 
 
 async def health(request: web.Request) -> web.Response:
@@ -48,9 +49,18 @@ async def tokenize(request: web.Request) -> web.Response:
             raise bad_request("prompt must be a string (or send messages)", "prompt")
         add_special = get_bool(body, "add_special_tokens", True)
     token_strs = get_bool(body, "return_token_strs", False)
-    # request-sized CPU work (a 4 MB prompt takes seconds, its answer's JSON too): off the loop
-    answer = await state.offload(_tokenize, engine.tokenizer, body.get("prompt"), messages,
-                                 add_special, token_strs, engine.max_model_len)
+    # generation's length bound, before any work: a text no context could hold is refused
+    # untokenized, and a count past max_model_len after tokenizing
+    if messages is not None:
+        check_prompt_chars("".join(m["content"] for m in messages.messages),
+                           engine.max_model_len, engine.tokenizer.max_token_chars, "messages")
+    else:
+        check_prompt_chars(body["prompt"], engine.max_model_len,
+                           engine.tokenizer.max_token_chars, "prompt")
+    # request-sized CPU work (tokens and their JSON): off the loop, tenants taking turns
+    answer = await state.offload(request.get(TENANT_KEY, ANONYMOUS_TENANT), _tokenize,
+                                 engine.tokenizer, body.get("prompt"), messages, add_special,
+                                 token_strs, engine.max_model_len)
     return web.Response(body=answer, content_type="application/json")
 
 
@@ -64,6 +74,10 @@ def _tokenize(tokenizer: Tokenizer, prompt: str | None, chat: GenerationRequest 
             raise bad_request(f"chat template: {e}", "messages") from None
     assert prompt is not None
     tokens = tokenizer.encode(prompt, add_special_tokens=add_special)
+    if len(tokens) > max_model_len:
+        param = "messages" if chat is not None else "prompt"
+        raise bad_request(f"This model's maximum context length is {max_model_len} tokens; "
+                          f"the {param} has {len(tokens)}", param)
     strs = [tokenizer.id_to_token(t) for t in tokens] if token_strs else None
     return json.dumps({"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens,
                        "token_strs": strs}).encode()
@@ -76,8 +90,13 @@ async def detokenize(request: web.Request) -> web.Response:
     raw = body.get("tokens")
     if not isinstance(raw, list):
         raise bad_request("tokens must be an array of token ids", "tokens")
+    if len(raw) > engine.max_model_len:  # generation's bound, before any work
+        raise bad_request(f"This model's maximum context length is {engine.max_model_len} "
+                          f"tokens; tokens has {len(raw)}", "tokens")
     tokens = [as_int(t, "tokens", 0, engine.model_config.vocab_size - 1) for t in raw]
-    return web.json_response({"prompt": await state.offload(engine.tokenizer.decode, tokens)})
+    text = await state.offload(request.get(TENANT_KEY, ANONYMOUS_TENANT),
+                               engine.tokenizer.decode, tokens)
+    return web.json_response({"prompt": text})
 
 
 async def metrics(request: web.Request) -> web.Response:

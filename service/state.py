@@ -12,8 +12,10 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from kvcore.engine import AsyncEngine
+from kvcore.service.admission import Admission
 from kvcore.service.auth import TenantAuth
 from kvcore.service.errors import APIError, bad_request
+from kvcore.service.fair_queue import FairQueue
 from kvcore.service.metrics import ServiceMetrics
 
 LOADING, READY, DRAINING, FAILED = "loading", "ready", "draining", "failed"
@@ -28,7 +30,7 @@ class ServiceState:
     auth: TenantAuth
     served_model_names: list[str]
     max_body_size: int  # bytes
-    max_waiting: int | None  # 429 once this many requests wait; None: never
+    admission: Admission  # --max-waiting: reserves each admitted call's sequences
     metrics: ServiceMetrics
     created: int  # unix time, /v1/models
     engine: AsyncEngine | None = None
@@ -42,9 +44,16 @@ class ServiceState:
     cpu_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         CPU_WORKERS, thread_name_prefix="kvcore-cpu"))
 
-    async def offload(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run request-sized CPU work in the bounded worker pool, off the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self.cpu_pool, fn, *args)
+    cpu_turns: FairQueue = field(default_factory=lambda: FairQueue(CPU_WORKERS))
+
+    async def offload(self, tenant: str, fn: Callable[..., T], *args: Any) -> T:
+        """Run request-sized CPU work in the bounded worker pool, off the event loop; tenants
+        take turns at the workers (kvcore.service.fair_queue)."""
+        await self.cpu_turns.acquire(tenant)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.cpu_pool, fn, *args)
+        finally:
+            self.cpu_turns.release()
 
     def check_num_seqs(self, num_seqs: int) -> None:
         """400 when one call asks for more sequences (prompts x n) than a call may run."""

@@ -180,3 +180,32 @@ def test_another_tenants_request_is_not_routed_by_affinity(
         _ = [o async for o in ce.generate(prompt, params, "c", cache_salt="salt-a")]
         assert state.decisions == {"fallback-miss": 2, "prefix": 1}
     _run(main())
+
+
+def test_the_ingress_counts_routed_sequences_until_their_streams_end(
+        engine: tuple[ClusterEngine, FakeHandle, RouterState]) -> None:
+    """N1 under replicas: the waiting count is the ingress's own (sequences routed and not yet
+    finished, per replica) less what each replica reports running, not the reports alone
+    (which say nothing of the requests still on their way)."""
+    async def main() -> None:
+        ce, handle, state = engine
+        await ce.start()
+        ids = ["a", "b", "c"]
+        for rid in ids:
+            handle.script[rid] = (None, True, 0)  # they run until aborted
+        gens = [ce.generate(list(range(10 * i + 100, 10 * i + 109)),
+                            SamplingParams(n=3, max_tokens=5), rid) for i, rid in enumerate(ids)]
+        for gen in gens:
+            await gen.__anext__()  # routed; its replica's report: 1 running, 0 waiting
+        snap = state.snapshot()
+        assert sum(r.num_seqs for r in snap.values()) == 9
+        busy = [r for r in snap.values() if r.num_seqs]
+        assert ce.num_waiting == 9 - len(busy) >= 7  # the reports alone say 0
+        for gen, rid in zip(gens, ids, strict=True):
+            await ce.abort(rid)
+            _ = [o async for o in gen]
+        assert ce.num_waiting == 0
+        assert all(r.num_seqs == 0 and r.num_outstanding == 0
+                   for r in state.snapshot().values())
+        assert ce.replica_ids() == ["r1", "r2"] or set(ce.replica_ids()) <= {"r1", "r2"}
+    _run(main())

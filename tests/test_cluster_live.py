@@ -30,6 +30,8 @@ PREFIX_BLOCKS = 5
 NUM_BLOCKS = 24
 NUM_GROUPS = 5
 NUM_ROUNDS = 4
+MAX_NUM_SEQS = 8  # per replica
+MAX_WAITING = 4  # the ingress's --max-waiting (the other tests never have more than 2 in flight)
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +41,12 @@ def cluster(default_model_dir: Path) -> Iterator[tuple[LiveServer, Cluster]]:
     started = connect_ray(options)
     config = EngineConfig(model=str(default_model_dir), device="cpu",
                           cache=CacheConfig(block_size=BS, num_blocks=NUM_BLOCKS),
-                          scheduler=SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8))
+                          scheduler=SchedulerConfig(max_num_batched_tokens=256,
+                                                    max_num_seqs=MAX_NUM_SEQS))
     clusters: list[Cluster] = []
     server = LiveServer(lambda: build_app(config, options, clusters, started,
-                                          served_model_name="smol")).start()
+                                          served_model_name="smol",
+                                          max_waiting=MAX_WAITING)).start()
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:  # Ray starts the replicas; they load the model
@@ -96,6 +100,53 @@ def test_prefix_router_keeps_shared_prefixes_cached(cluster: tuple[LiveServer, C
     assert sum(r.cached_tokens for r in snapshot.values()) > 0
     metrics = requests.get(f"{server.url}/metrics", timeout=10).text
     assert 'kvcore:cluster_routing_decisions_total{reason="prefix"}' in metrics
+
+
+def test_a_burst_under_replicas_never_admits_more_than_the_limit_plus_what_can_run(
+        cluster: tuple[LiveServer, Cluster]) -> None:
+    """N1 under --replicas 2: 40 calls at once; the ingress counts what it admitted and routed,
+    not only what the replicas last reported (which omits requests on their way)."""
+    server, c = cluster
+    rng = random.Random(3)
+    body = {"max_tokens": 32, "ignore_eos": True}  # 3 blocks each: 8 fit a replica
+    statuses: list[int] = []
+    barrier = threading.Barrier(40)
+
+    def call() -> None:
+        prompt = [rng.randrange(100, 10000) for _ in range(8)]
+        barrier.wait()
+        response = requests.post(f"{server.url}/v1/completions", timeout=300,
+                                 json={"prompt": prompt, **body})
+        statuses.append(response.status_code)
+
+    threads = [threading.Thread(target=call) for _ in range(40)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert sorted(set(statuses)) == [200, 429], statuses
+    # no admitted call ends during the burst (32 tokens each), so each holds its sequence
+    assert statuses.count(200) <= MAX_WAITING + 2 * MAX_NUM_SEQS, statuses
+    assert all(r.num_seqs == 0 for r in c.state.snapshot().values())
+
+
+def test_debug_kv_under_replicas_answers_per_replica(cluster: tuple[LiveServer,
+                                                                    Cluster]) -> None:
+    """N2: /debug/kv answers one replica's pool (the first by default, ?replica=ID for another)
+    and names the parameter for an unknown id: never a 500."""
+    server, c = cluster
+    first = requests.get(f"{server.url}/debug/kv", timeout=60)
+    assert first.status_code == 200, first.text
+    data = first.json()
+    assert len(data["replicas"]) == 2 and data["replica"] == data["replicas"][0]
+    assert data["num_blocks"] == NUM_BLOCKS and sum(data["counts"].values()) == NUM_BLOCKS
+    other = requests.get(f"{server.url}/debug/kv", params={"replica": data["replicas"][1]},
+                         timeout=60).json()
+    assert other["replica"] == data["replicas"][1] and other["num_blocks"] == NUM_BLOCKS
+    wrong = requests.get(f"{server.url}/debug/kv", params={"replica": "nope"}, timeout=60)
+    assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "replica"
+    page = requests.get(f"{server.url}/inspector", timeout=60)
+    assert page.status_code == 200 and 'id="replica"' in page.text
 
 
 def _stream(url: str, prompt: list[int], out: dict[str, Any]) -> None:
@@ -159,3 +210,4 @@ def test_a_killed_replica_fails_only_its_own_streams(cluster: tuple[LiveServer,
             break
         time.sleep(1)
     assert len(c.state.replicas) == 2 and victim not in c.state.replicas
+

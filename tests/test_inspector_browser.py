@@ -144,3 +144,28 @@ def test_inspector_page_renders_a_20k_block_pool(tiny_model_dir: Path, tmp_path:
         assert "block 19999" in text
         driver.save_screenshot(str(tmp_path / "inspector-20k.png"))
         assert browser_errors(driver) == []
+
+
+def test_inspector_opened_with_credentials_in_the_url(tiny_model_dir: Path,
+                                                      tmp_path: Path) -> None:
+    """N6: opened as http://admin:KEY@host:port/inspector (Basic auth in the URL), the page polls
+    /debug/kv by origin and path, never with the URL's credentials, and shows the pool."""
+    import json
+    import urllib.request
+
+    key = "sk-inspector-admin"
+    with live_server(lambda: tiny_app(tiny_model_dir, admin_keys=[key])) as server, \
+            chromium(tmp_path / "chromium-profile") as driver:
+        body = json.dumps({"prompt": PREFIX, "max_tokens": 4}).encode()
+        request = urllib.request.Request(f"{server.url}/v1/completions", body, {
+            "Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert response.status == 200  # its prompt's blocks stay cached
+        driver.get(f"http://admin:{key}@127.0.0.1:{server.port}/inspector")
+        wait_for(driver, "kvInspector.updates >= 2")
+        snapshot = driver.execute_script("return kvInspector.last;")
+        drawn = driver.execute_script("return kvInspector.drawnCounts;")
+        assert drawn == snapshot["counts"] and sum(drawn.values()) == snapshot["num_blocks"]
+        assert drawn["cached"] > 0
+        assert driver.find_element("id", "replica-pick").get_attribute("hidden") is not None
+        assert browser_errors(driver) == []

@@ -111,3 +111,12 @@ def test_admin_keys_must_be_keys() -> None:
 
     with pytest.raises(ValueError, match="admin_keys"):
         TenantAuth({"k": "a"}, admin_keys=["other"])
+
+
+async def test_a_replica_asked_of_a_single_engine_is_400_naming_it(aiohttp_client,
+                                                                    tiny_model_dir) -> None:
+    client = await aiohttp_client(tiny_app(tiny_model_dir))
+    resp = await client.get("/debug/kv", params={"replica": "r1"})
+    assert resp.status == 400 and (await resp.json())["error"]["param"] == "replica"
+    data = await (await client.get("/debug/kv")).json()
+    assert "replicas" not in data  # one engine: the page shows no replica selector

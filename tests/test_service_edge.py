@@ -142,3 +142,25 @@ def test_every_log_line_is_json(server: _Server) -> None:
     time.sleep(0.1)
     for line in server.lines:
         json.loads(line)
+
+
+def test_silent_sockets_are_closed_after_the_header_timeout(server: _Server) -> None:
+    """N3: connections that never send a byte fill --max-connections 4 only until the header
+    timeout (1 s here, counted from the connection's opening), then close without an answer."""
+    silent = [server.connect() for _ in range(4)]
+    try:
+        time.sleep(0.2)
+        status, _ = _status_and_body(server.raw(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"))
+        assert status == 503  # the four silent sockets hold every slot
+        start = time.monotonic()
+        for sock in silent:
+            sock.settimeout(10)
+            assert sock.recv(65536) == b""  # closed by the server, nothing written
+        assert time.monotonic() - start < 3
+    finally:
+        for sock in silent:
+            sock.close()
+    time.sleep(0.1)
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/health", timeout=10) as resp:
+        assert resp.status == 200
+    assert any('"idle_timeout"' in line for line in server.lines)

@@ -30,11 +30,13 @@ log = structlog.get_logger("kvcore.cluster")
 
 class ClusterEngine:
     """Duck-typed AsyncEngine (generate, abort, start, stop, num_waiting, running, and `.engine`
-    for the model facts the routes read). A replica that dies mid-stream fails only its own
+    for the model facts the routes read), plus `replica_ids` and `kv_snapshot(replica_id)`
+    for the KV inspector. A replica that dies mid-stream fails only its own
     requests (RequestFailed: the service ends the stream with an error event)."""
 
     def __init__(self, handle: Any, state: RouterState, model: IngressModel) -> None:
         self.engine = model
+        self._control = handle  # unary calls (a replica's KV snapshot)
         self._handle = handle.options(stream=True)
         self._state = state
         self._streams: dict[str, Any] = {}  # request_id -> its DeploymentResponseGenerator
@@ -66,9 +68,18 @@ class ClusterEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Sequences waiting on all replicas, as last reported."""
-        return sum(r.stats.num_waiting for r in self._state.snapshot().values()
-                   if r.stats is not None)
+        """Sequences waiting on all replicas: the ingress's own count of what it routed and has
+        not seen finish, less what the replicas last reported running (RouterState)."""
+        return self._state.num_waiting()
+
+    def replica_ids(self) -> list[str]:
+        """The live replicas, sorted (the ids /debug/kv?replica= takes)."""
+        return sorted(self._state.snapshot())
+
+    async def kv_snapshot(self, replica_id: str) -> dict[str, Any] | None:
+        """That replica's last published KV snapshot (None before its first); the request
+        router sends the call to it alone (kvcore.cluster.router)."""
+        return await self._control.kv_snapshot.remote(target_replica=replica_id)
 
     async def start(self) -> None:
         self._running = True
@@ -116,8 +127,9 @@ class ClusterEngine:
         info = self.engine.info
         # the blocks a replica could serve: never the last prompt token (it is recomputed)
         num_blocks = (len(prompt_ids) - 1) // info.block_size if info.prefix_caching else 0
+        num_seqs = params.n if isinstance(params, SamplingParams) else params.beam_width
         route = Route(request_id, tuple(chain_hashes(prompt_ids, info.block_size, cache_salt,
-                                                     num_blocks)), info.block_size)
+                                                     num_blocks)), info.block_size, num_seqs)
         arrival = time.monotonic()
         stream = self._handle.generate.remote(prompt_ids, params, request_id, priority,
                                               cache_salt, route=route)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 from ray import serve
 
@@ -59,6 +60,13 @@ class KVCoreReplica:
         async for output in engine.generate(prompt_token_ids, params, request_id,
                                             priority=priority, cache_salt=cache_salt):
             yield output, self._report()
+
+    async def kv_snapshot(self, *, target_replica: str) -> dict[str, Any] | None:
+        """The engine's last published KV snapshot, for the ingress's /debug/kv (polling it keeps
+        the engine publishing). `target_replica` is read by the request router, which sends
+        the call to that replica alone."""
+        assert target_replica == self._replica_id, (target_replica, self._replica_id)
+        return (await self._ready()).kv_snapshot()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """The custom metrics kvcore.cluster.autoscale scales on (Ray Serve polls them)."""

@@ -24,8 +24,12 @@ class KVCacheRequestRouter(RequestRouter):
     async def choose_replicas(
             self, candidate_replicas: list[RunningReplica],
             pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        kwargs = pending_request.kwargs if pending_request is not None else {}
+        target = kwargs.get("target_replica")
+        if isinstance(target, str):  # a call for one replica (its KV snapshot): that one only
+            return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
         state = self._state()
-        route = pending_request.kwargs.get("route") if pending_request is not None else None
+        route = kwargs.get("route")
         if state is None or not isinstance(route, Route) or not candidate_replicas:
             return [candidate_replicas]  # a control call (info): any replica
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}

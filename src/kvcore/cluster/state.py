@@ -36,6 +36,7 @@ class Route:
     request_id: str
     block_hashes: tuple[BlockHash, ...]  # the prompt's full blocks that a replica could serve
     block_size: int
+    num_seqs: int = 1  # n choices or beams: what it adds to the replica's queue
 
 
 MAX_PENDING = 16  # event batches held back waiting for an earlier one, per replica
@@ -44,6 +45,7 @@ MAX_PENDING = 16  # event batches held back waiting for an earlier one, per repl
 @dataclass(slots=True)
 class _Replica:
     num_outstanding: int = 0
+    num_seqs: int = 0  # sequences of the requests routed here whose streams have not ended
     stats: EngineStats | None = None
     seq: int = 0  # last event batch applied
     # batches that overtook an earlier one (streams of one replica arrive in any order): seq ->
@@ -64,7 +66,8 @@ class RouterState:
     replicas: dict[str, _Replica] = field(default_factory=dict)
     decisions: Counter[str] = field(default_factory=Counter)  # reason -> count
     num_lost_batches: int = 0  # event batches that never arrived (the replica's entries reset)
-    _routes: dict[str, tuple[str, int]] = field(default_factory=dict)  # id -> (replica, tokens)
+    # request id -> (replica, predicted cached tokens, sequences)
+    _routes: dict[str, tuple[str, int, int]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def route(self, route: Route, replica_ids: Sequence[str]) -> RouteDecision:
@@ -82,14 +85,17 @@ class RouterState:
             if previous is not None:  # a retry after a rejection: move the request's counts
                 moved = self._replica(previous[0])
                 moved.num_outstanding -= 1
+                moved.num_seqs -= previous[2]
                 moved.routed -= 1
             else:
                 self.decisions[decision.reason] += 1
             chosen = self._replica(decision.replica_id)
             chosen.num_outstanding += 1
+            chosen.num_seqs += route.num_seqs
             chosen.routed += 1
             self._routes[route.request_id] = (decision.replica_id,
-                                              decision.predicted_cached_blocks * route.block_size)
+                                              decision.predicted_cached_blocks * route.block_size,
+                                              route.num_seqs)
         self.index.apply(decision.replica_id, ((True, h) for h in route.block_hashes))
         return decision
 
@@ -102,6 +108,7 @@ class RouterState:
                 return
             replica = self._replica(routed[0])
             replica.num_outstanding -= 1
+            replica.num_seqs -= routed[2]
             if num_cached_tokens is not None:
                 replica.cached_tokens += num_cached_tokens
                 replica.predicted_tokens += routed[1]
@@ -130,14 +137,25 @@ class RouterState:
         for events in ready:
             self.index.apply(report.replica_id, events)
 
+    def num_waiting(self) -> int:
+        """Sequences waiting on all replicas: on each, the sequences routed there and not yet
+        finished that its last report does not show running, or the waiting it reports,
+        whichever is larger (a report lags a burst; the ingress's own count does not)."""
+        with self._lock:
+            return sum(max(r.stats.num_waiting if r.stats else 0,
+                           r.num_seqs - (r.stats.num_running if r.stats else 0))
+                       for r in self.replicas.values())
+
     def sync_replicas(self, live: Iterable[str]) -> list[str]:
-        """Forget replicas Ray no longer routes to (dead, or replaced by a restart with a fresh
-        cache and a new id); returns their ids."""
+        """Know the replicas Ray routes to, and forget those it no longer does (dead, or
+        replaced by a restart with a fresh cache and a new id); returns the forgotten ids."""
         live = set(live)
         with self._lock:
             gone = [r for r in self.replicas if r not in live]
             for replica_id in gone:
                 del self.replicas[replica_id]
+            for replica_id in live:
+                self._replica(replica_id)
         for replica_id in gone:
             num = self.index.drop_replica(replica_id)
             log.info("replica gone: its index entries dropped", replica=replica_id, entries=num)
@@ -145,8 +163,8 @@ class RouterState:
 
     def snapshot(self) -> dict[str, _Replica]:
         with self._lock:
-            return {r: _Replica(v.num_outstanding, v.stats, v.seq, dict(v.pending), v.routed,
-                                v.cached_tokens, v.predicted_tokens)
+            return {r: _Replica(v.num_outstanding, v.num_seqs, v.stats, v.seq, dict(v.pending),
+                                v.routed, v.cached_tokens, v.predicted_tokens)
                     for r, v in self.replicas.items()}
 
     def _replica(self, replica_id: str) -> _Replica:
