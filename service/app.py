@@ -12,7 +12,7 @@ import structlog
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from kvcore.engine import AsyncEngine
+from kvcore.engine import AsyncEngine, EngineClient
 from kvcore.service import inspector, routes
 from kvcore.service.admission import Admission
 from kvcore.service.auth import TenantAuth, keys_from_list
@@ -125,7 +125,7 @@ async def drain(app: web.Application, timeout: float) -> int:
     return len(left)
 
 
-def make_app(engine: AsyncEngine | Callable[[], AsyncEngine], *,
+def make_app(engine: EngineClient | Callable[[], EngineClient], *,
              api_keys: Mapping[str, str] | Iterable[str] | None = None,
              served_model_name: str | Sequence[str] | None = None,
              max_body_size: int = DEFAULT_MAX_BODY_SIZE, max_waiting: int | None = None,
@@ -133,9 +133,10 @@ def make_app(engine: AsyncEngine | Callable[[], AsyncEngine], *,
              max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST,
              body_timeout: float | None = DEFAULT_BODY_TIMEOUT_S,
              admin_keys: Iterable[str] = ()) -> web.Application:
-    """The OpenAI-compatible application around an AsyncEngine.
+    """The OpenAI-compatible application around an EngineClient (AsyncEngine, or the cluster's
+    ClusterEngine).
 
-    `engine` is a ready AsyncEngine, or a callable that builds one (it runs in a worker thread at
+    `engine` is a ready EngineClient, or a callable that builds one (it runs in a worker thread at
     startup while /health answers 503). `api_keys`: keys (each its own tenant) or a mapping
     key -> tenant; None or empty: no auth, one tenant. `admin_keys`: keys that may also open the
     KV inspector (/inspector, /debug/kv; open to all without keys); one not among `api_keys` is
@@ -169,10 +170,10 @@ def make_app(engine: AsyncEngine | Callable[[], AsyncEngine], *,
         keys.setdefault(key, f"admin{i}")
     auth = TenantAuth(keys, cache_salt_secret, admins)
     state = ServiceState(
-        engine_factory=None if isinstance(engine, AsyncEngine) else engine,
+        engine_factory=engine if callable(engine) else None,
         auth=auth, served_model_names=names, max_body_size=max_body_size,
         admission=Admission(max_waiting), metrics=None,  # type: ignore[arg-type]
-        created=int(time.time()), engine=engine if isinstance(engine, AsyncEngine) else None,
+        created=int(time.time()), engine=None if callable(engine) else engine,
         max_sequences_per_request=max_sequences_per_request, body_timeout=body_timeout)
     state.metrics = ServiceMetrics(
         names[0], lambda: state.engine.stats() if state.engine is not None else None)

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from kvcore.engine import AsyncEngine
+from kvcore.engine import EngineClient
 from kvcore.service.admission import Admission
 from kvcore.service.auth import TenantAuth
 from kvcore.service.errors import APIError, bad_request
@@ -26,14 +26,14 @@ T = TypeVar("T")
 
 @dataclass(slots=True)
 class ServiceState:
-    engine_factory: Callable[[], AsyncEngine] | None  # loads in a worker thread at startup
+    engine_factory: Callable[[], EngineClient] | None  # loads in a worker thread at startup
     auth: TenantAuth
     served_model_names: list[str]
     max_body_size: int  # bytes
     admission: Admission  # --max-waiting: reserves each admitted call's sequences
     metrics: ServiceMetrics
     created: int  # unix time, /v1/models
-    engine: AsyncEngine | None = None
+    engine: EngineClient | None = None
     status: str = LOADING
     load_error: str | None = None
     max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
@@ -64,7 +64,7 @@ class ServiceState:
     tenants: dict[str, str] = field(default_factory=dict)
     inspector_body: tuple[dict[str, Any], bytes] | None = None
 
-    def ready_engine(self) -> AsyncEngine:
+    def ready_engine(self) -> EngineClient:
         """The engine, or 503 while loading, draining, or after a failed load."""
         if self.status != READY or self.engine is None:
             detail = f": {self.load_error}" if self.load_error else ""

@@ -65,6 +65,19 @@ class FakeStream:
         return self._gen()
 
 
+class FakeCall:
+    """A unary method of the handle: `.remote(**kwargs)` is awaitable, like a
+    DeploymentResponse; `answer(**kwargs)` is what the replica returns."""
+
+    def __init__(self, answer: Any) -> None:
+        self.answer = answer
+
+    def remote(self, **kwargs: Any) -> Any:
+        async def reply() -> Any:
+            return self.answer(**kwargs)
+        return reply()
+
+
 class FakeHandle:
     """Routes like Ray would: asks the RouterState (as KVCacheRequestRouter does), then streams
     a scripted answer from the chosen replica."""
@@ -80,6 +93,12 @@ class FakeHandle:
     @property
     def generate(self) -> FakeHandle:
         return self
+
+    @property
+    def kv_snapshot(self) -> FakeCall:
+        return FakeCall(lambda target_replica: {
+            "requests": [{"group": "a"}],
+            "pool": {"num_blocks": 10, "replica": target_replica}})
 
     def remote(self, prompt: list[int], params: Any, request_id: str, priority: int,
                salt: str | None, route: Route) -> FakeStream:
@@ -208,4 +227,32 @@ def test_the_ingress_counts_routed_sequences_until_their_streams_end(
         assert all(r.num_seqs == 0 and r.num_outstanding == 0
                    for r in state.snapshot().values())
         assert ce.replica_ids() == ["r1", "r2"] or set(ce.replica_ids()) <= {"r1", "r2"}
+    _run(main())
+
+
+def test_debug_kv_answers_over_replicas_with_an_admin_key(
+        engine: tuple[ClusterEngine, FakeHandle, RouterState]) -> None:
+    """The service's /debug/kv on a ClusterEngine (kvcore serve --replicas 2 --admin-key): 200,
+    the snapshot of the replica asked for, never a 5xx."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from kvcore.service import make_app
+
+    async def main() -> None:
+        ce, _, _ = engine
+        app = make_app(ce, served_model_name="m", admin_keys=["adm"])
+        async with TestClient(TestServer(app)) as client:
+            auth = {"Authorization": "Bearer adm"}
+            response = await client.get("/debug/kv", headers=auth)
+            assert response.status == 503  # no replica has reported yet: retry, not a 500
+            _ = [o async for o in ce.generate(list(range(10, 19)), SamplingParams(max_tokens=2),
+                                              "a")]
+            for replica in ce.replica_ids():
+                response = await client.get("/debug/kv", params={"replica": replica},
+                                            headers=auth)
+                assert response.status == 200, await response.text()
+                body = await response.json()
+                assert body["replica"] == replica and body["requests"] == [{"group": "a"}]
+                assert body["pool"] == {"num_blocks": 10, "replica": replica}
+            assert (await client.get("/debug/kv")).status == 401
     _run(main())

@@ -240,11 +240,11 @@ def test_async_engine_publishes_only_while_polled_and_at_a_bounded_rate(
     async def main() -> None:
         async with AsyncEngine(make_engine(tiny_model_dir, num_blocks=64)) as ae:
             await run_all(ae, 4)
-            assert ae.kv_snapshot() is None  # nobody asked: nothing was ever built
+            assert await ae.kv_snapshot() is None  # nobody asked: nothing was ever built
             assert ae._kv_probe._seq == 0
             snapshot = None
             for _ in range(200):  # idle: the poll wakes the driver, which publishes
-                snapshot = ae.kv_snapshot()
+                snapshot = await ae.kv_snapshot()
                 if snapshot is not None:
                     break
                 await asyncio.sleep(0.01)
@@ -254,7 +254,7 @@ def test_async_engine_publishes_only_while_polled_and_at_a_bounded_rate(
             task = asyncio.create_task(run_all(ae, 6))
             seqs = set()
             while not task.done():
-                latest = ae.kv_snapshot()
+                latest = await ae.kv_snapshot()
                 assert latest is not None
                 seqs.add(latest["seq"])
                 await asyncio.sleep(0.005)

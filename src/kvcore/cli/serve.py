@@ -152,13 +152,13 @@ def _config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
 
 def _build_engine(config: EngineConfig) -> AsyncEngine:
     engine = AsyncEngine.from_config(config)
-    stats = engine.engine.stats()
-    kv_plan = plan_for_model(engine.engine.model_config, stats.cache_dtype,
-                             context=engine.engine.max_model_len, block_size=stats.block_size)
+    stats = engine.stats()
+    kv_plan = plan_for_model(engine.model_config, stats.cache_dtype,
+                             context=engine.max_model_len, block_size=stats.block_size)
     pool_bytes = stats.num_blocks * kv_plan.bytes_per_block
     log.info("engine ready", num_blocks=stats.num_blocks, block_size=stats.block_size,
              cache_dtype=stats.cache_dtype, pool_size=format_size(pool_bytes),
-             bytes_per_token=kv_plan.bytes_per_token, max_model_len=engine.engine.max_model_len,
+             bytes_per_token=kv_plan.bytes_per_token, max_model_len=engine.max_model_len,
              # sequences of max_model_len tokens the pool holds at once
              max_concurrency=stats.num_blocks // kv_plan.blocks_per_sequence)
     return engine

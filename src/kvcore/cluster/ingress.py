@@ -1,4 +1,4 @@
-"""ClusterEngine: AsyncEngine's public surface over Ray Serve replicas, for kvcore.service.
+"""ClusterEngine: the EngineClient (kvcore.engine) over Ray Serve replicas, for kvcore.service.
 
 `make_app` runs unchanged on it (same routes, SSE and msgpack, auth, tenants, error shapes): the
 ingress validates, tokenizes and applies the tenant's cache salt as `kvcore serve` does, then each
@@ -19,9 +19,9 @@ import structlog
 from kvcore.cache import chain_hashes
 from kvcore.cluster.engine_view import IngressModel
 from kvcore.cluster.state import ReplicaReport, Route, RouterState
-from kvcore.config import ParamError
-from kvcore.engine import EngineStats, RequestFailed
-from kvcore.engine.setup import check_prompt
+from kvcore.config import ModelConfig, ParamError
+from kvcore.engine import EngineStats, RequestFailed, check_prompt
+from kvcore.model.tokenizer import Tokenizer
 from kvcore.request import CompletionOutput, RequestMetrics, RequestOutput
 from kvcore.sampling import BeamSearchParams, SamplingParams
 
@@ -29,13 +29,13 @@ log = structlog.get_logger("kvcore.cluster")
 
 
 class ClusterEngine:
-    """Duck-typed AsyncEngine (generate, abort, start, stop, num_waiting, running, and `.engine`
-    for the model facts the routes read), plus `replica_ids` and `kv_snapshot(replica_id)`
-    for the KV inspector. A replica that dies mid-stream fails only its own
-    requests (RequestFailed: the service ends the stream with an error event)."""
+    """An EngineClient over replicas: the model facts come from the ingress's IngressModel, a
+    KV snapshot from the replica asked for (`replica_ids`, `kv_snapshot(replica_id)`). A replica
+    that dies mid-stream fails only its own requests (RequestFailed: the service ends the
+    stream with an error event)."""
 
     def __init__(self, handle: Any, state: RouterState, model: IngressModel) -> None:
-        self.engine = model
+        self._model = model
         self._control = handle  # unary calls (a replica's KV snapshot)
         self._handle = handle.options(stream=True)
         self._state = state
@@ -47,18 +47,17 @@ class ClusterEngine:
     def running(self) -> bool:
         return self._running
 
-    # the read-only properties the engine-core redesign gives AsyncEngine, ready for the service
     @property
-    def tokenizer(self) -> Any:
-        return self.engine.tokenizer
+    def tokenizer(self) -> Tokenizer:
+        return self._model.tokenizer
 
     @property
-    def model_config(self) -> Any:
-        return self.engine.model_config
+    def model_config(self) -> ModelConfig:
+        return self._model.model_config
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self._model.max_model_len
 
     def check_request(self, prompt_ids: Sequence[int],
                       params: SamplingParams | BeamSearchParams) -> None:
@@ -76,10 +75,18 @@ class ClusterEngine:
         """The live replicas, sorted (the ids /debug/kv?replica= takes)."""
         return sorted(self._state.snapshot())
 
-    async def kv_snapshot(self, replica_id: str) -> dict[str, Any] | None:
-        """That replica's last published KV snapshot (None before its first); the request
-        router sends the call to it alone (kvcore.cluster.router)."""
-        return await self._control.kv_snapshot.remote(target_replica=replica_id)
+    async def kv_snapshot(self, replica_id: str | None = None) -> dict[str, Any] | None:
+        """That replica's last published KV snapshot (None before its first; the first live
+        replica's when None); the request router sends the call to it alone
+        (kvcore.cluster.router)."""
+        if replica_id is None:
+            ids = self.replica_ids()
+            if not ids:
+                return None
+            replica_id = ids[0]
+        snapshot: dict[str, Any] | None = await self._control.kv_snapshot.remote(
+            target_replica=replica_id)
+        return snapshot
 
     async def start(self) -> None:
         self._running = True
@@ -120,11 +127,11 @@ class ClusterEngine:
             raise RuntimeError("ClusterEngine is not started")
         if request_id in self._streams:
             raise ParamError("request_id", f"request_id {request_id!r} is already in use")
-        prompt_ids = (self.engine.tokenizer.encode(prompt) if isinstance(prompt, str)
+        prompt_ids = (self._model.tokenizer.encode(prompt) if isinstance(prompt, str)
                       else list(prompt))
         if not prompt_ids:
             raise ParamError("prompt", "the prompt must not be empty")
-        info = self.engine.info
+        info = self._model.info
         # the blocks a replica could serve: never the last prompt token (it is recomputed)
         num_blocks = (len(prompt_ids) - 1) // info.block_size if info.prefix_caching else 0
         num_seqs = params.n if isinstance(params, SamplingParams) else params.beam_width

@@ -8,8 +8,8 @@ from typing import Any
 
 from ray import serve
 
-from kvcore.cluster import engine_view
 from kvcore.cluster.autoscale import KV_USAGE, NUM_PREEMPTIONS, NUM_WAITING
+from kvcore.cluster.engine_view import ReplicaInfo, replica_info
 from kvcore.cluster.state import ReplicaReport, Route
 from kvcore.config import EngineConfig
 from kvcore.engine import AsyncEngine
@@ -27,7 +27,7 @@ class KVCoreReplica:
 
     def __init__(self, config: EngineConfig) -> None:
         self._engine = AsyncEngine.from_config(config)
-        engine_view.enable_cache_events(self._engine)
+        self._engine.enable_cache_events()
         # the id Ray Serve's request router knows this replica by (a restart gets a new one)
         self._replica_id = serve.get_replica_context().replica_id.unique_id
         self._seq = 0
@@ -42,14 +42,13 @@ class KVCoreReplica:
         return self._engine
 
     def _report(self) -> ReplicaReport:
-        events = tuple(engine_view.drain_cache_events(self._engine))
+        events = tuple(self._engine.drain_cache_events())
         if events:
             self._seq += 1
-        return ReplicaReport(self._replica_id, self._seq, events,
-                             engine_view.engine_stats(self._engine))
+        return ReplicaReport(self._replica_id, self._seq, events, self._engine.stats())
 
-    async def info(self) -> tuple[str, engine_view.ReplicaInfo]:
-        return self._replica_id, engine_view.replica_info(await self._ready())
+    async def info(self) -> tuple[str, ReplicaInfo]:
+        return self._replica_id, replica_info(await self._ready())
 
     async def generate(self, prompt_token_ids: list[int],
                        params: SamplingParams | BeamSearchParams, request_id: str, priority: int,
@@ -66,11 +65,11 @@ class KVCoreReplica:
         the engine publishing). `target_replica` is read by the request router, which sends
         the call to that replica alone."""
         assert target_replica == self._replica_id, (target_replica, self._replica_id)
-        return (await self._ready()).kv_snapshot()
+        return await (await self._ready()).kv_snapshot()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """The custom metrics kvcore.cluster.autoscale scales on (Ray Serve polls them)."""
-        stats = engine_view.engine_stats(self._engine)
+        stats = self._engine.stats()
         return {KV_USAGE: stats.kv_cache_usage, NUM_WAITING: float(stats.num_waiting),
                 NUM_PREEMPTIONS: float(stats.num_preemptions)}
 

@@ -17,7 +17,7 @@ from kvcore.cluster.app import (
 )
 from kvcore.cluster.metrics import RouterCollector
 from kvcore.config import EngineConfig
-from kvcore.engine import AsyncEngine
+from kvcore.engine import EngineClient
 from kvcore.service import STATE_KEY, make_app
 from kvcore.service.edge import Edge
 from kvcore.service.serve import serve
@@ -39,12 +39,11 @@ def build_app(config: EngineConfig, options: ClusterOptions, clusters: list[Clus
               started_ray: bool = False, **app_kwargs: object) -> web.Application:
     """make_app around the cluster, started in make_app's loader thread (so /health answers 503
     while Ray starts and the replicas load); the started Cluster is appended to `clusters`."""
-    def factory() -> AsyncEngine:
+    def factory() -> EngineClient:
         cluster = start_cluster(config, options, started_ray)
         clusters.append(cluster)
         app[STATE_KEY].metrics.registry.register(RouterCollector(cluster.state))
-        # ClusterEngine has AsyncEngine's public surface; the service reads nothing else
-        return cluster.engine  # type: ignore[return-value]
+        return cluster.engine
 
     app = make_app(factory, **app_kwargs)  # type: ignore[arg-type]
     return app

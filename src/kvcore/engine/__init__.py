@@ -1,7 +1,10 @@
 """The engine layer: Engine (one step at a time), LLM (offline batches), AsyncEngine (asyncio)."""
 
 from kvcore.engine.async_engine import AsyncEngine, RequestFailed
+from kvcore.engine.client import EngineClient
 from kvcore.engine.engine import Engine, EngineStats
 from kvcore.engine.llm import LLM
+from kvcore.engine.setup import check_prompt
 
-__all__ = ["LLM", "AsyncEngine", "Engine", "EngineStats", "RequestFailed"]
+__all__ = ["LLM", "AsyncEngine", "Engine", "EngineClient", "EngineStats", "RequestFailed",
+           "check_prompt"]

@@ -14,6 +14,7 @@ from typing import Any
 
 import structlog
 
+from kvcore.cache import CacheEvent
 from kvcore.config import EngineConfig, ModelConfig, ParamError
 from kvcore.engine.engine import Engine, EngineStats
 from kvcore.engine.kv_snapshot import KVProbe
@@ -117,6 +118,14 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """The engine's counters as of the last step (published by the driver between steps)."""
         return self._stats
+
+    def enable_cache_events(self) -> None:
+        """Start recording the pool's prefix-cache changes (before the first request)."""
+        self.engine.kv.pool.enable_events()
+
+    def drain_cache_events(self) -> list[CacheEvent]:
+        """The pool's cache changes since the last drain (thread-safe against a running step)."""
+        return self.engine.kv.pool.drain_events()
 
     @property
     def num_waiting(self) -> int:
@@ -260,9 +269,12 @@ class AsyncEngine:
 
     # --- the KV inspector hook (kvcore.engine.kv_snapshot): published between steps ---
 
-    def kv_snapshot(self) -> dict[str, Any] | None:
+    async def kv_snapshot(self, replica_id: str | None = None) -> dict[str, Any] | None:
         """The last published KV snapshot (None before the first). Polling it keeps the driver
-        publishing fresh ones, at most every 0.5 s; the caller never reads engine state."""
+        publishing fresh ones, at most every 0.5 s; the caller never reads engine state. One
+        engine: there is no replica to name."""
+        if replica_id is not None:
+            raise ParamError("replica", "this engine has no replicas")
         snapshot = self._kv_probe.poll()
         if self._kv_probe.due() and self._wakeup is not None:
             self._wakeup.set()  # an idle driver publishes now

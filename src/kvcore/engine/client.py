@@ -1,0 +1,55 @@
+"""EngineClient: the engine as the service and the cluster's ingress use it, and nothing more.
+
+AsyncEngine implements it in one process; kvcore.cluster's ClusterEngine over Ray Serve replicas.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Protocol
+
+from kvcore.config import ModelConfig
+from kvcore.engine.engine import EngineStats
+from kvcore.model.tokenizer import Tokenizer
+from kvcore.request import RequestOutput
+from kvcore.sampling import BeamSearchParams, SamplingParams
+
+
+class EngineClient(Protocol):
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    @property
+    def model_config(self) -> ModelConfig: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def running(self) -> bool: ...
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences waiting to run (n > 1 and beams count every sequence)."""
+
+    def check_request(self, prompt_ids: Sequence[int],
+                      params: SamplingParams | BeamSearchParams) -> None:
+        """The checks of a request against the fixed configuration (ParamError), unqueued."""
+
+    def generate(self, prompt: str | Sequence[int], params: SamplingParams | BeamSearchParams,
+                 request_id: str | None = None, *, priority: int = 0,
+                 cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as it progresses (the last one has finished=True)."""
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def stats(self) -> EngineStats | None:
+        """Counters and gauges as last published (None: nothing published yet)."""
+
+    async def kv_snapshot(self, replica_id: str | None = None) -> dict[str, Any] | None:
+        """The last published KV inspector snapshot (kvcore.engine.kv_snapshot's format) of
+        the engine, or of one replica (ClusterEngine: `replica_ids()` lists them)."""
