@@ -81,7 +81,8 @@ def test_soak_tiny_server_passes(tiny_model_dir: Path, tmp_path: Path) -> None:
         "--model", str(tiny_model_dir), "--server-args",
         "--device cpu --block-size 4 --num-blocks 1024 --max-model-len 1024",
         "--requests", "110", "--concurrency", "6", "--max-tokens", "8", "--bursts", "2",
-        "--burst", "40", "--max-waiting", "4", "--header-timeout", "1", "--body-timeout", "1",
+        "--burst", "40", "--burst-tokens", "400", "--max-waiting", "4", "--header-timeout", "1",
+        "--body-timeout", "1",
         "--drain-timeout", "0", "--request-timeout", "20", "--duration", "60",
         "--log", str(tmp_path / "serve.log"),
         "--json", str(out)])
@@ -98,6 +99,12 @@ def test_soak_tiny_server_passes(tiny_model_dir: Path, tmp_path: Path) -> None:
     status = summary["status"]
     assert {"200", "400", "401", "404", "408", "413", "415", "429"} <= set(status)
     assert summary["burst_429"] > 0
+    # a burst of n=2 calls admits at most --max-waiting 4 + --max-num-seqs 8 sequences
+    assert len(summary["admission_bursts_admitted_seqs"]) == 1
+    assert 0 < summary["admission_bursts_admitted_seqs"][0] <= 12
+    # 64 silent sockets fill --max-connections, and are closed unanswered after 1 s
+    idle = summary["idle_sockets"]
+    assert idle["status_while_full"] == 503 and idle["still_open"] == idle["answered"] == 0
     # /health answered all along (a stalled event loop would show as a slow answer)
     assert summary["health_probe"]["count"] > 10 and summary["health_probe"]["max_s"] < 30
     # --max-connections holds for connections opened one at a time and all at once

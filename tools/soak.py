@@ -4,19 +4,23 @@ The mix: streamed and plain completions and chat (n > 1, beam search, stop strin
 batched prompts), clients that leave mid-stream or before the answer, bad requests (unsafe
 parameter values, lone surrogates, wrong role types, gzip bodies, text/plain, unsupported OpenAI
 fields, too many sequences, malformed JSON), raw-socket abuse (slowloris headers, a body shorter
-than its Content-Length, a bad request line, a NUL in the Authorization header, ...) and
-overload bursts that must meet 429s. Then it checks: 0 5xx (statuses, in-stream error events and
-the request log), 0 hung requests, every stream well-formed (ends with `data: [DONE]`, at most one
-error event and only last, every choice finished once), 4xx bodies in OpenAI's error shape naming
-the parameter, /metrics idle (0 running, 0 waiting, every KV block free), and a server log of
-JSON lines only, with no traceback and never the run's API key.
+than its Content-Length, a bad request line, a NUL in the Authorization header, ...), overload
+bursts that must meet 429s, and an admission burst (long n=2 calls all at once: the server may
+admit no more sequences than --max-waiting plus --max-num-seqs). Then it checks: 0 5xx
+(statuses, in-stream error events and the request log), 0 hung requests, every stream
+well-formed (ends with `data: [DONE]`, at most one error event and only last, every choice
+finished once), 4xx bodies in OpenAI's error shape naming the parameter, /metrics idle (0
+running, 0 waiting, every KV block free), and a server log of JSON lines only, with no traceback
+and never the run's API key.
 
     flock /tmp/kvcore-bench.lock .venv/bin/python tools/soak.py --json soak.json
     .venv/bin/python tools/soak.py --url http://127.0.0.1:8000 --api-key KEY --log serve.log
 
 Without --url it starts `kvcore serve` (the default model, or --model DIR) on a free loopback
-port with small limits and a random API key, captures its log, checks the connection cap, and at
-the end sends SIGTERM while streams run: they must end well-formed, the process with status 0.
+port with small limits and a random API key, captures its log, checks the connection cap and
+idle sockets (--max-connections silent sockets: the server must close them unanswered within
+--header-timeout of their opening), and at the end sends SIGTERM while streams run: they must
+end well-formed, the process with status 0.
 Exit status 0 when every check passes, 1 otherwise.
 """
 
@@ -68,6 +72,8 @@ class Tally:
     server_errors: int = 0  # 5xx statuses and 5xx error events, bar the connection cap's 503
     rate_limited: int = 0
     burst_429: int = 0
+    admitted_seqs: list[int] = field(default_factory=list)  # per admission burst
+    idle_sockets: dict[str, Any] = field(default_factory=dict)
     cap_503: dict[str, int] = field(default_factory=dict)  # 503s of the connection cap
     bad_429: set[str] = field(default_factory=set)  # bad requests answered 429 before their 4xx
     drain_finish: Counter[str] = field(default_factory=Counter)
@@ -352,6 +358,28 @@ async def overload_case(ctx: Ctx, rng: random.Random, kind: str) -> None:
         await asyncio.gather(*(one(i) for i in range(ctx.args.burst)))
 
 
+async def admission_case(ctx: Ctx, rng: random.Random, kind: str) -> None:
+    """A burst of n=2 calls at once, each long enough that none ends while the burst arrives:
+    the sequences admitted (200) never exceed --max-waiting + --max-num-seqs, the rest are 429."""
+    n = 2
+    body = {"model": ctx.model, "prompt": rng.choice(PROMPTS), "n": n, "ignore_eos": True,
+            "max_tokens": ctx.args.burst_tokens, "seed": rng.randrange(1 << 30)}
+
+    async def one() -> int:
+        status, headers, raw = await post(ctx, "/v1/completions", body)
+        check_answer(ctx, kind, status, headers, raw, body, n)
+        return status
+
+    async with ctx.burst_lock:
+        statuses = await asyncio.gather(*(one() for _ in range(ctx.args.burst)))
+    admitted = statuses.count(200) * n
+    ctx.tally.admitted_seqs.append(admitted)
+    bound = ctx.args.max_waiting + ctx.args.max_num_seqs
+    if admitted > bound:
+        ctx.tally.fail(kind, f"{admitted} sequences admitted by one burst, over --max-waiting "
+                       f"{ctx.args.max_waiting} + --max-num-seqs {ctx.args.max_num_seqs}")
+
+
 # ---- bad requests --------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -581,7 +609,7 @@ CASES: dict[str, Case] = {
     "completion": generation_case, "completion_stream": generation_case, "chat": generation_case,
     "chat_stream": generation_case, "beam": generation_case, "disconnect": disconnect_case,
     "cancel_early": cancel_early_case, "overload": overload_case, "slowloris": slowloris_case,
-    "short_body": short_body_case,
+    "short_body": short_body_case, "admission": admission_case,
 }
 
 
@@ -589,7 +617,8 @@ def make_plan(args: argparse.Namespace, num_bad: int, num_raw: int) -> list[tupl
     """Every bad and raw case once, the slow clients and the bursts, then a random mix."""
     rng = random.Random(args.seed)
     plan = ([("bad", i) for i in range(num_bad)] + [("raw", i) for i in range(num_raw)]
-            + [("slowloris", 0), ("short_body", 0)] + [("overload", 0)] * args.bursts)
+            + [("slowloris", 0), ("short_body", 0)] + [("overload", 0)] * args.bursts
+            + [("admission", 0)])
     kinds, weights = zip(*MIX.items(), strict=True)
     while len(plan) < args.requests:
         kind = rng.choices(kinds, weights)[0]
@@ -601,7 +630,8 @@ def make_plan(args: argparse.Namespace, num_bad: int, num_raw: int) -> list[tupl
 def case_limit(args: argparse.Namespace, kind: str) -> float:
     """Seconds a case may take before it counts as hung."""
     return {"slowloris": args.header_timeout + 15, "short_body": args.body_timeout + LINGER_S + 15,
-            "overload": 2 * args.request_timeout}.get(kind, args.request_timeout)
+            "overload": 2 * args.request_timeout,
+            "admission": 2 * args.request_timeout}.get(kind, args.request_timeout)
 
 
 async def run_case(ctx: Ctx, kind: str, arg: int, rng: random.Random,
@@ -684,7 +714,9 @@ async def connection_cap(ctx: Ctx) -> None:
                 reader, writer = await asyncio.open_connection(ctx.host, ctx.port)
                 readers.append(reader)
                 writers.append(writer)
-                await asyncio.sleep(0.02)  # the server has taken it before the next
+                # the server has taken it before the next; all open well within the header
+                # timeout, which closes a silent connection that long after it opened
+                await asyncio.sleep(min(0.02, ctx.args.header_timeout / 2 / count))
             answers = await asyncio.gather(*(read_until_closed(r, 2.0) for r in readers))
         finally:
             for writer in writers:
@@ -706,18 +738,54 @@ async def connection_cap(ctx: Ctx) -> None:
             ctx.tally.fail(f"connection cap, {how}", "/health not 200 once they closed")
 
 
+async def idle_sockets(ctx: Ctx) -> None:
+    """--max-connections sockets that never send a byte: while they are open a new client gets
+    the cap's 503; the server closes each without an answer within --header-timeout of its
+    opening (plus 2 s of slack); then it takes connections again."""
+    count, limit = ctx.args.max_connections, ctx.args.header_timeout
+    start = time.monotonic()
+    pairs = await asyncio.gather(*(asyncio.open_connection(ctx.host, ctx.port)
+                                   for _ in range(count)))
+    try:
+        await asyncio.sleep(0.1)
+        full = await health_status(ctx)
+        ends = await asyncio.gather(*(read_until_closed(r, limit + 10) for r, _ in pairs))
+        closed_s = time.monotonic() - start
+    finally:
+        for _, writer in pairs:
+            writer.close()
+    answered = sum(bool(buf) for buf, _ in ends)
+    still_open = sum(not closed for _, closed in ends)
+    ctx.tally.idle_sockets = {"count": count, "status_while_full": full,
+                              "closed_after_s": round(closed_s, 2), "answered": answered,
+                              "still_open": still_open}
+    if full != 503:
+        ctx.tally.fail("idle sockets", f"a client got {full} while {count} silent sockets "
+                       "held every slot, not the cap's 503")
+    if answered or still_open or closed_s > limit + 2:
+        ctx.tally.fail("idle sockets", f"{still_open} of {count} still open, {answered} "
+                       f"answered, the last closed after {closed_s:.1f} s (--header-timeout "
+                       f"{limit:g})")
+    if not await health_ok(ctx):
+        ctx.tally.fail("idle sockets", "/health not 200 once they closed")
+
+
+async def health_status(ctx: Ctx) -> int | None:
+    """The status of one GET /health on a new connection."""
+    reader, writer = await asyncio.open_connection(ctx.host, ctx.port)
+    try:
+        writer.write(b"GET /health HTTP/1.1\r\nHost: soak\r\nConnection: close\r\n\r\n")
+        buf, _ = await read_until_closed(reader, 2.0)
+    finally:
+        writer.close()
+    return parse_response(buf)[0]
+
+
 async def health_ok(ctx: Ctx, wait_s: float = 5.0) -> bool:
     """GET /health on a new connection until 200 (the server notices closed connections)."""
-    request = b"GET /health HTTP/1.1\r\nHost: soak\r\nConnection: close\r\n\r\n"
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
-        reader, writer = await asyncio.open_connection(ctx.host, ctx.port)
-        try:
-            writer.write(request)
-            buf, _ = await read_until_closed(reader, 2.0)
-        finally:
-            writer.close()
-        if parse_response(buf)[0] == 200:
+        if await health_status(ctx) == 200:
             return True
         await asyncio.sleep(0.1)
     return False
@@ -939,6 +1007,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         if server is not None:
             await asyncio.sleep(0.5)
             await connection_cap(ctx)
+            await idle_sockets(ctx)
         async with aiohttp.ClientSession(timeout=timeout) as http:
             ctx.http = http
             metrics = await idle_metrics(ctx)
@@ -971,6 +1040,12 @@ def summarize(args: argparse.Namespace, model: str, t: Tally, plan: list[tuple[s
         "streams_well_formed": t.streams["malformed"] == 0,
         "answers_as_expected": t.num_failures == 0,
         "overload_hit_429": t.burst_429 > 0 if t.cases["overload"] else None,
+        "admission_bounded": (max(t.admitted_seqs) <= args.max_waiting + args.max_num_seqs
+                              if t.admitted_seqs else None),
+        "idle_sockets_closed": (t.idle_sockets.get("still_open") == 0
+                                and t.idle_sockets.get("answered") == 0
+                                and t.idle_sockets.get("closed_after_s", 1e9)
+                                <= args.header_timeout + 2 if owned else None),
         "idle_after": bool(metrics) and metrics["num_requests_running"] == 0
         and metrics["num_requests_waiting"] == 0 and metrics["kv_cache_usage_perc"] == 0,
         "no_leaked_blocks": bool(metrics) and metrics["leaked_blocks"] == 0,
@@ -991,6 +1066,7 @@ def summarize(args: argparse.Namespace, model: str, t: Tally, plan: list[tuple[s
         "hung_by_kind": dict(t.hung), "rate_limited_429": t.rate_limited,
         "burst_429": t.burst_429, "bad_requests_429_first": sorted(t.bad_429),
         "connection_cap_503": t.cap_503,
+        "admission_bursts_admitted_seqs": t.admitted_seqs, "idle_sockets": t.idle_sockets,
         "slow_client_close_s": t.close_s, "drain_finish_reasons": dict(t.drain_finish),
         "health_probe": _gaps(t.health_s),
         "server_exit_code": exit_code, "metrics_after": metrics,
@@ -1022,6 +1098,8 @@ def print_summary(s: dict[str, Any]) -> None:
           f"(bursts {s['burst_429']}); connection cap 503: {s['connection_cap_503']}")
     if s["bad_requests_429_first"]:
         print(f"  bad requests answered 429 before their 4xx: {s['bad_requests_429_first']}")
+    print(f"  admission bursts, sequences admitted: {s['admission_bursts_admitted_seqs']}; "
+          f"idle sockets: {s['idle_sockets']}")
     print(f"  slow clients closed after (s): {s['slow_client_close_s']}; drain: "
           f"{s['drain_finish_reasons']}, exit {s['server_exit_code']}")
     print(f"  /health during the run (s): {s['health_probe']}")
@@ -1056,6 +1134,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bursts", type=int, default=3, help="overload bursts (default 3)")
     p.add_argument("--burst", type=int, help="streams per burst (default: max-num-seqs + "
                                              "max-waiting + 8)")
+    p.add_argument("--burst-tokens", type=int, default=64,
+                   help="max_tokens of the admission burst's calls: none may end while the burst "
+                        "arrives (default 64)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the summary here as one JSON object")
     server = p.add_argument_group("limits of the server it starts (with --url: of that server)")
