@@ -64,15 +64,22 @@ def build_params(req: GenerationRequest, room: int) -> SamplingParams | BeamSear
             if req.logprobs is not None:
                 raise bad_request("logprobs are not available with beam search", "logprobs")
             max_tokens = req.max_tokens if req.max_tokens is not None else max(room, 1)
-            return BeamSearchParams(beam_width=req.n, max_tokens=max_tokens,
-                                    length_penalty=req.length_penalty,
-                                    early_stopping=req.early_stopping,
-                                    ignore_eos=req.sampling["ignore_eos"],
-                                    stop_token_ids=req.sampling["stop_token_ids"])
+            beams = BeamSearchParams(beam_width=req.n, max_tokens=max_tokens,
+                                     length_penalty=req.length_penalty,
+                                     early_stopping=req.early_stopping,
+                                     ignore_eos=req.sampling["ignore_eos"],
+                                     stop_token_ids=req.sampling["stop_token_ids"])
+            min_tokens = req.sampling["min_tokens"]  # SamplingParams' own check, for beams
+            if req.max_tokens is not None and min_tokens > req.max_tokens:
+                raise ParamError("min_tokens", f"min_tokens must be <= max_tokens "
+                                 f"({req.max_tokens}), got {min_tokens}")
+            return beams
         return SamplingParams(n=req.n, max_tokens=req.max_tokens, logprobs=req.logprobs,
                               **req.sampling)
     except ParamError as e:
-        raise bad_request(str(e), e.param) from None
+        # the body's names: n is the beam width; chat's max_completion_tokens is max_tokens
+        param = {"beam_width": "n", "max_tokens": req.max_tokens_param}.get(e.param, e.param)
+        raise bad_request(str(e), param) from None
 
 
 class Generation:

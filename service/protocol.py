@@ -8,8 +8,6 @@ from typing import Any, Literal
 from kvcore.sampling.params import (
     LENGTH_PENALTY_RANGE,
     MAX_LOGPROBS,
-    MAX_N,
-    MAX_TEMPERATURE,
     REPETITION_PENALTY_RANGE,
 )
 from kvcore.service.errors import bad_request
@@ -52,6 +50,7 @@ class GenerationRequest:
     add_generation_prompt: bool
     n: int
     max_tokens: int | None  # None: up to max_model_len
+    max_tokens_param: str  # the body's name for it (chat: max_completion_tokens wins)
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields but max_tokens
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -130,8 +129,9 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
 def _sampling(body: dict[str, Any], vocab_size: int) -> dict[str, Any]:
     top_k = get_int(body, "top_k", None, -1)
     return {
-        "temperature": get_float(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE),
-        "top_p": get_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        # their ranges are SamplingParams' (a 400 naming the field when it is built)
+        "temperature": get_float(body, "temperature", 1.0),
+        "top_p": get_float(body, "top_p", 1.0),
         # -1 and 0 mean "off" (vLLM); a k past the vocabulary keeps every token either way
         "top_k": None if top_k in (None, -1, 0) else min(top_k, vocab_size),
         "min_p": get_float(body, "min_p", 0.0, 0.0, 1.0),
@@ -178,21 +178,19 @@ def check_prompt_chars(prompt: str | list[int], max_model_len: int, max_token_ch
 
 
 def _common(body: dict[str, Any], kind: Literal["completion", "chat"], vocab_size: int,
-            max_tokens: int | None, logprobs: int | None, prompts: list[Prompt],
-            messages: list[dict[str, Any]], echo: bool) -> GenerationRequest:
+            max_tokens: int | None, max_tokens_param: str, logprobs: int | None,
+            prompts: list[Prompt], messages: list[dict[str, Any]], echo: bool
+            ) -> GenerationRequest:
     stream = get_bool(body, "stream", False)
     options = get_object(body, "stream_options")
     if options is not None and not stream:
         raise bad_request("stream_options can only be set when stream is true", "stream_options")
     include_usage = get_bool(options or {}, "include_usage", False)
     sampling = _sampling(body, vocab_size)
-    if max_tokens is not None and sampling["min_tokens"] > max_tokens:
-        raise bad_request(f"min_tokens ({sampling['min_tokens']}) must be <= max_tokens "
-                          f"({max_tokens})", "min_tokens")
     response_format = get_object(body, "response_format")
     if response_format is not None and response_format.get("type") not in (None, "text"):
         raise bad_request("only the text response_format is supported", "response_format")
-    n = get_int(body, "n", 1, 1, MAX_N)
+    n = get_int(body, "n", 1)  # its range is SamplingParams' / BeamSearchParams'
     assert n is not None
     _refuse_unsupported(body, n)
     return GenerationRequest(
@@ -203,6 +201,7 @@ def _common(body: dict[str, Any], kind: Literal["completion", "chat"], vocab_siz
         add_generation_prompt=get_bool(body, "add_generation_prompt", True),
         n=n,
         max_tokens=max_tokens,
+        max_tokens_param=max_tokens_param,
         sampling=sampling,
         use_beam_search=get_bool(body, "use_beam_search", False),
         length_penalty=get_float(body, "length_penalty", 1.0, *LENGTH_PENALTY_RANGE),
@@ -227,24 +226,27 @@ def _user(body: dict[str, Any]) -> str | None:
 
 def parse_completion(body: dict[str, Any], vocab_size: int) -> GenerationRequest:
     prompts = _prompts(body, vocab_size)
-    max_tokens = get_int(body, "max_tokens", 16, 1)  # OpenAI's completions default
+    max_tokens = get_int(body, "max_tokens", 16)  # OpenAI's completions default
     logprobs = get_int(body, "logprobs", None, 0, MAX_LOGPROBS)
     echo = get_bool(body, "echo", False)
     if echo and logprobs is not None:
         raise bad_request("echo with logprobs (prompt logprobs) is not supported", "echo")
-    return _common(body, "completion", vocab_size, max_tokens, logprobs, prompts, [], echo)
+    return _common(body, "completion", vocab_size, max_tokens, "max_tokens", logprobs, prompts,
+                   [], echo)
 
 
 def parse_chat(body: dict[str, Any], vocab_size: int) -> GenerationRequest:
     messages = _messages(body)
     # max_completion_tokens is OpenAI's newer name; it wins over the deprecated max_tokens
-    max_tokens = get_int(body, "max_completion_tokens", None, 1)
+    param = "max_completion_tokens"
+    max_tokens = get_int(body, param, None)
     if max_tokens is None:
-        max_tokens = get_int(body, "max_tokens", None, 1)
+        param = "max_tokens"
+        max_tokens = get_int(body, param, None)
     want_logprobs = get_bool(body, "logprobs", False)
     top_logprobs = get_int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
     if top_logprobs is not None and top_logprobs > 0 and not want_logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     logprobs = (top_logprobs or 0) if want_logprobs else None
     echo = get_bool(body, "echo", False)
-    return _common(body, "chat", vocab_size, max_tokens, logprobs, [], messages, echo)
+    return _common(body, "chat", vocab_size, max_tokens, param, logprobs, [], messages, echo)

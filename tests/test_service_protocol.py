@@ -27,6 +27,16 @@ def _err(fn, body) -> APIError:
     return info.value
 
 
+def completion(body: dict, vocab_size: int) -> object:
+    """The service's translation of a completions body: parsed, then the engine's params (where
+    the sampling ranges are checked)."""
+    return build_params(parse_completion(body, vocab_size), 64)
+
+
+def chat(body: dict, vocab_size: int) -> object:
+    return build_params(parse_chat(body, vocab_size), 64)
+
+
 def test_completion_fields_map_to_sampling_params() -> None:
     req = parse_completion({
         "prompt": "hi", "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 5,
@@ -83,6 +93,9 @@ def test_prompt_forms() -> None:
     ({"prompt": "a", "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
     ({"prompt": "a", "n": 0}, "n"),
     ({"prompt": "a", "n": 10**6}, "n"),
+    ({"prompt": "a", "use_beam_search": True, "n": 0}, "n"),  # the beam width, by its body name
+    ({"prompt": "a", "use_beam_search": True, "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ({"prompt": "a", "use_beam_search": True, "max_tokens": 0}, "max_tokens"),
     ({"prompt": "a", "logprobs": 21}, "logprobs"),
     ({"prompt": "a", "logprobs": -1}, "logprobs"),
     ({"prompt": "a", "presence_penalty": 3}, "presence_penalty"),
@@ -109,16 +122,16 @@ def test_prompt_forms() -> None:
     ({"prompt": "a", "echo": True, "logprobs": 1}, "echo"),
 ])
 def test_completion_bad_values_name_their_param(body: dict, param: str) -> None:
-    assert _err(parse_completion, body).param == param
+    assert _err(completion, body).param == param
 
 
 @pytest.mark.parametrize(("body", "message"), [
-    ({"prompt": "a", "max_tokens": -3}, "max_tokens must be >= 1, got -3"),  # no upper bound
-    ({"prompt": "a", "n": 0}, "n must be in [1, "),  # both bounds
+    ({"prompt": "a", "max_tokens": -3}, "max_tokens must be an integer >= 1, got -3"),  # no upper
+    ({"prompt": "a", "n": 0}, "n must be an integer in [1, "),  # both bounds
     ({"prompt": "a", "seed": 2**70}, "seed must be a 64-bit integer, got "),  # only int64's
 ])
 def test_integer_range_errors_say_the_bounds_that_apply(body: dict, message: str) -> None:
-    assert _err(parse_completion, body).message.startswith(message)
+    assert _err(completion, body).message.startswith(message)
 
 
 @pytest.mark.parametrize(("body", "param"), [
@@ -130,12 +143,13 @@ def test_integer_range_errors_say_the_bounds_that_apply(body: dict, message: str
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
      "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
      "response_format"),
 ])
 def test_chat_bad_values_name_their_param(body: dict, param: str) -> None:
-    assert _err(parse_chat, body).param == param
+    assert _err(chat, body).param == param
 
 
 def test_chat_fields() -> None:
@@ -170,7 +184,7 @@ def test_beam_search_params() -> None:
 
 
 def test_error_body_shape() -> None:
-    body = _err(parse_completion, {"prompt": "a", "top_p": 7}).body()
+    body = _err(completion, {"prompt": "a", "top_p": 7}).body()
     assert set(body["error"]) == {"message", "type", "param", "code"}
     assert body["error"]["type"] == "BadRequestError" and body["error"]["code"] == 400
 
