@@ -358,10 +358,12 @@ async def overload_case(ctx: Ctx, rng: random.Random, kind: str) -> None:
         await asyncio.gather(*(one(i) for i in range(ctx.args.burst)))
 
 
-async def admission_case(ctx: Ctx, rng: random.Random, kind: str) -> None:
-    """A burst of n=2 calls at once, each long enough that none ends while the burst arrives:
-    the sequences admitted (200) never exceed --max-waiting + --max-num-seqs, the rest are 429."""
-    n = 2
+async def admission_burst(ctx: Ctx, rng: random.Random) -> None:
+    """Once the plan is done (nothing else in flight): a burst of n=2 calls at once, each long
+    enough that none ends while the burst arrives. The sequences admitted (200) never exceed
+    --max-waiting + --max-num-seqs, the rest are 429."""
+    kind, n = "admission", 2
+    ctx.tally.cases[kind] += 1
     body = {"model": ctx.model, "prompt": rng.choice(PROMPTS), "n": n, "ignore_eos": True,
             "max_tokens": ctx.args.burst_tokens, "seed": rng.randrange(1 << 30)}
 
@@ -609,7 +611,7 @@ CASES: dict[str, Case] = {
     "completion": generation_case, "completion_stream": generation_case, "chat": generation_case,
     "chat_stream": generation_case, "beam": generation_case, "disconnect": disconnect_case,
     "cancel_early": cancel_early_case, "overload": overload_case, "slowloris": slowloris_case,
-    "short_body": short_body_case, "admission": admission_case,
+    "short_body": short_body_case,
 }
 
 
@@ -617,8 +619,7 @@ def make_plan(args: argparse.Namespace, num_bad: int, num_raw: int) -> list[tupl
     """Every bad and raw case once, the slow clients and the bursts, then a random mix."""
     rng = random.Random(args.seed)
     plan = ([("bad", i) for i in range(num_bad)] + [("raw", i) for i in range(num_raw)]
-            + [("slowloris", 0), ("short_body", 0)] + [("overload", 0)] * args.bursts
-            + [("admission", 0)])
+            + [("slowloris", 0), ("short_body", 0)] + [("overload", 0)] * args.bursts)
     kinds, weights = zip(*MIX.items(), strict=True)
     while len(plan) < args.requests:
         kind = rng.choices(kinds, weights)[0]
@@ -630,8 +631,7 @@ def make_plan(args: argparse.Namespace, num_bad: int, num_raw: int) -> list[tupl
 def case_limit(args: argparse.Namespace, kind: str) -> float:
     """Seconds a case may take before it counts as hung."""
     return {"slowloris": args.header_timeout + 15, "short_body": args.body_timeout + LINGER_S + 15,
-            "overload": 2 * args.request_timeout,
-            "admission": 2 * args.request_timeout}.get(kind, args.request_timeout)
+            "overload": 2 * args.request_timeout}.get(kind, args.request_timeout)
 
 
 async def run_case(ctx: Ctx, kind: str, arg: int, rng: random.Random,
@@ -1003,6 +1003,13 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
                       model["max_model_len"], tally)
             plan = make_plan(args, len(bad_requests(ctx)), len(raw_requests("k")))
             ran = await run_plan(ctx, plan)
+            await idle_metrics(ctx)  # the plan's last calls have ended
+            try:
+                async with asyncio.timeout(2 * args.request_timeout):
+                    await admission_burst(ctx, random.Random(args.seed))
+            except TimeoutError:
+                tally.hung["admission"] += 1
+                tally.fail("admission", "the burst was not answered in full")
         # the session's kept-alive connections are closed now: the cap check counts its own
         if server is not None:
             await asyncio.sleep(0.5)
