@@ -106,6 +106,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="Ray CPUs reserved per replica, also its BLAS threads (default 1)")
     cluster.add_argument("--gpus-per-replica", type=float, default=0.0, metavar="N",
                          help="Ray GPUs per replica (1 on a GPU cluster: one replica per GPU)")
+    cluster.add_argument("--replica-resources", metavar="JSON",
+                         help="custom Ray resources per replica, e.g. '{\"kvcore_replica\": 1}' "
+                              "with `ray start --resources='{\"kvcore_replica\": 1}'` on each "
+                              "node: one replica per node")
 
 
 def configure_logging() -> None:
