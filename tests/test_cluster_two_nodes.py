@@ -136,7 +136,10 @@ def test_without_the_token_the_ingress_is_refused_clearly(two_nodes: TwoNodes,
     env = two_nodes.ray.env()
     del env["RAY_AUTH_MODE"], env["RAY_AUTH_TOKEN_PATH"]
     server = Ingress(two_nodes, str(default_model_dir), env=env)
-    assert server.process.wait(120) == 2
+    try:
+        assert server.process.wait(120) == 2
+    finally:
+        server.stop()
     out = server.output()
     assert f"could not join the Ray cluster at {two_nodes.ray.address}" in out, out[-3000:]
     assert "token authentication" in out and "RAY_AUTH_MODE=token" in out
@@ -145,7 +148,10 @@ def test_without_the_token_the_ingress_is_refused_clearly(two_nodes: TwoNodes,
 
 def test_a_model_missing_on_one_node_is_a_start_up_error(two_nodes: TwoNodes) -> None:
     server = Ingress(two_nodes, "/proc/self/cwd/model")  # on the head node only (see above)
-    assert server.process.wait(180) == 1, server.output()[-3000:]
+    try:
+        assert server.process.wait(180) == 1, server.output()[-3000:]
+    finally:
+        server.stop()
     out = server.output()
     head, worker = two_nodes.node_ids()
     problem = re.search(r"the model directory /proc/self/cwd/model does not exist on Ray node "

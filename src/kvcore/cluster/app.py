@@ -42,7 +42,7 @@ class ClusterOptions:
     gpus_per_replica: float = 0.0  # 1 on a GPU cluster: one replica per GPU
     # custom Ray resources per replica ({"kvcore_replica": 1}: one replica per node that
     # declares one with `ray start --resources`)
-    resources: dict[str, float] = field(default_factory=dict)
+    replica_resources: dict[str, float] = field(default_factory=dict)
     load_margin: int = DEFAULT_LOAD_MARGIN
     kv_margin: float = DEFAULT_KV_MARGIN
     local_num_cpus: int | None = None  # a local Ray's CPUs (None: the machine's)
@@ -57,7 +57,7 @@ class ClusterOptions:
             raise ValueError(f"cpus_per_replica must be > 0, got {self.cpus_per_replica!r}")
         if self.gpus_per_replica < 0:
             raise ValueError(f"gpus_per_replica must be >= 0, got {self.gpus_per_replica!r}")
-        for name, amount in self.resources.items():
+        for name, amount in self.replica_resources.items():
             if name in ("CPU", "GPU") or not isinstance(name, str) or not name:
                 raise ValueError(f"replica_resources: {name!r} is not a custom resource name "
                                  "(CPUs and GPUs have their own options)")
@@ -69,7 +69,7 @@ class ClusterOptions:
     @property
     def demand(self) -> dict[str, float]:
         """The Ray resources one replica reserves."""
-        return {"CPU": self.cpus_per_replica, "GPU": self.gpus_per_replica} | self.resources
+        return {"CPU": self.cpus_per_replica, "GPU": self.gpus_per_replica} | self.replica_resources
 
 
 def autoscaling_config(initial: int, min_replicas: int, max_replicas: int) -> dict[str, Any]:
@@ -149,7 +149,7 @@ def start_cluster(config: EngineConfig, options: ClusterOptions,
         name=DEPLOYMENT_NAME, max_ongoing_requests=MAX_ONGOING_REQUESTS,
         ray_actor_options={"num_cpus": options.cpus_per_replica,
                            "num_gpus": options.gpus_per_replica,
-                           "resources": dict(options.resources),
+                           "resources": dict(options.replica_resources),
                            "runtime_env": {"env_vars": env}},
         request_router_config=RequestRouterConfig(  # pydantic: mypy misreads its fields
             request_router_class="kvcore.cluster.router:KVCacheRequestRouter",  # type: ignore[arg-type]

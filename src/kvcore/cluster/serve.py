@@ -34,7 +34,7 @@ def options_from_args(args: argparse.Namespace) -> ClusterOptions:
     return ClusterOptions(num_replicas=args.replicas, router=args.router,
                           ray_address=args.ray_address, cpus_per_replica=args.cpus_per_replica,
                           gpus_per_replica=args.gpus_per_replica,
-                          resources=_resources(args.replica_resources),
+                          replica_resources=_resources(args.replica_resources),
                           load_margin=args.router_load_margin, autoscaling=autoscaling)
 
 
