@@ -191,6 +191,7 @@ def _stream(url: str, prompt: list[int], max_tokens: int, out: dict[str, Any]) -
         for line in r.iter_lines(decode_unicode=True):
             if line.startswith("data: "):
                 events.append(line[6:])
+    out["ended"] = time.monotonic()
 
 
 def _streamed(url: str, prompt: list[int], max_tokens: int = 4) -> tuple[str, int]:
@@ -241,7 +242,7 @@ def test_losing_a_node_ends_only_its_replicas_streams(two_nodes: TwoNodes,
     assert set(held) == {head, worker}, held
     outs: dict[str, dict[str, Any]] = {head: {}, worker: {}}
     threads = [threading.Thread(target=_stream, args=(
-        ingress.url, held[node] + _tokens(rng, 8), 400, outs[node])) for node in (head, worker)]
+        ingress.url, held[node] + _tokens(rng, 8), 240, outs[node])) for node in (head, worker)]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 60
@@ -250,9 +251,14 @@ def test_losing_a_node_ends_only_its_replicas_streams(two_nodes: TwoNodes,
         time.sleep(0.1)
     assert all(len(o.get("events", [])) >= 5 for o in outs.values()), "streams did not start"
     two_nodes.worker.kill()  # the worker machine is gone: raylet, agents, its replica
+    killed = time.monotonic()
+    assert "[DONE]" not in outs[head]["events"]  # the head's stream was still running
     for t in threads:
         t.join(120)
         assert not t.is_alive(), "a stream hung after its node was lost"
+    lost_s, kept_s = (outs[n]["ended"] - killed for n in (worker, head))
+    print(f"after the node was lost: its replica's stream ended in {lost_s:.1f} s, "
+          f"the head's in {kept_s:.1f} s")
     lost, kept = outs[worker]["events"], outs[head]["events"]
     assert lost[-1] == kept[-1] == "[DONE]"
     error = json.loads(lost[-2]).get("error")
