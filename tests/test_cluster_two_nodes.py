@@ -242,7 +242,7 @@ def test_losing_a_node_ends_only_its_replicas_streams(two_nodes: TwoNodes,
     assert set(held) == {head, worker}, held
     outs: dict[str, dict[str, Any]] = {head: {}, worker: {}}
     threads = [threading.Thread(target=_stream, args=(
-        ingress.url, held[node] + _tokens(rng, 8), 240, outs[node])) for node in (head, worker)]
+        ingress.url, held[node] + _tokens(rng, 8), 120, outs[node])) for node in (head, worker)]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 60
