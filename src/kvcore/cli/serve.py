@@ -262,4 +262,7 @@ def _run_cluster(args: argparse.Namespace, config: EngineConfig, app_kwargs: dic
         options = cluster.options_from_args(args)
     except ValueError as e:
         raise CLIError(str(e)) from e
-    return int(cluster.run(args, config, app_kwargs, edge, options))
+    try:
+        return int(cluster.run(args, config, app_kwargs, edge, options))
+    except ConnectionError as e:  # the Ray cluster at --ray-address refused or never answered
+        raise CLIError(str(e)) from e

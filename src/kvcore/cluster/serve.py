@@ -9,7 +9,6 @@ from collections.abc import Mapping
 
 from aiohttp import web
 
-from kvcore.cli import CLIError
 from kvcore.cli.serve import serve
 from kvcore.cluster.app import (
     Cluster,
@@ -72,10 +71,8 @@ def run(args: argparse.Namespace, config: EngineConfig, app_kwargs: Mapping[str,
     """Serve until SIGTERM/SIGINT; then drain the ingress (every replica's streams end well
     formed) and delete the application (each replica's engine stops gracefully)."""
     clusters: list[Cluster] = []
-    try:
-        started_ray = connect_ray(options)  # before serve() installs its SIGTERM handler
-    except ConnectionError as e:
-        raise CLIError(str(e)) from e
+    # before serve() installs its SIGTERM handler; ConnectionError when Ray refuses this process
+    started_ray = connect_ray(options)
     app = build_app(config, options, clusters, started_ray, **app_kwargs)
     try:
         return asyncio.run(serve(app, args.host, args.port, args.drain_timeout, edge))
