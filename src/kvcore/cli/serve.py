@@ -104,6 +104,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="Ray CPUs reserved per replica, also its BLAS threads (default 1)")
     cluster.add_argument("--gpus-per-replica", type=float, default=0.0, metavar="N",
                          help="Ray GPUs per replica (1 on a GPU cluster: one replica per GPU)")
+    cluster.add_argument("--replica-resources", metavar="JSON",
+                         help="custom Ray resources per replica, e.g. '{\"kvcore_replica\": 1}' "
+                              "with `ray start --resources='{\"kvcore_replica\": 1}'` on each "
+                              "node: one replica per node")
 
 
 def configure_logging() -> None:
@@ -211,4 +215,7 @@ def _run_cluster(args: argparse.Namespace, config: EngineConfig, app_kwargs: dic
         options = cluster.options_from_args(args)
     except ValueError as e:
         raise CLIError(str(e)) from e
-    return int(cluster.run(args, config, app_kwargs, edge, options))
+    try:
+        return int(cluster.run(args, config, app_kwargs, edge, options))
+    except ConnectionError as e:  # the Ray cluster at --ray-address refused or never answered
+        raise CLIError(str(e)) from e

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -14,6 +16,7 @@ from ray.serve.config import RequestRouterConfig
 
 from kvcore.cluster.engine_view import IngressModel, ReplicaInfo
 from kvcore.cluster.ingress import ClusterEngine
+from kvcore.cluster.nodes import check_model_on_nodes
 from kvcore.cluster.policy import DEFAULT_KV_MARGIN, DEFAULT_LOAD_MARGIN, RoutingPolicy
 from kvcore.cluster.replica import KVCoreReplica
 from kvcore.cluster.state import RouterState, register_state
@@ -37,6 +40,9 @@ class ClusterOptions:
     ray_address: str | None = None  # None: start a local Ray instance
     cpus_per_replica: float = 1.0  # Ray's CPU reservation (and the replica's BLAS threads)
     gpus_per_replica: float = 0.0  # 1 on a GPU cluster: one replica per GPU
+    # custom Ray resources per replica ({"kvcore_replica": 1}: one replica per node that
+    # declares one with `ray start --resources`)
+    replica_resources: dict[str, float] = field(default_factory=dict)
     load_margin: int = DEFAULT_LOAD_MARGIN
     kv_margin: float = DEFAULT_KV_MARGIN
     local_num_cpus: int | None = None  # a local Ray's CPUs (None: the machine's)
@@ -51,7 +57,19 @@ class ClusterOptions:
             raise ValueError(f"cpus_per_replica must be > 0, got {self.cpus_per_replica!r}")
         if self.gpus_per_replica < 0:
             raise ValueError(f"gpus_per_replica must be >= 0, got {self.gpus_per_replica!r}")
+        for name, amount in self.replica_resources.items():
+            if name in ("CPU", "GPU") or not isinstance(name, str) or not name:
+                raise ValueError(f"replica_resources: {name!r} is not a custom resource name "
+                                 "(CPUs and GPUs have their own options)")
+            if isinstance(amount, bool) or not isinstance(amount, int | float) or amount <= 0:
+                raise ValueError(f"replica_resources: {name!r} must be a number > 0, "
+                                 f"got {amount!r}")
         RoutingPolicy(self.router, self.load_margin, self.kv_margin)  # validates the three
+
+    @property
+    def demand(self) -> dict[str, float]:
+        """The Ray resources one replica reserves."""
+        return {"CPU": self.cpus_per_replica, "GPU": self.gpus_per_replica} | self.replica_resources
 
 
 def autoscaling_config(initial: int, min_replicas: int, max_replicas: int) -> dict[str, Any]:
@@ -94,7 +112,17 @@ def connect_ray(options: ClusterOptions) -> bool:
                  object_store_memory=LOCAL_OBJECT_STORE_BYTES, log_to_driver=False,
                  configure_logging=False)
     else:
-        ray.init(address=options.ray_address, log_to_driver=False, configure_logging=False)
+        from ray.exceptions import AuthenticationError
+
+        try:
+            ray.init(address=options.ray_address, log_to_driver=False, configure_logging=False)
+        except (AuthenticationError, ConnectionError) as e:
+            reason = str(e).split(". ", 1)[0]
+            raise ConnectionError(
+                f"could not join the Ray cluster at {options.ray_address} ({reason}); a cluster "
+                "with token authentication on refuses a process without its token: run kvcore "
+                "with RAY_AUTH_MODE=token and the cluster's token (RAY_AUTH_TOKEN_PATH=FILE, "
+                "RAY_AUTH_TOKEN or ~/.ray/auth_token), as on every node") from None
     return True
 
 
@@ -104,6 +132,9 @@ def start_cluster(config: EngineConfig, options: ClusterOptions,
     the ingress engine. `started_ray`: shutdown() also stops Ray (connect_ray's answer)."""
     if not ray.is_initialized():
         started_ray = connect_ray(options)
+    # replicas may run on other nodes: they get the path as the ingress sees it, absolute
+    config = dataclasses.replace(config, model=str(Path(config.model).absolute()))
+    probed = check_model_on_nodes(config.model, options.demand)
     # no Ray HTTP proxy: kvcore's own aiohttp app is the ingress, in this process
     serve.start(proxy_location="Disabled")
     state = RouterState(RoutingPolicy(options.router, options.load_margin, options.kv_margin))
@@ -118,6 +149,7 @@ def start_cluster(config: EngineConfig, options: ClusterOptions,
         name=DEPLOYMENT_NAME, max_ongoing_requests=MAX_ONGOING_REQUESTS,
         ray_actor_options={"num_cpus": options.cpus_per_replica,
                            "num_gpus": options.gpus_per_replica,
+                           "resources": dict(options.replica_resources),
                            "runtime_env": {"env_vars": env}},
         request_router_config=RequestRouterConfig(  # pydantic: mypy misreads its fields
             request_router_class="kvcore.cluster.router:KVCacheRequestRouter",  # type: ignore[arg-type]
@@ -127,6 +159,7 @@ def start_cluster(config: EngineConfig, options: ClusterOptions,
     replica_id, info = handle.info.remote().result()
     assert isinstance(info, ReplicaInfo)
     log.info("cluster ready", replicas=options.num_replicas, router=options.router,
+             nodes_with_model=probed,
              first_replica=replica_id, block_size=info.block_size, pid=os.getpid())
     holder: list[ClusterEngine] = []
     model = IngressModel(config, info, lambda: holder[0].stats() if holder else None)

@@ -10,6 +10,7 @@ from ray import serve
 
 from kvcore.cluster.autoscale import KV_USAGE, NUM_PREEMPTIONS, NUM_WAITING
 from kvcore.cluster.engine_view import ReplicaInfo, replica_info
+from kvcore.cluster.nodes import check_model_here
 from kvcore.cluster.state import ReplicaReport, Route
 from kvcore.config import EngineConfig
 from kvcore.engine import AsyncEngine
@@ -26,6 +27,7 @@ class KVCoreReplica:
     """
 
     def __init__(self, config: EngineConfig) -> None:
+        check_model_here(config.model)  # a clear error naming this node, not a load traceback
         self._engine = AsyncEngine.from_config(config)
         self._engine.enable_cache_events()
         # the id Ray Serve's request router knows this replica by (a restart gets a new one)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 from collections.abc import Mapping
 
 from aiohttp import web
@@ -32,7 +33,22 @@ def options_from_args(args: argparse.Namespace) -> ClusterOptions:
     return ClusterOptions(num_replicas=args.replicas, router=args.router,
                           ray_address=args.ray_address, cpus_per_replica=args.cpus_per_replica,
                           gpus_per_replica=args.gpus_per_replica,
+                          replica_resources=_resources(args.replica_resources),
                           load_margin=args.router_load_margin, autoscaling=autoscaling)
+
+
+def _resources(text: str | None) -> dict[str, float]:
+    """--replica-resources: a JSON object of custom Ray resource -> amount per replica."""
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--replica-resources must be JSON, got {text!r}: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--replica-resources must be a JSON object of resource name -> "
+                         f"amount, e.g. '{{\"kvcore_replica\": 1}}', got {text!r}")
+    return value
 
 
 def build_app(config: EngineConfig, options: ClusterOptions, clusters: list[Cluster],
@@ -54,7 +70,8 @@ def run(args: argparse.Namespace, config: EngineConfig, app_kwargs: Mapping[str,
     """Serve until SIGTERM/SIGINT; then drain the ingress (every replica's streams end well
     formed) and delete the application (each replica's engine stops gracefully)."""
     clusters: list[Cluster] = []
-    started_ray = connect_ray(options)  # before serve() installs its SIGTERM handler
+    # before serve() installs its SIGTERM handler; ConnectionError when Ray refuses this process
+    started_ray = connect_ray(options)
     app = build_app(config, options, clusters, started_ray, **app_kwargs)
     try:
         return asyncio.run(serve(app, args.host, args.port, args.drain_timeout, edge))
