@@ -24,10 +24,12 @@ from kvcore.request import Sequence, SequenceStatus
 from kvcore.sampling import (
     RowSampler,
     SamplingParams,
+    SamplingRow,
     TokenLogprob,
     make_seed,
 )
 from kvcore.scheduler import Scheduler, SchedulerOutput
+from kvcore.speculation import Speculator, draft_rows, scheduled_drafts
 
 log = structlog.get_logger(__name__)
 
@@ -36,13 +38,15 @@ class EngineCore:
     """Owns the scheduler, the runner and the sampler; one `step()` at a time."""
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, sampler: RowSampler,
-                 vocab_size: int, seed: int = 0, async_scheduling: bool = False) -> None:
+                 vocab_size: int, seed: int = 0, async_scheduling: bool = False,
+                 speculator: Speculator | None = None) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.sampler = sampler
         self.vocab_size = vocab_size
         # schedule step N+1 while the device runs step N (see step())
         self.async_scheduling = async_scheduling
+        self.speculator = speculator  # drafts verified in the step (None: no speculation)
         self._seeds = np.random.SeedSequence(seed)
         self._groups: dict[str, Group] = {}
         self._inflight: Launched | None = None  # launched, not collected yet
@@ -101,7 +105,9 @@ class EngineCore:
             inflight = None
         if inflight is not None:
             self._add_pending_tokens(inflight)
-        out = self.scheduler.schedule()
+        speculator = self.speculator
+        out = self.scheduler.schedule(
+            drafts=None if speculator is None else speculator.propose(self.scheduler.running))
         for seq_id in out.preempted_ids:  # a preempted beam recomputes its row
             seq = self.scheduler.seqs[seq_id]
             group = self._groups.get(seq.request_id)
@@ -139,7 +145,12 @@ class EngineCore:
         plain_logits: list[int] = []
         host: list[Sequence] = []
         host_logits: list[int] = []
-        needs_host = False
+        # a step that verifies drafts, or after which the next may, is collected before the
+        # next is scheduled: a sequence's number of new tokens is known only then
+        drafts = scheduled_drafts(out) if self.speculator is not None else {}
+        needs_host = self.speculator is not None and self.speculator.active(
+            len(self.scheduler.running))
+        rows: list[SamplingRow] = []  # built now: the histories as they are
         i = 0
         for item in out.scheduled:
             if not item.sample:
@@ -149,14 +160,17 @@ class EngineCore:
                 host.append(seq)
                 host_logits.append(i)
                 needs_host = True
+            elif item.num_draft_tokens:  # one row after its last token and after each draft
+                rows.extend(draft_rows(seq, drafts[seq.seq_id], sampling_row(seq)))
+                plain.extend([seq] * (1 + item.num_draft_tokens))
+                plain_logits.extend(range(i, i + 1 + item.num_draft_tokens))
             else:
+                rows.append(sampling_row(seq))
                 plain.append(seq)
                 plain_logits.append(i)
-            i += 1
-        # built now: the rows' histories as they are (the host appends to them meanwhile)
-        rows = [sampling_row(seq) for seq in plain]
+            i += 1 + item.num_draft_tokens
         needs_host = needs_host or any(r.prompt_token_ids for r in rows)  # reads the history
-        launched = Launched(out, plain, host, needs_host)
+        launched = Launched(out, plain, host, needs_host, drafts)
         fill = None
         if prev is not None and prev.future is not None:
             future = prev.future
@@ -192,7 +206,16 @@ class EngineCore:
             seq = launched.plain[i]
             if not seq.finished and seq.request_id not in result.failed:
                 self._fail(seq.request_id, "sampling", error, result)
-        self._append(zip(launched.plain, token_ids, logprobs, strict=True), result)
+        if launched.drafts:
+            assert self.speculator is not None
+            self._append(self.speculator.accept(launched.plain, token_ids, logprobs,
+                                                launched.drafts), result)
+            for seq_id in launched.drafts:
+                verified = self.scheduler.seqs.get(seq_id)
+                if verified is not None:
+                    self.scheduler.settle_drafts(verified)
+        else:
+            self._append(zip(launched.plain, token_ids, logprobs, strict=True), result)
         if launched.host:
             self._decide_host(launched.host, drawn.host_logits, result)
 
@@ -298,7 +321,8 @@ class EngineCore:
                 None if logprob is None else [logprob],
                 None if status is None else status.finish_reason,
                 None if status is None else seq.stop_reason,  # type: ignore[arg-type]
-                seq.num_cached_tokens, seq.first_scheduled_time))
+                seq.num_cached_tokens, seq.first_scheduled_time, seq.num_draft_tokens,
+                seq.num_accepted_tokens))
             if status is not None:
                 # frees its blocks now, while the step launched after this one may still write
                 # its pending row into them: device work runs in launch order (a CUDA stream,
