@@ -154,9 +154,9 @@ class Speculator:
             num_accepted = 0
             while num_accepted < k and token_ids[i + num_accepted] == draft[num_accepted]:
                 num_accepted += 1
+            self._record(seq, k, num_accepted)  # first: its outputs carry the counts
             for j in range(i, i + num_accepted + 1):
                 yield seq, token_ids[j], logprobs[j]
-            self._record(seq, k, num_accepted)
             i += k + 1
 
     def _record(self, seq: Seq, num_draft: int, num_accepted: int) -> None:
