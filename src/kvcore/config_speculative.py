@@ -71,17 +71,18 @@ class SpeculativeConfig:
             try:
                 value = json.loads(value)
             except json.JSONDecodeError as e:
-                raise SpeculativeConfigError("speculative_config",
-                                 f"speculative_config is not valid JSON: {e}") from None
+                raise SpeculativeConfigError(
+                    "speculative_config", f"speculative_config is not valid JSON: {e}") from None
         if not isinstance(value, dict):
             raise SpeculativeConfigError("speculative_config", f"speculative_config must be a "
                                          f"JSON object, got {value!r}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
-            raise SpeculativeConfigError(f"speculative_config.{unknown[0]}",
-                             f"speculative_config has unknown field(s) {unknown}; known: "
-                             f"{sorted(known)}")
+            raise SpeculativeConfigError(
+                f"speculative_config.{unknown[0]}",
+                f"speculative_config.{unknown[0]} is not a field kvcore knows (unknown: "
+                f"{unknown}; known: {sorted(known)})")
         args = dict(value)
         # one bound given: the other follows it where the default would contradict it
         low, high = args.get("prompt_lookup_min"), args.get("prompt_lookup_max")

@@ -164,7 +164,11 @@ class Scheduler:
             if budget <= 0:
                 continue
             draft = (drafts.get(seq.seq_id) or [])[:budget - 1] if drafts else []
-            copies = allocate(seq.seq_id, seq.token_ids, 1, len(draft)) if draft else None
+            # drafts take blocks only while every running sequence still finds one free: a
+            # draft never costs anyone a preemption
+            copies = (allocate(seq.seq_id, seq.token_ids, 1, len(draft))
+                      if draft and kv.num_free_blocks > len(self.running)
+                      + len(draft) // kv.block_size else None)
             if copies is None:
                 draft = []  # short of blocks: no drafts before anyone is preempted
                 copies = allocate(seq.seq_id, seq.token_ids, 1)

@@ -69,10 +69,10 @@ class _State:
             return
         self.misses += 1
         if self.misses >= MISSES_BEFORE_BACKOFF:
-            self.resume_step = step + self.backoff
+            self.resume_step = step + self.backoff + 1
             self.backoff = min(2 * self.backoff, MAX_BACKOFF_STEPS)
             self.misses = 0
-            self.ema = 1.0  # back with one draft token
+            self.ema = 0.0  # back with one draft token
 
 
 class Speculator:
