@@ -4,10 +4,14 @@ returned on rejection), the scheduler's budget and pool rules for drafts, and ad
 
 from __future__ import annotations
 
+import argparse
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from kvcore.cache import KVCacheManager
+from kvcore.cli import main
 from kvcore.engine.llm import engine_config
 from kvcore.model import BatchInput
 from kvcore.request import Sequence, SequenceStatus
@@ -183,3 +187,27 @@ def test_adaptation_shrinks_drafts_and_backs_off_after_misses() -> None:
     seq.status = SequenceStatus.FINISHED_STOPPED
     spec.propose([])
     assert "a" not in spec._states
+
+
+def test_generate_flag_gives_the_same_text(tiny_model_dir: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["generate", str(tiny_model_dir), "abcabcabcabc", "--max-tokens", "16",
+            "--temperature", "0.7", "--seed", "3"]
+    assert main(base) == 0
+    off = capsys.readouterr().out
+    assert main([*base, "--speculative-config", '{"method": "ngram", "prompt_lookup_min": 1}']
+                ) == 0
+    assert capsys.readouterr().out == off
+    assert main([*base, "--speculative-config", '{"method": "medusa"}']) == 2
+    err = capsys.readouterr().err
+    assert "speculative_config.method" in err and err.count("\n") == 1
+
+
+def test_serve_config_takes_the_flag() -> None:
+    from kvcore.cli.serve import _config, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--speculative-config", '{"method": "suffix"}'])
+    assert _config(args, "m").speculative == SpeculativeConfig(method="suffix")
+    assert _config(parser.parse_args([]), "m").speculative is None
