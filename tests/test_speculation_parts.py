@@ -166,7 +166,7 @@ def _decoding(seq_id: str, tokens: list[int], **params: object) -> Sequence:
 def test_adaptation_shrinks_drafts_and_backs_off_after_misses() -> None:
     spec = Speculator(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1))
     seq = _decoding("a", [1, 2, 3, 1, 2, 3, 1, 2])
-    assert spec.propose([seq]) == {"a": [3, 1, 2, 3]}
+    assert spec.propose([seq]) == {"a": [3, 1]}  # 2 tokens first
     assert spec.propose([_decoding("n", [1, 2, 1], n=2)]) == {}  # forks never draft
     missed: list[int] = []
     for step in range(12):
@@ -176,12 +176,19 @@ def test_adaptation_shrinks_drafts_and_backs_off_after_misses() -> None:
             list(spec.accept([seq] * (len(drafts["a"]) + 1), [0] * (len(drafts["a"]) + 1),
                              [None] * (len(drafts["a"]) + 1), drafts))
         del step
-    # 4 tokens (optimistic), 3 after a miss (average 2 accepted + 1), then 4 steps off, back
-    # with 1 token; two more misses: 8 steps off
-    assert missed == [4, 3, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0]
+    # 2 tokens, a miss: 4 steps off, back with 1 token; another miss: 8 steps off
+    assert missed == [2, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0]
     stats = spec.stats
-    assert stats.num_drafts == 4 and stats.num_draft_tokens == 9
-    assert stats.num_accepted_tokens == 0 and seq.num_draft_tokens == 9
+    assert stats.num_drafts == 2 and stats.num_draft_tokens == 3
+    assert stats.num_accepted_tokens == 0 and seq.num_draft_tokens == 3
+    grow = Speculator(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1))
+    lengths = []
+    for _ in range(5):  # every draft accepted: one token longer each step, up to k
+        drafts = grow.propose([seq])
+        lengths.append(len(drafts["a"]))
+        rows = len(drafts["a"]) + 1
+        list(grow.accept([seq] * rows, [*drafts["a"], 0], [None] * rows, drafts))
+    assert lengths == [2, 3, 4, 4, 4]
     many = [_decoding(f"s{i}", [1, 2, 1]) for i in range(9)]  # above max_batch (8)
     assert spec.propose(many) == {}
     seq.status = SequenceStatus.FINISHED_STOPPED

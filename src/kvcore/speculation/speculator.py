@@ -10,6 +10,7 @@ seeded: speculation changes how many forward passes they take, never what they a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -23,7 +24,8 @@ from kvcore.speculation.ngram import NgramProposer
 from kvcore.speculation.suffix import SuffixProposer
 
 EMA_WEIGHT = 0.5  # of the latest step in a sequence's accepted-tokens average
-MISSES_BEFORE_BACKOFF = 2  # steps in a row with no draft token accepted
+FIRST_EMA = 1.0  # a sequence's first drafts are 2 tokens long; they grow as they get accepted
+MISSES_BEFORE_BACKOFF = 1  # steps in a row with no draft token accepted
 FIRST_BACKOFF_STEPS = 4  # then no drafts for this many steps, doubled at every further miss
 MAX_BACKOFF_STEPS = 64
 
@@ -51,15 +53,16 @@ class _State:
 
     __slots__ = ("seq", "ema", "misses", "backoff", "resume_step")
 
-    def __init__(self, seq: Seq, k: int) -> None:
+    def __init__(self, seq: Seq) -> None:
         self.seq = seq
-        self.ema = float(k)  # optimistic: the first drafts are full length
+        self.ema = FIRST_EMA  # accepted draft tokens per verifying step, averaged
         self.misses = 0
         self.backoff = FIRST_BACKOFF_STEPS
         self.resume_step = 0  # no drafts before this step
 
     def num_draft(self, k: int) -> int:
-        return max(1, min(k, int(self.ema) + 1))
+        """One more than it has been accepting: a run of full acceptances grows it to k."""
+        return max(1, min(k, math.ceil(self.ema) + 1))
 
     def update(self, num_accepted: int, step: int) -> None:
         self.ema = EMA_WEIGHT * num_accepted + (1 - EMA_WEIGHT) * self.ema
@@ -111,7 +114,7 @@ class Speculator:
                 continue
             state = self._states.get(seq.seq_id)
             if state is None:
-                state = self._states[seq.seq_id] = _State(seq, self.k)
+                state = self._states[seq.seq_id] = _State(seq)
             if state.resume_step > self._step:
                 continue
             # every draft token is followed by one more drawn token: never past the limit
