@@ -10,8 +10,13 @@ accepted length (tokens a verifying step emits: 1 + accepted per draft), and p50
 inter-token latency (a step that emits n tokens of a request after a gap g counts n gaps of
 g / n).
 
-    .venv/bin/python tools/bench_spec.py [--model DIR] [--num-prompts 32] [--max-tokens 128]
-        [--streams 1,8] [--workloads grounded,chat] [--methods off,ngram,suffix] [--json]
+    .venv/bin/python tools/bench_spec.py [--model DIR | --like DIR] [--device cpu|cuda]
+        [--num-prompts 32] [--max-tokens 128] [--streams 1,8] [--workloads grounded,chat]
+        [--methods off,ngram,suffix] [--json]
+
+`--like DIR`: random weights of DIR's shape (tools/gpu_e2e.py's; the GPU machine gets no real
+weights): the figures then measure what verification costs and that outputs stay identical,
+not what real drafts gain. A stream count above --num-prompts cycles the prompts to fill it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import argparse
 import json
 import logging
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,7 +91,7 @@ def bench(model_dir: str, args: argparse.Namespace) -> list[dict[str, Any]]:
 
     streams = [int(s) for s in args.streams.split(",")]
     engines = {method: Engine(engine_config(
-        model_dir, device="cpu", max_num_seqs=max(streams), seed=0,
+        model_dir, device=args.device, max_num_seqs=max(streams), seed=0,
         speculative_config=SPEC.get(method))) for method in args.methods.split(",")}
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             seed=0 if args.temperature else None)
@@ -96,9 +102,10 @@ def bench(model_dir: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for workload in args.workloads.split(","):
         template = next(iter(engines.values())).tokenizer.apply_chat_template
-        prompts = [template([{"role": "user", "content": text}])
-                   for text in WORKLOADS[workload][:args.num_prompts]]
+        texts = WORKLOADS[workload][:args.num_prompts]
         for num_streams in streams:
+            prompts = [template([{"role": "user", "content": texts[i % len(texts)]}])
+                       for i in range(max(len(texts), num_streams))]
             tallies = {method: Tally() for method in engines}
             order = list(engines)
             for r, first in enumerate(range(0, len(prompts), num_streams)):
@@ -111,6 +118,7 @@ def bench(model_dir: str, args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def report(workload: str, num_streams: int, tallies: dict[str, Tally]) -> list[dict[str, Any]]:
+    """One row per method; `mismatched_requests`: requests whose tokens differ from off's."""
     base = tallies.get("off")
     rows = []
     for method, t in tallies.items():
@@ -128,14 +136,18 @@ def report(workload: str, num_streams: int, tallies: dict[str, Tally]) -> list[d
             if t.num_drafts else None,
             "itl_p50_ms": round(float(np.percentile(gaps, 50)), 1),
             "itl_p99_ms": round(float(np.percentile(gaps, 99)), 1),
-            "num_tokens": t.num_tokens, "mismatched_requests": mismatched})
+            "num_tokens": t.num_tokens, "num_requests": len(t.tokens),
+            "mismatched_requests": mismatched})
     return rows
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="model directory (default: the default "
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", default=None, help="model directory (default: the default "
                         "model)")
+    source.add_argument("--like", help="config.json + tokenizer directory: random weights")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -151,7 +163,14 @@ def main() -> int:
 
     blas = [f"{i.get('internal_api')} {i.get('version')} {i.get('architecture')} "
             f"threads={i.get('num_threads')}" for i in threadpool_info()]
-    rows = bench(str(resolve_model(args.model)), args)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.like:
+            from gpu_e2e import random_model
+
+            model_dir = str(random_model(Path(args.like), Path(tmp) / "m"))
+        else:
+            model_dir = str(resolve_model(args.model))
+        rows = bench(model_dir, args)
     if args.json:
         print(json.dumps({"blas": blas, "rows": rows}, indent=1))
         return 0
@@ -161,7 +180,7 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         same = "-" if r["mismatched_requests"] is None else (
-            f"{args.num_prompts - r['mismatched_requests']}/{args.num_prompts}")
+            f"{r['num_requests'] - r['mismatched_requests']}/{r['num_requests']}")
         print(f"| {r['workload']} | {r['streams']} | {r['method']} | {r['output_tok_s']} | "
               f"{r['speedup']}x | {r['acceptance'] if r['acceptance'] is not None else '-'} | "
               f"{r['mean_accepted_len'] or '-'} | {r['itl_p50_ms']} | {r['itl_p99_ms']} | "
