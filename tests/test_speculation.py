@@ -49,12 +49,16 @@ def _summary(out: RequestOutput) -> Any:
 
 
 def _run(engine: Engine, requests: list[tuple[str, list[int], Any]],
-         aborts: dict[int, list[str]] | None = None) -> dict[str, Any]:
+         aborts: dict[int, list[str]] | None = None,
+         arrivals: dict[int, list[tuple[str, list[int], Any]]] | None = None) -> dict[str, Any]:
+    """Every request to the end; `aborts` / `arrivals`: aborted / added before step N."""
     for request_id, prompt, params in requests:
         engine.add_request(request_id, prompt, params)
     done: dict[str, Any] = {}
     num_steps = 0
-    while engine.has_unfinished_requests():
+    while engine.has_unfinished_requests() or any(n >= num_steps for n in arrivals or {}):
+        for request_id, prompt, params in (arrivals or {}).get(num_steps, []):
+            engine.add_request(request_id, prompt, params)
         for request_id in (aborts or {}).get(num_steps, []):
             out = engine.abort_request(request_id)
             if out is not None:
@@ -186,6 +190,25 @@ def test_no_speculation_above_max_batch(tiny_model_dir: Path) -> None:
     assert stats is not None and stats.num_drafts == 0
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_the_batch_crossing_max_batch_mid_run(tiny_model_dir: Path,
+                                              async_scheduling: bool) -> None:
+    """Requests arrive while two speculate: the batch grows past max_batch_for_speculation in
+    the step that verifies their drafts, then shrinks below it again."""
+    long = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
+    requests = [("a", PROMPTS[0], long), ("b", PROMPTS[1], long),
+                *_requests([(i, i % 3) for i in range(2, 7)])]
+    arrivals = {24: requests[2:5], 26: requests[5:]}  # the first two loop (and draft) by then
+    engine = _fake(tiny_model_dir, {**NGRAM, "max_batch_for_speculation": 3}, async_scheduling,
+                   max_num_batched_tokens=24)
+    assert _run(engine, requests[:2], arrivals=arrivals) == _run(
+        _fake(tiny_model_dir, None), requests)
+    stats = engine.stats().spec_decode
+    assert stats is not None and stats.num_drafts > 0
+    assert engine.stats().num_running == 0
+    assert_pool_empty(engine)
+
+
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.integers(0, len(PROMPTS) - 1), st.integers(0, len(MIX) - 1)),
@@ -231,4 +254,5 @@ def test_tiny_model_tokens_match_on_and_off(tiny_model_dir: Path) -> None:
                 assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
     stats = engine.stats().spec_decode
     assert stats is not None and stats.num_drafts > 0
+    assert engine.stats().num_running == 0
     assert_pool_empty(engine)

@@ -148,8 +148,8 @@ class EngineCore:
         # a step that verifies drafts, or after which the next may, is collected before the
         # next is scheduled: a sequence's number of new tokens is known only then
         drafts = scheduled_drafts(out) if self.speculator is not None else {}
-        needs_host = self.speculator is not None and self.speculator.active(
-            len(self.scheduler.running))
+        needs_host = bool(drafts) or (self.speculator is not None and self.speculator.active(
+            len(self.scheduler.running)))
         rows: list[SamplingRow] = []  # built now: the histories as they are
         i = 0
         for item in out.scheduled:
