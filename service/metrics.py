@@ -53,6 +53,20 @@ class _EngineCollector(Collector):
                       stats.prefix_cache_hits)
         yield counter("num_preemptions", "Preemptions (recompute) of running requests.",
                       stats.num_preemptions)
+        spec = getattr(stats, "spec_decode", None)  # None: speculative decoding is off
+        if spec is not None:
+            yield counter("spec_decode_num_drafts", "Sequence-steps that verified drafts.",
+                          spec.num_drafts)
+            yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.",
+                          spec.num_draft_tokens)
+            yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                          spec.num_accepted_tokens)
+            per_pos = CounterMetricFamily("kvcore:spec_decode_num_accepted_tokens_per_pos",
+                                          "Draft tokens accepted, by position in the draft.",
+                                          labels=["model_name", "position"])
+            for pos, value in enumerate(spec.accepted_per_pos):
+                per_pos.add_metric([self._model_name, str(pos)], value)
+            yield per_pos
         info = GaugeMetricFamily("kvcore:cache_config_info", "KV cache configuration.",
                                  labels=["block_size", "cache_dtype", "num_blocks"])
         info.add_metric([str(stats.block_size), str(stats.cache_dtype), str(stats.num_blocks)], 1)

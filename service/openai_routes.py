@@ -318,8 +318,12 @@ def _account(state: ServiceState, gen: Generation, call_id: str, tenant: str,
         if timings is not None and timings.first_token_time is not None:
             ttfts.append(timings.first_token_time - timings.arrival_time)
     usage = gen.usage()
+    finals = [job.last_output.metrics for job in gen.jobs if job.last_output is not None]
+    drafted = sum(m.num_draft_tokens for m in finals)
     log.info("request", request_id=call_id, tenant=tenant, endpoint=req.kind, outcome=outcome,
              prompt_tokens=usage["prompt_tokens"], completion_tokens=usage["completion_tokens"],
              cached_tokens=usage["prompt_tokens_details"]["cached_tokens"],
              ttft_s=round(min(ttfts), 6) if ttfts else None,
-             finish_reason=[c.finish_reason for c in gen.choices], user=log_text(req.user))
+             finish_reason=[c.finish_reason for c in gen.choices], user=log_text(req.user),
+             spec_acceptance=round(sum(m.num_accepted_tokens for m in finals) / drafted, 4)
+             if drafted else None)

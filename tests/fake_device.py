@@ -26,11 +26,13 @@ EOS_BIAS = 3.0  # makes EOS (id 2) likely enough that sequences stop by themselv
 
 class HistoryModel:
     """`config` and `forward(batch, kv_cache)` like LlamaModel; `fail_calls`: forward calls
-    (1-based) that raise instead."""
+    (1-based) that raise instead; `order`: the logits depend on the last `order` tokens only
+    (None: the whole history), so outputs repeat and speculative drafts get accepted."""
 
     def __init__(self, config: ModelConfig, max_delay_s: float = 0.002,
-                 fail_calls: tuple[int, ...] = ()) -> None:
+                 fail_calls: tuple[int, ...] = (), order: int | None = None) -> None:
         self.config = config
+        self.order = order
         self.max_delay_s = max_delay_s
         self.fail_calls = fail_calls
         self.num_calls = 0
@@ -59,6 +61,8 @@ class HistoryModel:
         for r, (row, s) in enumerate(zip(batch.logits_indices.tolist(), rows_seq.tolist(),
                                          strict=True)):
             positions = np.arange(int(batch.positions[row]) + 1)  # (p + 1,)
+            if self.order is not None:
+                positions = positions[-self.order:]
             history = k[batch.block_tables[s][positions // bs], positions % bs, 0, 0]
             seed = zlib.crc32(history.astype(np.int64).tobytes())
             out[r] = np.random.default_rng(seed).standard_normal(vocab) * 2.0
@@ -68,13 +72,13 @@ class HistoryModel:
 
 def fake_engine(model_dir: Path, async_scheduling: bool, worker: bool = True,
                 fail_calls: tuple[int, ...] = (), max_delay_s: float = 0.002,
-                **engine_args: Any) -> Engine:
+                order: int | None = None, **engine_args: Any) -> Engine:
     """An Engine over HistoryModel; `worker`: its device work runs in a worker thread."""
     engine_args.setdefault("block_size", 4)
     engine_args.setdefault("num_blocks", 512)
     config = engine_config(str(model_dir), async_scheduling=async_scheduling, device="cpu",
                            **engine_args)
-    model = HistoryModel(ModelConfig.from_dir(model_dir), max_delay_s, fail_calls)
+    model = HistoryModel(ModelConfig.from_dir(model_dir), max_delay_s, fail_calls, order)
     engine = Engine(config, model=model, tokenizer=Tokenizer.from_dir(model_dir))
     if worker:
         engine.core.runner.stream = WorkerStream()

@@ -2,8 +2,10 @@
 # The one prepared script for a GPU machine (an offline H200): the GPU tests, the MLA kernel
 # and model, the kernel benchmark table, the xp sampler on NumPy vs CuPy (noise bit for bit,
 # token agreement on fp32 and fp16 logits), then the engine end to end (tools/gpu_e2e.py:
-# decode tok/s at batch 1, 64, 256, device-busy fraction, greedy tokens vs the CPU engine);
-# the timeouts add up to 9 min 10 s (a 10-minute call). Without a usable CUDA GPU it says so
+# decode tok/s at batch 1, 64, 256, device-busy fraction, greedy tokens vs the CPU engine),
+# and speculative decoding off / ngram / suffix at batch 1 and 64 (tools/bench_spec.py: tokens
+# identical to off, output tok/s, acceptance); the timeouts add up to 9 min 40 s (a 10-minute
+# call). Without a usable CUDA GPU it says so
 # and exits 2 at once.
 #
 #   bash tools/gpu_check.sh            # python3 (or $PYTHON) with cupy; kvcore from src/
@@ -54,11 +56,19 @@ echo "== tools/check_sampler_devices.py"
 timeout 45 "$PY" tools/check_sampler_devices.py || status=1
 echo "== tools/gpu_e2e.py (the engine on the GPU: tok/s, busy fraction, greedy vs the CPU engine)"
 if [ -f "$MODEL/model.safetensors" ]; then
-    timeout 150 "$PY" tools/gpu_e2e.py --model "$MODEL" || status=1
+    SOURCE=(--model "$MODEL")
 elif [ -f gpu_model/config.json ]; then
-    timeout 150 "$PY" tools/gpu_e2e.py --like gpu_model || status=1
+    SOURCE=(--like gpu_model)
 else
-    echo "gpu_e2e: no default model and no gpu_model/ (run --fetch-wheels first): skipped"
+    SOURCE=()
+fi
+if [ ${#SOURCE[@]} -gt 0 ]; then
+    timeout 140 "$PY" tools/gpu_e2e.py "${SOURCE[@]}" || status=1
+    echo "== tools/bench_spec.py (speculative decoding at batch 1 and 64: identical tokens, tok/s)"
+    timeout 40 "$PY" tools/bench_spec.py "${SOURCE[@]}" --device cuda --num-prompts 4 \
+        --max-tokens 32 --streams 1,64 || status=1
+else
+    echo "gpu_e2e, bench_spec: no default model and no gpu_model/ (run --fetch-wheels first): skipped"
     status=1
 fi
 exit $status

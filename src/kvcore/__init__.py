@@ -28,6 +28,7 @@ _PUBLIC = {
     "CacheConfig": "kvcore.config",
     "SchedulerConfig": "kvcore.config",
     "ParamError": "kvcore.config",
+    "SpeculativeConfig": "kvcore.config_speculative",
     "RequestOutput": "kvcore.request",
     "CompletionOutput": "kvcore.request",
 }

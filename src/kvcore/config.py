@@ -15,6 +15,7 @@ from kvcore.config_deepseek import (
     parse_deepseek,
     unknown_keys,
 )
+from kvcore.config_speculative import SpeculativeConfig
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -329,8 +330,12 @@ class EngineConfig:
     # the device runs asynchronously (cuda), off on the CPU (a synchronous forward: no overlap
     # to gain, and a sequence that stops would compute one token more). Outputs are identical.
     async_scheduling: bool | None = None
+    speculative: SpeculativeConfig | None = None  # speculative decoding (None: off)
 
     def __post_init__(self) -> None:
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise ValueError(f"speculative must be a SpeculativeConfig or None (parse JSON with "
+                             f"SpeculativeConfig.parse), got {self.speculative!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if not isinstance(self.enforce_eager, bool):

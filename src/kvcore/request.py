@@ -38,6 +38,13 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    num_draft_tokens: int = 0  # speculative decoding: draft tokens verified (all choices)
+    num_accepted_tokens: int = 0  # of those, accepted
+
+    @property
+    def acceptance(self) -> float | None:
+        """Accepted / verified draft tokens; None when nothing was drafted."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
 
 @dataclass(slots=True)
@@ -109,6 +116,8 @@ class Sequence:
     last_scheduled_step: int = -1  # fairness: least recently served goes first
     first_scheduled_time: float | None = None
     stop_reason: int | str | None = None
+    num_draft_tokens: int = 0  # speculative draft tokens verified so far
+    num_accepted_tokens: int = 0  # of those, accepted
     num_prompt_tokens: int = field(init=False)
     length_limit: int = field(init=False)  # total tokens at which it ends ("length")
     min_tokens: int = field(init=False)

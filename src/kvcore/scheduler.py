@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import structlog
@@ -26,6 +27,9 @@ class ScheduledSeq:
     # until the next schedule() changes it: read during this step only
     block_ids: list[int | None]
     sample: bool  # the chunk reaches the end of its tokens: the step samples its next token
+    # speculative decoding: token_ids ends with this many draft tokens (not in the sequence
+    # yet); the step samples after its last token and after each of them
+    num_draft_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,8 +125,10 @@ class Scheduler:
 
     # --- one step ---
 
-    def schedule(self) -> SchedulerOutput:
-        """Pick this step's tokens, at most max_num_batched_tokens."""
+    def schedule(self, drafts: Mapping[str, list[int]] | None = None) -> SchedulerOutput:
+        """Pick this step's tokens; at most max_num_batched_tokens.
+        `drafts`: draft tokens by sequence id, verified after a decode's token where budget
+        and pool allow (cut to the budget; dropped rather than preempting anyone)."""
         self._step += 1
         step = self._step
         budget = self.max_num_batched_tokens
@@ -130,6 +136,7 @@ class Scheduler:
         scheduled: dict[str, int] = {}
         ops: dict[str, list[CopyOp]] = {}
         preempted: list[str] = []
+        drafted: dict[str, list[int]] = {}
         prefilling: list[Sequence] = []
         running_status = SequenceStatus.RUNNING
         allocate = kv.allocate_slots
@@ -144,17 +151,27 @@ class Scheduler:
                 continue  # 0: no token until the core decides (its group is not complete)
             if budget <= 0:
                 continue
-            copies = allocate(seq.seq_id, seq.token_ids, 1)
+            draft = (drafts.get(seq.seq_id) or [])[:budget - 1] if drafts else []
+            # drafts take blocks only while every running sequence still finds one free: a
+            # draft never costs anyone a preemption
+            copies = (allocate(seq.seq_id, seq.token_ids, 1, len(draft))
+                      if draft and kv.num_free_blocks > len(self.running)
+                      + len(draft) // kv.block_size else None)
+            if copies is None:
+                draft = []  # short of blocks: no drafts before anyone is preempted
+                copies = allocate(seq.seq_id, seq.token_ids, 1)
             if copies is None:
                 copies, refund = self._make_room(seq, 1, scheduled, ops, preempted)
                 budget += refund
                 if copies is None:
                     continue
-            scheduled[seq.seq_id] = 1
+            if draft:
+                drafted[seq.seq_id] = draft
+            scheduled[seq.seq_id] = 1 + len(draft)
             if copies:
                 ops[seq.seq_id] = copies
             seq.last_scheduled_step = step
-            budget -= 1
+            budget -= 1 + len(draft)
         # pass 2: running prompts (chunked prefill, or recompute) get what budget is left
         for seq in prefilling:
             if seq.status is not running_status or budget <= 0:
@@ -192,8 +209,13 @@ class Scheduler:
             seq = seqs[seq_id]
             start = seq.num_computed_tokens
             end = start + num_new
-            items.append(ScheduledSeq(seq_id, seq.token_ids[start:end], start,
-                                      block_ids(seq_id), end == len(seq.token_ids)))
+            verified = drafted.get(seq_id)
+            if verified is None:
+                items.append(ScheduledSeq(seq_id, seq.token_ids[start:end], start,
+                                          block_ids(seq_id), end == len(seq.token_ids)))
+            else:  # its last token, then the drafts (preempted victims never get here)
+                items.append(ScheduledSeq(seq_id, seq.token_ids[start:] + verified, start,
+                                          block_ids(seq_id), True, len(verified)))
         return SchedulerOutput(
             scheduled=tuple(items),
             copy_ops=tuple(op for copies in ops.values() for op in copies),
@@ -283,9 +305,23 @@ class Scheduler:
             seq = seqs.get(item.seq_id)
             if seq is None or seq.status is not SequenceStatus.RUNNING:
                 continue  # finished while the step ran
-            seq.num_computed_tokens += len(item.token_ids)
+            # draft tokens count once accepted (settle_drafts)
+            seq.num_computed_tokens += len(item.token_ids) - item.num_draft_tokens
             if window:
                 kv.release_outside_window(item.seq_id, seq.num_computed_tokens)
+
+    def settle_drafts(self, seq: Sequence) -> None:
+        """After a step verified the sequence's drafts and appended what it emitted: the
+        accepted drafts' K/V counts (num_computed_tokens: all but the last token), the slots of
+        the rejected ones return to the pool, and blocks now full of accepted tokens enter the
+        prefix cache."""
+        if seq.status is not SequenceStatus.RUNNING:
+            return  # finished (its blocks are freed) or failed meanwhile
+        num_computed = len(seq.token_ids) - 1
+        assert num_computed >= seq.num_computed_tokens
+        seq.num_computed_tokens = num_computed
+        self.kv.truncate(seq.seq_id, num_computed)
+        self.kv.cache_blocks(seq.seq_id, seq.token_ids)
 
 
 def _victim_key(seq: Sequence) -> tuple[int, int, int]:

@@ -92,13 +92,22 @@ class KVCacheManager:
         self.num_prefix_hits += num_cached
         return num_cached
 
-    def allocate_slots(self, seq_id: str, token_ids: Sequence[int],
-                       num_new_tokens: int) -> list[CopyOp] | None:
+    def allocate_slots(self, seq_id: str, token_ids: Sequence[int], num_new_tokens: int,
+                       num_lookahead_tokens: int = 0) -> list[CopyOp] | None:
         """Make room for num_new_tokens more tokens; `token_ids` is the sequence's whole token list
         (at least num_tokens + num_new_tokens long) so blocks that become full get their hash.
-        Returns the copy-on-write ops, or None (with no side effect) when the pool is short."""
+        `num_lookahead_tokens`: slots for draft tokens past the end of `token_ids` (speculative
+        decoding); a block holding one is not hashed (`cache_blocks` does it once the tokens
+        are accepted) and `truncate` returns the slots of rejected ones. Returns the
+        copy-on-write ops, or None (with no side effect) when the pool is short."""
         seq = self._seqs[seq_id]
         start = seq.num_tokens
+        if num_lookahead_tokens:
+            if num_lookahead_tokens < 0 or len(token_ids) != start + num_new_tokens:
+                raise ValueError(f"num_lookahead_tokens ({num_lookahead_tokens}) must be >= 0 "
+                                 f"and follow every token of seq_id {seq_id!r}")
+            return self._grow(seq, token_ids, start, start + num_new_tokens
+                              + num_lookahead_tokens)
         end = start + num_new_tokens
         blocks = seq.blocks
         if num_new_tokens > 0 and end <= len(token_ids) and end < len(blocks) * self.block_size:
@@ -144,9 +153,10 @@ class KVCacheManager:
         written = blocks[start // bs]
         assert written is not None and written.ref_count == 1, "write into a shared block"
         seq.num_tokens = end
-        num_full = end // bs
-        if end == len(token_ids) and token_ids[end - 1] == PENDING_TOKEN_ID:
-            num_full = (end - 1) // bs  # its hash needs the token: cache_blocks, once known
+        known = min(end, len(token_ids))  # past it: draft tokens, hashed once accepted
+        num_full = known // bs
+        if known == len(token_ids) and token_ids[known - 1] == PENDING_TOKEN_ID:
+            num_full = (known - 1) // bs  # its hash needs the token: cache_blocks, once known
         if self.enable_prefix_caching and num_full > len(seq.block_hashes):
             self.pool.cache_full_blocks(blocks, seq.block_hashes, token_ids, num_full, seq.salt)
         return ops
@@ -161,6 +171,23 @@ class KVCacheManager:
                                                      num_full * self.block_size]
             self.pool.cache_full_blocks(seq.blocks, seq.block_hashes, token_ids, num_full,
                                         seq.salt)
+
+    def truncate(self, seq_id: str, num_tokens: int) -> None:
+        """Keep the first num_tokens slots (the rest held rejected draft tokens): the blocks
+        past them return to the pool. A kept block is never hashed past num_tokens, so a
+        returned one was never in the prefix cache."""
+        seq = self._seqs[seq_id]
+        if not 0 <= num_tokens <= seq.num_tokens:
+            raise ValueError(f"num_tokens must be in [0, {seq.num_tokens}] for seq_id "
+                             f"{seq_id!r}, got {num_tokens}")
+        num_blocks = -(-num_tokens // self.block_size)
+        assert len(seq.block_hashes) <= num_blocks, "a hashed block holds a draft token"
+        while len(seq.blocks) > num_blocks:
+            block = seq.blocks.pop()
+            seq.block_ids.pop()
+            if block is not None:
+                self.pool.free(block)
+        seq.num_tokens = num_tokens
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares every block of the parent (refcount + 1); writes copy on demand."""

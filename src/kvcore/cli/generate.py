@@ -31,6 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=None, help="schedule the next step while the device runs this "
                         "one (default: on for cuda, off for cpu)")
+    parser.add_argument("--speculative-config", metavar="JSON",
+                        help='speculative decoding, vLLM\'s shape: \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+                        '"prompt_lookup_min": 2}\' or "method": "suffix"; outputs are '
+                        'unchanged, only faster where drafts are accepted (default: off)')
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="show the engine's log lines and a timing summary")
 
@@ -68,7 +73,8 @@ def _generate(args: argparse.Namespace, model: str | None, prompt: str) -> int:
         model_dir = resolve_model(model)
         engine = Engine(engine_config(str(model_dir), device=args.device, max_num_seqs=1,
                                       enforce_eager=args.enforce_eager,
-                                      async_scheduling=args.async_scheduling))
+                                      async_scheduling=args.async_scheduling,
+                                      speculative_config=args.speculative_config))
         if args.chat:
             prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
         engine.add_request("cli", prompt, params)

@@ -11,6 +11,7 @@ import structlog
 
 from kvcore.cli import CLIError
 from kvcore.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvcore.config_speculative import SpeculativeConfig
 from kvcore.device import resolve_device
 from kvcore.engine import AsyncEngine
 from kvcore.planner import format_size, parse_size, plan_for_model
@@ -45,6 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=None, help="schedule the next step while the device runs this "
                         "one (default: on for cuda, off for cpu; --no-async-scheduling: off)")
+    parser.add_argument("--speculative-config", metavar="JSON",
+                        help='speculative decoding, vLLM\'s shape: \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+                        '"prompt_lookup_min": 2}\' or "method": "suffix"; outputs are '
+                        'unchanged, only faster where drafts are accepted (default: off)')
     parser.add_argument("--max-model-len", type=int, metavar="TOKENS",
                         help="prompt + completion tokens at most (default: the model's)")
     parser.add_argument("--max-num-seqs", type=int, default=256, metavar="N",
@@ -146,6 +152,7 @@ def _config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
     return EngineConfig(
         model=model_dir, device=args.device, seed=args.seed, enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
+        speculative=SpeculativeConfig.parse(args.speculative_config),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           kv_cache_memory=memory, cache_dtype=args.kv_cache_dtype,
                           enable_prefix_caching=args.enable_prefix_caching),

@@ -24,10 +24,12 @@ from kvcore.request import Sequence, SequenceStatus
 from kvcore.sampling import (
     RowSampler,
     SamplingParams,
+    SamplingRow,
     TokenLogprob,
     make_seed,
 )
 from kvcore.scheduler import Scheduler, SchedulerOutput
+from kvcore.speculation import Speculator, draft_rows, scheduled_drafts
 
 log = structlog.get_logger(__name__)
 
@@ -37,7 +39,8 @@ class EngineCore:
     `step_async`, picked at construction)."""
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, sampler: RowSampler,
-                 vocab_size: int, seed: int = 0, async_scheduling: bool = False) -> None:
+                 vocab_size: int, seed: int = 0, async_scheduling: bool = False,
+                 speculator: Speculator | None = None) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.sampler = sampler
@@ -45,6 +48,7 @@ class EngineCore:
         # chosen once: schedule step N+1 while the device runs step N (step_async), or not
         self.async_scheduling = async_scheduling
         self.step = self.step_async if async_scheduling else self.step_sync
+        self.speculator = speculator  # drafts verified in the step (None: no speculation)
         self._seeds = np.random.SeedSequence(seed)
         self._groups: dict[str, Group] = {}
         self._inflight: Launched | None = None  # launched, not collected yet
@@ -91,7 +95,7 @@ class EngineCore:
     def step_sync(self) -> StepOutput:
         """One step: schedule -> execute -> sample -> update."""
         result = StepOutput()
-        out = self.scheduler.schedule()
+        out = self._schedule()
         self._forget_preempted(out.preempted_ids)
         if out.scheduled:
             self._collect(self._launch(out, None), result, None)
@@ -110,13 +114,18 @@ class EngineCore:
             inflight = None
         if inflight is not None:
             self._add_pending_tokens(inflight)
-        out = self.scheduler.schedule()
+        out = self._schedule()
         self._forget_preempted(out.preempted_ids)
         launched = self._launch(out, inflight) if out.scheduled else None
         if inflight is not None and not self._collect(inflight, result, launched):
             launched = None  # rolled back: computed on a step that failed
         self._inflight = launched
         return result
+
+    def _schedule(self) -> SchedulerOutput:
+        speculator = self.speculator
+        return self.scheduler.schedule(
+            drafts=None if speculator is None else speculator.propose(self.scheduler.running))
 
     def _forget_preempted(self, seq_ids: Iterable[str]) -> None:
         """A preempted beam recomputes its row: its policy forgets the row it had."""
@@ -143,7 +152,12 @@ class EngineCore:
         plain_logits: list[int] = []
         host: list[Sequence] = []
         host_logits: list[int] = []
-        needs_host = False
+        # a step that verifies drafts, or after which the next may, is collected before the
+        # next is scheduled: a sequence's number of new tokens is known only then
+        drafts = scheduled_drafts(out) if self.speculator is not None else {}
+        needs_host = bool(drafts) or (self.speculator is not None and self.speculator.active(
+            len(self.scheduler.running)))
+        rows: list[SamplingRow] = []  # built now: the histories as they are
         i = 0
         for item in out.scheduled:
             if not item.sample:
@@ -153,14 +167,17 @@ class EngineCore:
                 host.append(seq)
                 host_logits.append(i)
                 needs_host = True
+            elif item.num_draft_tokens:  # one row after its last token and after each draft
+                rows.extend(draft_rows(seq, drafts[seq.seq_id], sampling_row(seq)))
+                plain.extend([seq] * (1 + item.num_draft_tokens))
+                plain_logits.extend(range(i, i + 1 + item.num_draft_tokens))
             else:
+                rows.append(sampling_row(seq))
                 plain.append(seq)
                 plain_logits.append(i)
-            i += 1
-        # built now: the rows' histories as they are (the host appends to them meanwhile)
-        rows = [sampling_row(seq) for seq in plain]
+            i += 1 + item.num_draft_tokens
         needs_host = needs_host or any(r.prompt_token_ids for r in rows)  # reads the history
-        launched = Launched(out, plain, host, needs_host)
+        launched = Launched(out, plain, host, needs_host, drafts)
         fill = None
         if prev is not None and prev.future is not None:
             future = prev.future
@@ -195,7 +212,16 @@ class EngineCore:
             seq = launched.plain[i]
             if not seq.finished and seq.request_id not in result.failed:
                 self._fail(seq.request_id, "sampling", error, result)
-        self._append(zip(launched.plain, token_ids, logprobs, strict=True), result)
+        if launched.drafts:
+            assert self.speculator is not None
+            self._append(self.speculator.accept(launched.plain, token_ids, logprobs,
+                                                launched.drafts), result)
+            for seq_id in launched.drafts:
+                verified = self.scheduler.seqs.get(seq_id)
+                if verified is not None:
+                    self.scheduler.settle_drafts(verified)
+        else:
+            self._append(zip(launched.plain, token_ids, logprobs, strict=True), result)
         if launched.host:
             self._decide_host(launched.host, drawn.host_logits, result)
         return True
@@ -300,7 +326,8 @@ class EngineCore:
                 None if logprob is None else [logprob],
                 None if status is None else status.finish_reason,
                 None if status is None else seq.stop_reason,  # type: ignore[arg-type]
-                seq.num_cached_tokens, seq.first_scheduled_time))
+                seq.num_cached_tokens, seq.first_scheduled_time, seq.num_draft_tokens,
+                seq.num_accepted_tokens))
             if status is not None:
                 # frees its blocks now, while the step launched after this one may still write
                 # its pending row into them: device work runs in launch order (a CUDA stream,

@@ -29,6 +29,7 @@ from kvcore.model.tokenizer import Tokenizer
 from kvcore.request import RequestOutput, Sequence, SequenceStatus
 from kvcore.sampling import BeamSearch, BeamSearchParams, RowSampler, SamplingParams
 from kvcore.scheduler import Scheduler
+from kvcore.speculation import SpecDecodeStats, Speculator
 
 log = structlog.get_logger(__name__)
 
@@ -45,6 +46,7 @@ class EngineStats:
     num_preemptions: int
     block_size: int
     cache_dtype: str
+    spec_decode: SpecDecodeStats | None = None  # speculative decoding's counters (None: off)
 
 
 class Engine:
@@ -81,9 +83,10 @@ class Engine:
                               config.scheduler.max_num_seqs, self.max_model_len)
         async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                             else device == "cuda")
+        speculator = None if config.speculative is None else Speculator(config.speculative)
         self.core = EngineCore(scheduler, ModelRunner(self.model, self.kv_cache, block_size),
                                RowSampler(self.eos_token_ids, mc.vocab_size), mc.vocab_size,
-                               config.seed, async_scheduling)
+                               config.seed, async_scheduling, speculator)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
         # the weights' and tokenizer's objects never become garbage: keep the cyclic GC from
         # walking them at every collection during serving (a pause inside a step)
@@ -172,4 +175,5 @@ class Engine:
             kv_cache_usage=kv.usage(), num_free_blocks=kv.num_free_blocks,
             num_blocks=kv.num_blocks, prefix_cache_queries=kv.num_prefix_queries,
             prefix_cache_hits=kv.num_prefix_hits, num_preemptions=scheduler.num_preemptions,
-            block_size=kv.block_size, cache_dtype=self.cache_dtype)
+            block_size=kv.block_size, cache_dtype=self.cache_dtype,
+            spec_decode=None if self.core.speculator is None else self.core.speculator.stats)

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvcore.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvcore.config_speculative import SpeculativeConfig
 from kvcore.engine.engine import Engine
 from kvcore.model.hub import resolve_model
 from kvcore.request import RequestOutput
@@ -19,8 +20,11 @@ _SCHEDULER_FIELDS = {f.name for f in dataclasses.fields(SchedulerConfig)}
 _ENGINE_FIELDS = {"device", "seed", "enforce_eager", "async_scheduling"}
 
 
-def engine_config(model: str, **engine_args: Any) -> EngineConfig:
-    """EngineConfig from flat keyword arguments (block_size=..., max_num_seqs=..., seed=...)."""
+def engine_config(model: str, speculative_config: SpeculativeConfig | dict[str, Any] | str
+                  | None = None, **engine_args: Any) -> EngineConfig:
+    """EngineConfig from flat keyword arguments (block_size=..., max_num_seqs=..., seed=...);
+    `speculative_config`: vLLM's shape ({"method": "ngram", "num_speculative_tokens": 4, ...},
+    or its JSON text), see SpeculativeConfig."""
     unknown = set(engine_args) - _CACHE_FIELDS - _SCHEDULER_FIELDS - _ENGINE_FIELDS
     if unknown:
         raise ValueError(f"unknown engine argument(s) {sorted(unknown)}; known: "
@@ -31,11 +35,13 @@ def engine_config(model: str, **engine_args: Any) -> EngineConfig:
 
     return EngineConfig(model=model, cache=CacheConfig(**pick(_CACHE_FIELDS)),
                         scheduler=SchedulerConfig(**pick(_SCHEDULER_FIELDS)),
+                        speculative=SpeculativeConfig.parse(speculative_config),
                         **pick(_ENGINE_FIELDS))
 
 
 class LLM:
-    """`LLM(model).generate(prompts, SamplingParams(...))`; model None: the default model."""
+    """`LLM(model).generate(prompts, SamplingParams(...))`; model None: the default model;
+    `LLM(model, speculative_config={"method": "ngram", ...})`: speculative decoding."""
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.engine = Engine(engine_config(str(resolve_model(model)), **engine_args))

@@ -230,6 +230,9 @@ class OutputProcessor:
                 if choice.finish_reason is not None:
                     continue  # ended by a stop string; the core computed one token more
                 request.seq_ids[out.index] = out.seq_id
+                if out.num_draft_tokens:  # only n = 1 speculates: the request's own counts
+                    request.metrics.num_draft_tokens = out.num_draft_tokens
+                    request.metrics.num_accepted_tokens = out.num_accepted_tokens
                 if choice.add(out):
                     stop_seq(out.seq_id)
                 if choice.finish_reason is not None:

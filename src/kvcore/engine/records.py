@@ -28,6 +28,8 @@ class SeqOutput:
     stop_reason: int | None
     num_cached_tokens: int  # prompt tokens its first admission found in the prefix cache
     first_scheduled_time: float | None
+    num_draft_tokens: int = 0  # speculative draft tokens the sequence verified so far
+    num_accepted_tokens: int = 0  # of those, accepted
 
 
 @dataclass(slots=True)
@@ -50,18 +52,20 @@ class Drawn:
 class Launched:
     """A step on the device: its schedule, its sampling rows, the future of its _Drawn."""
 
-    __slots__ = ("out", "plain", "host", "future", "needs_host", "row_of")
+    __slots__ = ("out", "plain", "host", "future", "needs_host", "row_of", "drafts")
 
     def __init__(self, out: SchedulerOutput, plain: list[Sequence], host: list[Sequence],
-                 needs_host: bool) -> None:
+                 needs_host: bool, drafts: dict[str, list[int]] | None = None) -> None:
         self.out = out
-        self.plain = plain  # rows drawn on the device, in row order
+        # rows drawn on the device, in row order (a sequence verifying k drafts: k + 1 rows)
+        self.plain = plain
         self.host = host  # rows the host decides after the step: a fork's first, beams
         # some row needs the host between this step and the next (a fork, a beam, a sampler
         # that reads the history): collect this step before scheduling the next
         self.needs_host = needs_host
         self.row_of = {seq.seq_id: i for i, seq in enumerate(plain)}
         self.future: Future[Drawn] | None = None
+        self.drafts = drafts or {}  # the draft tokens each speculating sequence verifies
 
 
 class Group:

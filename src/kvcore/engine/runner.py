@@ -99,7 +99,8 @@ class ModelRunner:
             batch = BatchInput.build([s.token_ids for s in scheduled],
                                      [s.start for s in scheduled],
                                      [s.block_ids for s in scheduled], self.block_size,
-                                     [s.sample for s in scheduled])
+                                     [s.sample + s.num_draft_tokens if s.sample else 0
+                                      for s in scheduled])
             pending = np.flatnonzero(batch.input_ids == PENDING_TOKEN_ID)  # (P,) rows
             src = None
             if len(pending):

@@ -34,12 +34,13 @@ class BatchInput:
     @classmethod
     def build(cls, token_ids: Sequence[Sequence[int]], num_computed_tokens: Sequence[int],
               block_tables: Sequence[Sequence[int | None]], block_size: int,
-              sample: Sequence[bool] | None = None) -> BatchInput:
+              sample: Sequence[int] | None = None) -> BatchInput:
         """Build a step from per-sequence lists, in one pass over the batch.
 
         Sequence s feeds token_ids[s] at positions num_computed_tokens[s] onwards; its block table
         (None = a block released outside the sliding window) must cover every new position. The
-        logits of each sequence's last new token are wanted where sample[s] (default: all).
+        logits of sequence s's last sample[s] new tokens are wanted (a bool: its last token or
+        none; more than one: a speculative step verifying drafts; default: the last of each).
         """
         num_seqs = len(token_ids)
         if len(num_computed_tokens) != num_seqs or len(block_tables) != num_seqs:
@@ -48,7 +49,7 @@ class BatchInput:
                              f"({len(block_tables)}) must have one entry per sequence")
         if block_size <= 0:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        wanted = [True] * num_seqs if sample is None else list(sample)
+        wanted = [1] * num_seqs if sample is None else [int(n) for n in sample]
         if len(wanted) != num_seqs:
             raise ValueError(f"sample has {len(wanted)} entries for {num_seqs} sequences")
         q_lens = np.array([len(t) for t in token_ids], dtype=np.int64)  # (S,)
@@ -74,7 +75,16 @@ class BatchInput:
             raise ValueError("a new token's position falls in a released or missing block")
         input_ids = np.fromiter((t for seq in token_ids for t in seq), dtype=np.int64,
                                 count=int(q_lens.sum()))
-        logits_indices = query_start_loc[1:][np.asarray(wanted, dtype=bool)].astype(np.int64) - 1
+        num_wanted = np.asarray(wanted, dtype=np.int64).reshape(num_seqs)  # (S,)
+        if num_seqs and (num_wanted.min() < 0 or np.any(num_wanted > q_lens)):
+            raise ValueError(f"sample must be in [0, tokens of the sequence], got {wanted}")
+        if num_wanted.max(initial=0) <= 1:
+            logits_indices = query_start_loc[1:][num_wanted == 1].astype(np.int64) - 1
+        else:  # the last num_wanted[s] rows of each sequence, in order
+            ends = np.repeat(query_start_loc[1:].astype(np.int64), num_wanted)  # (L,)
+            firsts = np.cumsum(num_wanted) - num_wanted
+            offsets = np.arange(int(num_wanted.sum())) - np.repeat(firsts, num_wanted)
+            logits_indices = ends - np.repeat(num_wanted, num_wanted) + offsets
         return cls(
             input_ids=input_ids,
             positions=positions.astype(np.int64),
