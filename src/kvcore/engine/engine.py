@@ -28,6 +28,7 @@ from kvcore.model.half_llama import HalfLlamaModel
 from kvcore.model.tokenizer import Tokenizer
 from kvcore.request import RequestOutput, Sequence, SequenceStatus
 from kvcore.sampling import BeamSearch, BeamSearchParams, RowSampler, SamplingParams
+from kvcore.sampling.constraints import ConstraintCompiler
 from kvcore.scheduler import Scheduler
 
 log = structlog.get_logger(__name__)
@@ -85,6 +86,9 @@ class Engine:
                                RowSampler(self.eos_token_ids, mc.vocab_size), mc.vocab_size,
                                config.seed, async_scheduling)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
+        # structured outputs: constraints compiled against this vocabulary (cached)
+        self.constraints = ConstraintCompiler(self.tokenizer.to_json, mc.vocab_size,
+                                              self.eos_token_ids)
         # the weights' and tokenizer's objects never become garbage: keep the cyclic GC from
         # walking them at every collection during serving (a pause inside a step)
         gc.freeze()
@@ -131,6 +135,8 @@ class Engine:
                        params=params, max_tokens=max_tokens, priority=priority,
                        cache_salt=cache_salt, stop_token_ids=stop_ids, eos_token_ids=eos_ids,
                        num_pending_forks=num_seqs - 1)
+        if params.constraint is not None:  # ParamError with the compiler's message
+            seq.matcher = self.constraints.matcher(params.constraint)
         self.output_processor.add(request_id, text, prompt_ids, params)
         try:
             self.core.add(seq, policy)  # admission control: nothing allocated on refusal

@@ -169,6 +169,10 @@ class Tokenizer:
                 f"token id {token_id} is outside the vocabulary [0, {self.vocab_size})")
         return str(token)
 
+    def to_json(self) -> str:
+        """The tokenizer.json text (what llguidance builds its view of the vocabulary from)."""
+        return str(self._tokenizer.to_str())
+
     def token_to_id(self, token: str) -> int | None:
         token_id = self._tokenizer.token_to_id(token)
         return None if token_id is None else int(token_id)

@@ -1,0 +1,84 @@
+"""The engine core's seam to structured outputs: the token masks of a step's constrained rows
+(computed while the forward pass runs), and the matchers of forks and beams."""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+
+from kvcore.device import array_module
+from kvcore.kernels.token_mask import apply_token_bitmask
+from kvcore.request import Sequence
+from kvcore.sampling import SamplingRow
+from kvcore.sampling.constraints import MaskFiller
+
+
+class StepMasks:
+    """The masks of one step's constrained rows: started at launch in the mask worker, taken
+    by the draw after the forward pass. Rows without a constraint pay nothing."""
+
+    __slots__ = ("rows", "future")
+
+    def __init__(self, rows: list[int], future: Future[np.ndarray]) -> None:
+        self.rows = rows  # positions of the constrained rows in the step's row list
+        self.future = future
+
+    def apply(self, sampling_rows: list[SamplingRow]) -> list[SamplingRow]:
+        masks = self.future.result()  # (C, W) int32
+        out = list(sampling_rows)
+        for k, i in enumerate(self.rows):
+            out[i] = dataclasses.replace(out[i], token_mask=masks[k])
+        return out
+
+
+class Constrainer:
+    """Owns the mask worker (made on the first constrained step)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._filler: MaskFiller | None = None
+
+    @property
+    def filler(self) -> MaskFiller:
+        if self._filler is None:
+            self._filler = MaskFiller(self.vocab_size)
+        return self._filler
+
+    def start(self, seqs: list[Sequence]) -> StepMasks | None:
+        """Start computing the masks of `seqs`' constrained rows (None: no row has one)."""
+        rows = [i for i, seq in enumerate(seqs) if seq.matcher is not None]
+        if not rows:
+            return None
+        matchers = [seqs[i].matcher for i in rows]
+        return StepMasks(rows, self.filler.submit(matchers))  # type: ignore[arg-type]
+
+    def masked_rows(self, seqs: list[Sequence], rows: list[SamplingRow]) -> list[SamplingRow]:
+        """`rows` with their masks, computed now (host-side draws: a fork's first token)."""
+        masks = self.start(seqs)
+        return rows if masks is None else masks.apply(rows)
+
+    def mask_logits(self, seqs: list[Sequence], logits: Any, rows: list[int]) -> None:
+        """Mask logits row rows[i] for seqs[i] in place, where it has a constraint (beams:
+        before the policy ranks them)."""
+        masks = self.start(seqs)
+        if masks is None:
+            return
+        xp = array_module(logits)
+        index = np.array([rows[i] for i in masks.rows], dtype=np.int64)  # (C,)
+        apply_token_bitmask(logits, xp.asarray(index), xp.asarray(masks.future.result()))
+
+
+def append_beam_token(seq: Sequence, token_id: int) -> None:
+    """A beam's next token (the policy decides when beams end, not the stop checks)."""
+    seq.token_ids.append(token_id)
+    if seq.matcher is not None:
+        seq.matcher.consume(token_id)
+
+
+def fork_matcher(parent: Sequence, child: Sequence) -> None:
+    """A fork continues from its parent's position in the constraint."""
+    if parent.matcher is not None:
+        child.matcher = parent.matcher.fork()
