@@ -39,7 +39,7 @@ from kvcore.service.streaming import (
     sse_event,
 )
 from kvcore.service.tool_stream import ToolCallStream
-from kvcore.service.tools import native_tools, parse_calls, render_messages
+from kvcore.service.tools import native_tools, parse_calls, render_messages, structured_kind
 
 log = structlog.get_logger("kvcore.service")
 
@@ -250,6 +250,9 @@ async def _respond(request: web.Request, state: ServiceState, req: GenerationReq
         raise_if_busy(async_engine, state.max_waiting, len(jobs) * req.n)
         state.track(task, gen)
         tracked = True
+        kind = structured_kind(req)
+        if kind is not None:
+            state.metrics.observe_structured(kind)
         for job in jobs:  # the KV inspector names each request's tenant
             state.tenants[job.request_id] = tenant
         # a client that goes away cancels this handler (aiohttp's handler_cancellation, which

@@ -125,6 +125,14 @@ def _strict(schema: dict[str, Any]) -> dict[str, Any]:
     return {**schema, "x-guidance": JSON_OPTIONS}
 
 
+def structured_kind(req: Any) -> str | None:
+    """The metrics label of a GenerationRequest's constraint (None: free text)."""
+    if req.tools is not None:
+        return f"tools_{req.tools.mode}"
+    constraint = req.sampling.get("constraint")
+    return None if constraint is None else str(constraint.kind)
+
+
 def native_tools(template: str | None) -> bool:
     """Whether the chat template renders tools and calls itself (Hermes-style tags)."""
     return template is not None and OPEN in template

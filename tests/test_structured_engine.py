@@ -17,7 +17,7 @@ from kvcore.config import ParamError
 from kvcore.engine import Engine
 from kvcore.model.tokenizer import Tokenizer
 from kvcore.sampling import BeamSearchParams, SamplingParams
-from kvcore.sampling.constraints import Constraint
+from kvcore.sampling.constraints import Constraint, ConstraintCompiler
 from structured_corpus import SCHEMAS
 
 FORMATS = jsonschema.FormatChecker()
@@ -166,3 +166,19 @@ def test_constraint_values_are_checked() -> None:
         SamplingParams(constraint="json")  # type: ignore[arg-type]
     assert not SamplingParams(temperature=0.0,
                               constraint=Constraint("json_object")).argmax_only
+
+
+def test_compile_is_bounded_and_cached(engine: Engine) -> None:
+    """A grammar past the size bound is refused with llguidance's message; the LRU keeps at
+    most `cache_size` compiled grammars, the most recently used."""
+    schema = Constraint.json_schema(SCHEMAS[30][1], "response_format")
+    small = ConstraintCompiler(engine.tokenizer.to_json, engine.model_config.vocab_size,
+                               engine.eos_token_ids, cache_size=2, max_grammar_size=20)
+    with pytest.raises(ParamError, match="response_format: .*size") as info:
+        small.matcher(schema)
+    assert info.value.param == "response_format"
+    compiler = ConstraintCompiler(engine.tokenizer.to_json, engine.model_config.vocab_size,
+                                  engine.eos_token_ids, cache_size=2)
+    for pattern in ("a+", "b+", "a+", "c+"):
+        compiler.matcher(Constraint("regex", pattern))
+    assert [spec for _, spec in compiler._cache] == ["a+", "c+"]

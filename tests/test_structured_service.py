@@ -5,8 +5,10 @@ the 400s of bad constraints."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +111,13 @@ def test_tools_required_and_named(tiny_model_dir: Path) -> None:
             (c.function.name, c.function.arguments) for c in expected]  # same seed, same calls
         assert server.app is not None
         server.call(wait_pool_idle(server.app))
+        server.call(asyncio.sleep(0.2))  # the driver publishes its stats between steps
+        with urllib.request.urlopen(f"{server.url}/metrics") as resp:
+            metrics = resp.read().decode()
+        assert re.search(r'kvcore:structured_output_requests_total\{kind="tools_required",'
+                         r'model_name="tiny"\} 5\.0', metrics), metrics
+        count = re.search(r"kvcore:structured_output_mask_seconds_count\S* (\d+)", metrics)
+        assert count is not None and int(count.group(1)) > 0
 
 
 def test_response_format_parse_and_structured_outputs(tiny_model_dir: Path) -> None:

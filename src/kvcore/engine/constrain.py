@@ -47,6 +47,10 @@ class Constrainer:
             self._filler = MaskFiller(self.vocab_size)
         return self._filler
 
+    def mask_times(self) -> tuple[tuple[float, ...], tuple[int, ...], float] | None:
+        """The histogram of mask seconds per step (None before the first constrained step)."""
+        return None if self._filler is None else self._filler.times.snapshot()
+
     def start(self, seqs: list[Sequence]) -> StepMasks | None:
         """Start computing the masks of `seqs`' constrained rows (None: no row has one)."""
         rows = [i for i, seq in enumerate(seqs) if seq.matcher is not None]

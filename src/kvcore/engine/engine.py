@@ -46,6 +46,9 @@ class EngineStats:
     num_preemptions: int
     block_size: int
     cache_dtype: str
+    # structured outputs: seconds per step computing token masks, as (bucket edges, counts
+    # per bucket + one above all, sum); None before the first constrained step
+    mask_seconds: tuple[tuple[float, ...], tuple[int, ...], float] | None = None
 
 
 class Engine:
@@ -178,4 +181,5 @@ class Engine:
             kv_cache_usage=kv.usage(), num_free_blocks=kv.num_free_blocks,
             num_blocks=kv.num_blocks, prefix_cache_queries=kv.num_prefix_queries,
             prefix_cache_hits=kv.num_prefix_hits, num_preemptions=scheduler.num_preemptions,
-            block_size=kv.block_size, cache_dtype=self.cache_dtype)
+            block_size=kv.block_size, cache_dtype=self.cache_dtype,
+            mask_seconds=self.core.constrainer.mask_times())

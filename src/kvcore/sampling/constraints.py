@@ -118,8 +118,8 @@ class ConstraintCompiler:
     the first constraint needs it."""
 
     def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int,
-                 eos_token_ids: Sequence[int],
-                 cache_size: int = COMPILE_CACHE_SIZE) -> None:
+                 eos_token_ids: Sequence[int], cache_size: int = COMPILE_CACHE_SIZE,
+                 max_grammar_size: int = MAX_GRAMMAR_SIZE) -> None:
         self._tokenizer_json = tokenizer_json
         self.vocab_size = vocab_size
         self._eos = list(eos_token_ids)
@@ -128,7 +128,7 @@ class ConstraintCompiler:
         self._lock = threading.Lock()
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._limits = llguidance.LLParserLimits(
-            initial_lexer_fuel=INITIAL_LEXER_FUEL, max_grammar_size=MAX_GRAMMAR_SIZE,
+            initial_lexer_fuel=INITIAL_LEXER_FUEL, max_grammar_size=max_grammar_size,
             step_lexer_fuel=STEP_LEXER_FUEL, step_max_items=STEP_MAX_ITEMS)
 
     @property
@@ -171,6 +171,10 @@ class MaskTimes:
         self.buckets = buckets
         self.counts = [0] * (len(buckets) + 1)  # the last: above every bucket
         self.total = 0.0
+
+    def snapshot(self) -> tuple[tuple[float, ...], tuple[int, ...], float]:
+        """(bucket upper edges, counts per bucket + one above all, sum of seconds)."""
+        return self.buckets, tuple(self.counts), self.total
 
     def observe(self, seconds: float) -> None:
         i = next((i for i, edge in enumerate(self.buckets) if seconds <= edge), len(self.buckets))
