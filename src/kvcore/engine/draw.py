@@ -60,9 +60,9 @@ def draw(sampler: Sampler, logits: Any, row_logits: list[int], rows: list[Sequen
         for seq in rows:
             params = seq.params
             assert isinstance(params, SamplingParams)
-            if not params.greedy or params.logprobs is not None:
+            if not params.greedy or params.logprobs is not None or params.constraint:
                 raise ValueError("this model returns token ids: only greedy sampling "
-                                 "without logprobs")
+                                 "without logprobs or constraints")
         ids = logits[index]  # (R,)
         return ids, lambda: (to_numpy(ids).tolist(), [None] * len(rows))
     if len(row_logits) == logits.shape[0] and row_logits == list(range(len(row_logits))) \

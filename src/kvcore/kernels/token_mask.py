@@ -53,6 +53,9 @@ def _apply_numba(logits: np.ndarray, rows: np.ndarray, masks: np.ndarray) -> Non
             if word == -1:  # every token of the word allowed
                 continue
             base = w * 32
+            if word == 0 and base + 32 <= vocab_size:  # every token of the word masked
+                row[base:base + 32] = neg_inf
+                continue
             for b in range(32):
                 t = base + b
                 if t < vocab_size and (word >> b) & 1 == 0:

@@ -36,7 +36,7 @@ MASK_TIME_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
 
 @dataclass(frozen=True, slots=True)
 class Constraint:
-    """What a request's output must match. `spec`: the JSON schema as canonical JSON text, the
+    """What a request's output must match. `spec`: the JSON schema as JSON text, the
     regex, the choices as a JSON array, or the Lark-like grammar; "" for json_object. `param`
     names the request field it came from (errors carry it); it is not part of the identity."""
 
@@ -60,7 +60,8 @@ class Constraint:
     def json_schema(cls, schema: Any, param: str = "constraint") -> Constraint:
         if not isinstance(schema, dict):
             raise ParamError(param, f"{param} must be a JSON schema object, got {schema!r}")
-        return cls("json_schema", json.dumps(schema, sort_keys=True), param)
+        # key order kept: llguidance writes properties in the schema's order
+        return cls("json_schema", json.dumps(schema), param)
 
     @classmethod
     def choice(cls, options: Any, param: str = "constraint") -> Constraint:
