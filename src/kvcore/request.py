@@ -161,7 +161,8 @@ class Sequence:
             return SequenceStatus.FINISHED_STOPPED
         if self.matcher is not None:
             try:
-                if self.matcher.consume(token_id):  # complete: nothing but its end may follow
+                # complete: nothing but its end may follow
+                if self.matcher.consume_at(len(token_ids) - 1 - self.num_prompt_tokens, token_id):
                     return SequenceStatus.FINISHED_STOPPED
             except ValueError:  # a token the mask allowed and the matcher refused
                 return SequenceStatus.FINISHED_ERROR

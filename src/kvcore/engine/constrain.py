@@ -3,17 +3,30 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from kvcore.cache import PENDING_TOKEN_ID
 from kvcore.device import array_module
 from kvcore.kernels.token_mask import apply_token_bitmask
 from kvcore.request import Sequence
 from kvcore.sampling import SamplingRow
 from kvcore.sampling.constraints import MaskFiller
+
+
+@dataclass(frozen=True, slots=True)
+class PrevTokens:
+    """The step before's sampled tokens: `read()` the host ids in row order, `row_of` a
+    sequence's row."""
+
+    read: Callable[[], list[int]]
+    row_of: Mapping[str, int]
 
 
 class StepMasks:
@@ -51,13 +64,30 @@ class Constrainer:
         """The histogram of mask seconds per step (None before the first constrained step)."""
         return None if self._filler is None else self._filler.times.snapshot()
 
-    def start(self, seqs: list[Sequence]) -> StepMasks | None:
-        """Start computing the masks of `seqs`' constrained rows (None: no row has one)."""
+    def start(self, seqs: list[Sequence], prev: PrevTokens | None = None) -> StepMasks | None:
+        """Start computing the masks of `seqs`' constrained rows (None: no row has one). A row
+        whose last token is pending (async scheduling) first consumes it, read from the step
+        before (`prev`) in the mask worker, while this step's forward pass runs."""
         rows = [i for i, seq in enumerate(seqs) if seq.matcher is not None]
         if not rows:
             return None
         matchers = [seqs[i].matcher for i in rows]
-        return StepMasks(rows, self.filler.submit(matchers))  # type: ignore[arg-type]
+        pending = [(m, seqs[i].num_output_tokens - 1, seqs[i].seq_id)
+                   for i, m in zip(rows, matchers, strict=True)
+                   if m is not None and seqs[i].token_ids[-1] == PENDING_TOKEN_ID]
+        fill = self.filler.fill
+
+        def job() -> np.ndarray:
+            if pending:
+                assert prev is not None
+                token_ids = prev.read()  # waits for the step before's draw
+                for matcher, position, seq_id in pending:
+                    # refused: that row's draw failed (its request fails); appending
+                    # re-checks the token
+                    with contextlib.suppress(ValueError):
+                        matcher.consume_at(position, token_ids[prev.row_of[seq_id]])
+            return fill(matchers)  # type: ignore[arg-type]
+        return StepMasks(rows, self.filler.submit(job))
 
     def masked_rows(self, seqs: list[Sequence], rows: list[SamplingRow]) -> list[SamplingRow]:
         """`rows` with their masks, computed now (host-side draws: a fork's first token)."""
@@ -79,7 +109,7 @@ def append_beam_token(seq: Sequence, token_id: int) -> None:
     """A beam's next token (the policy decides when beams end, not the stop checks)."""
     seq.token_ids.append(token_id)
     if seq.matcher is not None:
-        seq.matcher.consume(token_id)
+        seq.matcher.consume_at(seq.num_output_tokens - 1, token_id)
 
 
 def fork_matcher(parent: Sequence, child: Sequence) -> None:

@@ -8,7 +8,7 @@ output processor detokenizes, finds stop strings and aborts sequences through `f
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -17,7 +17,7 @@ import structlog
 from kvcore.cache import PENDING_TOKEN_ID
 from kvcore.device import array_module
 from kvcore.engine.beam import BeamPolicy
-from kvcore.engine.constrain import Constrainer, append_beam_token, fork_matcher
+from kvcore.engine.constrain import Constrainer, PrevTokens, append_beam_token, fork_matcher
 from kvcore.engine.draw import draw_rows, sampling_row
 from kvcore.engine.records import Drawn, Group, Launched, SeqOutput, StepOutput
 from kvcore.engine.runner import ModelRunner, PendingFill
@@ -157,10 +157,10 @@ class EngineCore:
             i += 1
         # built now: the rows' histories as they are (the host appends to them meanwhile)
         rows = [sampling_row(seq) for seq in plain]
-        # a constrained row's next mask needs this step's token: collected before the next
-        masks = self.constrainer.start(plain)  # computed while the forward pass runs
-        needs_host = (needs_host or masks is not None
-                      or any(r.prompt_token_ids for r in rows))  # reads the history
+        # computed while the forward pass runs (after the pending tokens' step, if any)
+        masks = self.constrainer.start(plain, None if prev is None or prev.future is None
+                                       else PrevTokens(_host_ids(prev), prev.row_of))
+        needs_host = needs_host or any(r.prompt_token_ids for r in rows)  # reads the history
         launched = Launched(out, plain, host, needs_host)
         fill = None
         if prev is not None and prev.future is not None:
@@ -375,3 +375,10 @@ class EngineCore:
             seq = self.scheduler.seqs.get(item.seq_id)
             if seq is not None and seq.request_id not in result.failed:
                 self._fail(seq.request_id, "forward pass", error, result, uncache=True)
+
+
+def _host_ids(launched: Launched) -> Callable[[], list[int]]:
+    """A launched step's sampled token ids, read back on the host (waits for its draw)."""
+    future = launched.future
+    assert future is not None
+    return lambda: future.result().read()[0]

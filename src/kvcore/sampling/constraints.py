@@ -90,27 +90,49 @@ class Constraint:
 
 
 class SeqMatcher:
-    """One sequence's position in its constraint, advanced by each token it appends."""
+    """One sequence's position in its constraint, advanced by each token it appends. With async
+    scheduling the mask worker may advance it by a token before the engine appends that token:
+    `consume_at` takes each output position once, whichever thread comes first."""
 
-    __slots__ = ("matcher",)
+    __slots__ = ("matcher", "num_tokens", "stopped", "_lock")
 
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, num_tokens: int = 0) -> None:
         self.matcher = matcher
+        self.num_tokens = num_tokens  # output tokens consumed
+        # as of num_tokens; kept here: a second consume_at must not touch the matcher, which
+        # the mask worker may be filling from
+        self.stopped = bool(matcher.is_stopped())
+        self._lock = threading.Lock()
 
     def consume(self, token_id: int) -> bool:
-        """Advance by an appended token; True when the constraint is complete and nothing but
-        its end may follow (the sequence ends "stop"). ValueError: the token was refused."""
-        if not self.matcher.consume_token(token_id):
-            raise ValueError(f"token {token_id} violates the constraint: "
-                             f"{self.matcher.get_error()}")
-        return bool(self.matcher.is_stopped())
+        """Advance by the next token; True when the constraint is complete and nothing but its
+        end may follow (the sequence ends "stop"). ValueError: the token was refused."""
+        return self.consume_at(self.num_tokens, token_id)
+
+    def consume_at(self, position: int, token_id: int) -> bool:
+        """consume() of output token `position`, unless it was consumed already."""
+        with self._lock:
+            if position > self.num_tokens:
+                raise ValueError(f"token position {position} skips {self.num_tokens}")
+            if position == self.num_tokens:
+                if not self.matcher.consume_token(token_id):
+                    raise ValueError(f"token {token_id} violates the constraint: "
+                                     f"{self.matcher.get_error()}")
+                self.num_tokens += 1
+                self.stopped = bool(self.matcher.is_stopped())
+            return self.stopped
 
     def rollback(self, num_tokens: int) -> None:
-        if not self.matcher.rollback(num_tokens):
-            raise ValueError(f"cannot roll back {num_tokens} tokens: {self.matcher.get_error()}")
+        with self._lock:
+            if not self.matcher.rollback(num_tokens):
+                raise ValueError(f"cannot roll back {num_tokens} tokens: "
+                                 f"{self.matcher.get_error()}")
+            self.num_tokens -= num_tokens
+            self.stopped = bool(self.matcher.is_stopped())
 
     def fork(self) -> SeqMatcher:
-        return SeqMatcher(self.matcher.deep_copy())
+        with self._lock:
+            return SeqMatcher(self.matcher.deep_copy(), self.num_tokens)
 
 
 class ConstraintCompiler:
@@ -202,5 +224,6 @@ class MaskFiller:
         self.times.observe(time.perf_counter() - start)
         return masks
 
-    def submit(self, matchers: Sequence[SeqMatcher]) -> Future[np.ndarray]:
-        return self._worker.submit(self.fill, list(matchers))
+    def submit(self, job: Callable[[], np.ndarray]) -> Future[np.ndarray]:
+        """Run `job` (which calls fill) in the mask worker, in submission order."""
+        return self._worker.submit(job)
