@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -33,14 +34,17 @@ class StepMasks:
     """The masks of one step's constrained rows: started at launch in the mask worker, taken
     by the draw after the forward pass. Rows without a constraint pay nothing."""
 
-    __slots__ = ("rows", "future")
+    __slots__ = ("rows", "future", "owner")
 
-    def __init__(self, rows: list[int], future: Future[np.ndarray]) -> None:
+    def __init__(self, rows: list[int], future: Future[np.ndarray], owner: Constrainer) -> None:
         self.rows = rows  # positions of the constrained rows in the step's row list
         self.future = future
+        self.owner = owner
 
     def apply(self, sampling_rows: list[SamplingRow]) -> list[SamplingRow]:
+        start = time.perf_counter()
         masks = self.future.result()  # (C, W) int32
+        self.owner.wait_seconds += time.perf_counter() - start
         out = list(sampling_rows)
         for k, i in enumerate(self.rows):
             out[i] = dataclasses.replace(out[i], token_mask=masks[k])
@@ -53,6 +57,9 @@ class Constrainer:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self._filler: MaskFiller | None = None
+        # the draws' total wait for masks not ready yet (on a GPU: the device idling on the
+        # host), for benchmarks
+        self.wait_seconds = 0.0
 
     @property
     def filler(self) -> MaskFiller:
@@ -87,7 +94,7 @@ class Constrainer:
                     with contextlib.suppress(ValueError):
                         matcher.consume_at(position, token_ids[prev.row_of[seq_id]])
             return fill(matchers)  # type: ignore[arg-type]
-        return StepMasks(rows, self.filler.submit(job))
+        return StepMasks(rows, self.filler.submit(job), self)
 
     def masked_rows(self, seqs: list[Sequence], rows: list[SamplingRow]) -> list[SamplingRow]:
         """`rows` with their masks, computed now (host-side draws: a fork's first token)."""
