@@ -67,7 +67,8 @@ def build_params(req: GenerationRequest, room: int) -> SamplingParams | BeamSear
                                     length_penalty=req.length_penalty,
                                     early_stopping=req.early_stopping,
                                     ignore_eos=req.sampling["ignore_eos"],
-                                    stop_token_ids=req.sampling["stop_token_ids"])
+                                    stop_token_ids=req.sampling["stop_token_ids"],
+                                    constraint=req.sampling.get("constraint"))
         return SamplingParams(n=req.n, max_tokens=req.max_tokens, logprobs=req.logprobs,
                               **req.sampling)
     except ParamError as e:

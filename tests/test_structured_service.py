@@ -206,3 +206,14 @@ def test_qwen3_style_multi_turn_with_a_tool_message(tmp_path: Path) -> None:
         assert "<tool_response>\n{\"temperature\": 21}\n</tool_response>" in text
         assert f'"name": "{call.function.name}"' in text and "# Tools" in text
         assert second.usage.prompt_tokens == len(tokenizer.encode(text))
+
+
+def test_beam_search_with_a_choice_constraint(tiny_model_dir: Path) -> None:
+    with live_server(lambda: tiny_app(tiny_model_dir, ENGINE)) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        done = client.completions.create(
+            model=MODEL_NAME, prompt="Pick:", max_tokens=8, n=2,
+            extra_body={"use_beam_search": True,
+                        "structured_outputs": {"choice": ["alpha", "beta", "gamma"]}})
+        assert {c.text for c in done.choices} <= {"alpha", "beta", "gamma"}
+        assert len(done.choices) == 2
