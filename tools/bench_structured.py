@@ -2,8 +2,10 @@
 
 1. throughput: N concurrent greedy requests (default 64) with a JSON schema vs the same
    requests unconstrained, on the default model (CPU): output tokens/s of each and the ratio,
-   ABAB rounds in one run. Every constrained output that ends "stop" is validated with
-   jsonschema before any figure is reported.
+   ABAB rounds in one run; whole runs (prefill included: the JSON answers are shorter, so their
+   prefill weighs more) and the decode steps alone (after every request has its first
+   token). Every constrained output that ends "stop" is validated with jsonschema before any
+   figure is reported.
 2. mask: the seconds one step's masks take (llguidance's parallel fill, mid-object matchers) at
    batch 1, 64 and 256, and the numba apply of those masks to (B, V) logits.
 3. gpu: a simulated GPU step (a sleep of --step-ms in the fake device's worker thread, as a CUDA
@@ -54,14 +56,26 @@ PROMPT = ("Describe a fictional person as a JSON object with their name, age, ci
 WARMUP_STEPS = 4
 
 
-def run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> tuple[float, Any]:
+def run(engine: Engine, prompts: list[list[int]], params: SamplingParams
+        ) -> tuple[float, Any, tuple[float, int]]:
+    """(wall, finished outputs, (decode wall, decode tokens)): decode = the steps after every
+    request has its first token (no prefill left in them)."""
     for i, prompt in enumerate(prompts):
         engine.add_request(f"b{time.monotonic_ns()}-{i}", prompt, params)
     outputs = []
+    started: set[str] = set()
+    decode_wall, decode_tokens = 0.0, 0
     start = time.perf_counter()
     while engine.has_unfinished_requests():
-        outputs += [o for o in engine.step() if o.finished]
-    return time.perf_counter() - start, outputs
+        t0 = time.perf_counter()
+        decoding = len(started) == len(prompts)
+        step = engine.step()
+        if decoding:
+            decode_wall += time.perf_counter() - t0
+            decode_tokens += sum(len(c.delta_token_ids) for o in step for c in o.outputs)
+        started |= {o.request_id for o in step}
+        outputs += [o for o in step if o.finished]
+    return time.perf_counter() - start, outputs, (decode_wall, decode_tokens)
 
 
 def throughput(model_dir: Path, n: int, max_tokens: int, rounds: int) -> dict[str, Any]:
@@ -77,12 +91,14 @@ def throughput(model_dir: Path, n: int, max_tokens: int, rounds: int) -> dict[st
     free = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     run(engine, prompts[:2], dataclasses.replace(constrained, max_tokens=4))  # warm-up
     figures: dict[str, list[float]] = {"json_schema": [], "unconstrained": []}
+    decode: dict[str, list[float]] = {"json_schema": [], "unconstrained": []}
     num_valid = num_length = 0
     for _ in range(rounds):
         for name, params in (("json_schema", constrained), ("unconstrained", free)):
-            wall, outputs = run(engine, prompts, params)
+            wall, outputs, (decode_wall, decode_tokens) = run(engine, prompts, params)
             tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
             figures[name].append(tokens / wall)
+            decode[name].append(decode_tokens / decode_wall)
             if name == "json_schema":
                 for o in outputs:
                     if o.outputs[0].finish_reason == "stop":
@@ -91,10 +107,14 @@ def throughput(model_dir: Path, n: int, max_tokens: int, rounds: int) -> dict[st
                     else:
                         num_length += 1
     med = {k: float(np.median(v)) for k, v in figures.items()}
+    dec = {k: float(np.median(v)) for k, v in decode.items()}
     return {"n": n, "max_tokens": max_tokens, "rounds": rounds,
             "tok_s_json_schema": round(med["json_schema"], 1),
             "tok_s_unconstrained": round(med["unconstrained"], 1),
             "ratio": round(med["json_schema"] / med["unconstrained"], 3),
+            "decode_tok_s_json_schema": round(dec["json_schema"], 1),
+            "decode_tok_s_unconstrained": round(dec["unconstrained"], 1),
+            "decode_ratio": round(dec["json_schema"] / dec["unconstrained"], 3),
             "valid_outputs": num_valid, "length_outputs": num_length}
 
 
@@ -174,7 +194,7 @@ def gpu_busy(model_dir: Path, n: int, step_ms: float, steps: int,
     prompts = [[1, 2 + i % 7, 3 + i] for i in range(n)]
     engine.constraints.matcher(constraint)  # llguidance's tokenizer and the grammar, untimed
     _ = engine.core.constrainer.filler
-    _, outputs = run(engine, prompts, params)
+    _, outputs, _ = run(engine, prompts, params)
     if constrained:  # validate before reporting: each output is a path through the grammar
         for o in outputs:
             matcher = engine.constraints.matcher(constraint)
