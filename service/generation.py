@@ -68,7 +68,8 @@ def build_params(req: GenerationRequest, room: int) -> SamplingParams | BeamSear
                                      length_penalty=req.length_penalty,
                                      early_stopping=req.early_stopping,
                                      ignore_eos=req.sampling["ignore_eos"],
-                                     stop_token_ids=req.sampling["stop_token_ids"])
+                                     stop_token_ids=req.sampling["stop_token_ids"],
+                                     constraint=req.sampling.get("constraint"))
             min_tokens = req.sampling["min_tokens"]  # SamplingParams' own check, for beams
             if req.max_tokens is not None and min_tokens > req.max_tokens:
                 raise ParamError("min_tokens", f"min_tokens must be <= max_tokens "

@@ -6,7 +6,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 # vLLM's bucket edges, so dashboards built for it read the same
@@ -67,10 +72,26 @@ class _EngineCollector(Collector):
             for pos, value in enumerate(spec.accepted_per_pos):
                 per_pos.add_metric([self._model_name, str(pos)], value)
             yield per_pos
+        mask = getattr(stats, "mask_seconds", None)
+        if mask is not None:
+            yield _mask_histogram(name, *mask)
         info = GaugeMetricFamily("kvcore:cache_config_info", "KV cache configuration.",
                                  labels=["block_size", "cache_dtype", "num_blocks"])
         info.add_metric([str(stats.block_size), str(stats.cache_dtype), str(stats.num_blocks)], 1)
         yield info
+
+
+def _mask_histogram(name: list[str], edges: tuple[float, ...], counts: tuple[int, ...],
+                    total: float) -> HistogramMetricFamily:
+    family = HistogramMetricFamily("kvcore:structured_output_mask_seconds",
+                                   "Seconds per step computing structured-output token masks.",
+                                   labels=["model_name"])
+    cumulative, buckets = 0, []
+    for edge, count in zip((*[str(e) for e in edges], "+Inf"), counts, strict=True):
+        cumulative += count
+        buckets.append((edge, cumulative))
+    family.add_metric(name, buckets, sum_value=total)
+    return family
 
 
 class ServiceMetrics:
@@ -96,7 +117,13 @@ class ServiceMetrics:
         self.queue_time = Histogram("kvcore:request_queue_time_seconds",
                                     "Arrival to first scheduling.", labels,
                                     buckets=REQUEST_BUCKETS, registry=reg)
+        self.structured = Counter("kvcore:structured_output_requests",
+                                  "Requests with a constrained output, by kind.",
+                                  ["model_name", "kind"], registry=reg)
         reg.register(_EngineCollector(model_name, stats))
+
+    def observe_structured(self, kind: str) -> None:
+        self.structured.labels(self.model_name, kind).inc()
 
     def observe_token_gap(self, seconds: float) -> None:
         self.itl.labels(self.model_name).observe(seconds)

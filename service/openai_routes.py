@@ -38,6 +38,8 @@ from kvcore.service.streaming import (
     msgpack_frame,
     sse_event,
 )
+from kvcore.service.tool_stream import ToolCallStream
+from kvcore.service.tools import native_tools, parse_calls, render_messages, structured_kind
 
 log = structlog.get_logger("kvcore.service")
 
@@ -108,9 +110,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 def _chat_job(req: GenerationRequest, tokenizer: Tokenizer, max_model_len: int,
               call_id: str) -> Job:
+    messages, tools = render_messages(req.messages, req.tools,
+                                      native_tools(tokenizer.chat_template))
     try:
-        text = tokenizer.apply_chat_template(req.messages,
-                                             add_generation_prompt=req.add_generation_prompt)
+        text = tokenizer.apply_chat_template(messages,
+                                             add_generation_prompt=req.add_generation_prompt,
+                                             tools=tools)
     except ValueError as e:  # the template refused the conversation (roles, order)
         raise bad_request(f"chat template: {e}", "messages") from None
     ids = tokenizer.encode(text, add_special_tokens=False)
@@ -133,6 +138,9 @@ class _Formatter:
         # chat echo (vLLM): the reply starts with the last message when it is the assistant's
         self.chat_echo = last["content"] if (req.echo and last and last["role"] == "assistant"
                                              ) else ""
+        # tool calls: each choice's text goes through a parser (content vs delta.tool_calls)
+        self.tool_streams = ({c.index: ToolCallStream() for c in gen.choices}
+                             if req.tools is not None else None)
 
     def _envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
         suffix = ".chunk" if chunk and self.req.kind == "chat" else ""
@@ -169,14 +177,25 @@ class _Formatter:
             choice.started = True
             text = self._echo(choice.index) + text
         entry: dict[str, Any] = {"index": choice.index}
-        if self.req.kind == "chat":
+        finish_reason = delta.finish_reason
+        if self.tool_streams is not None:
+            stream = self.tool_streams[choice.index]
+            text, calls = stream.feed(text, finish_reason is not None)
+            entry["delta"] = {"content": text} if text else {}
+            if calls:
+                entry["delta"]["tool_calls"] = calls
+            if finish_reason == "stop" and stream.num_calls:
+                finish_reason = "tool_calls"
+            entry["logprobs"] = (self.lp.chat(delta.logprobs) if self.req.logprobs is not None
+                                 else None)
+        elif self.req.kind == "chat":
             entry["delta"] = {"content": text} if text or delta.finish_reason is None else {}
             entry["logprobs"] = (self.lp.chat(delta.logprobs) if self.req.logprobs is not None
                                  else None)
         else:
             entry["text"] = text
             entry["logprobs"] = self._completion_logprobs(delta)
-        entry["finish_reason"] = delta.finish_reason
+        entry["finish_reason"] = finish_reason
         entry["stop_reason"] = choice.stop_reason if delta.finish_reason else None
         return self._envelope([entry], True)
 
@@ -188,15 +207,23 @@ class _Formatter:
         for choice in self.gen.choices:
             text = self._echo(choice.index) + choice.text
             entry: dict[str, Any] = {"index": choice.index}
+            finish_reason = choice.finish_reason
             if self.req.kind == "chat":
                 entry["message"] = {"role": "assistant", "content": text}
+                if self.req.tools is not None:
+                    content, calls = parse_calls(text)
+                    entry["message"] = {"role": "assistant", "content": content}
+                    if calls:
+                        entry["message"]["tool_calls"] = calls
+                        finish_reason = ("tool_calls" if finish_reason == "stop"
+                                         else finish_reason)
                 entry["logprobs"] = (self.lp.chat(choice.logprobs) if self.req.logprobs is not None
                                      else None)
             else:
                 entry["text"] = text
                 entry["logprobs"] = (self.lp.completion(choice.logprobs, 0)[0]
                                      if self.req.logprobs is not None else None)
-            entry["finish_reason"] = choice.finish_reason
+            entry["finish_reason"] = finish_reason
             entry["stop_reason"] = choice.stop_reason
             choices.append(entry)
         return self._envelope(choices, False) | {"usage": self.gen.usage()}
@@ -224,6 +251,9 @@ async def _respond(request: web.Request, state: ServiceState, req: GenerationReq
         reservation = state.admission.admit(async_engine, len(jobs) * req.n)
         state.track(task, gen)
         tracked = True
+        kind = structured_kind(req)
+        if kind is not None:
+            state.metrics.observe_structured(kind)
         for job in jobs:  # the KV inspector names each request's tenant
             state.tenants[job.request_id] = tenant
         # a client that goes away cancels this handler (aiohttp's handler_cancellation, which

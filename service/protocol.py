@@ -22,6 +22,8 @@ from kvcore.service.fields import (
     get_str,
     get_token_ids,
 )
+from kvcore.service.structured import parse_constraint
+from kvcore.service.tools import ToolRequest, parse_tools, tool_constraint
 
 MAX_PROMPTS = 256  # prompts of one batched completions request
 MAX_USER_CHARS = 256  # the `user` field: an end-user id, echoed into the request log
@@ -29,14 +31,14 @@ CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 # OpenAI (and vLLM) fields kvcore does not implement: refused by name rather than ignored, so a
 # client never gets a different behaviour than it asked for. A value equal to the default passes.
 UNSUPPORTED: dict[str, Any] = {
-    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-    "function_call": (None, "none"), "parallel_tool_calls": (None,), "suffix": (None, ""),
+    "functions": (None, []), "function_call": (None, "none"), "suffix": (None, ""),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
-    "web_search_options": (None,), "prompt_logprobs": (None,), "guided_json": (None,),
-    "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-    "structured_outputs": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
-    "logits_processors": (None,),
+    "web_search_options": (None,), "prompt_logprobs": (None,), "allowed_token_ids": (None,),
+    "bad_words": (None, []), "logits_processors": (None,),
 }
+# chat only: a completions body with these is refused by name
+CHAT_ONLY: dict[str, Any] = {"tools": (None, []), "tool_choice": (None, "none", "auto"),
+                             "parallel_tool_calls": (None, True, False)}
 
 Prompt = str | list[int]
 
@@ -62,6 +64,7 @@ class GenerationRequest:
     priority: int = 0
     cache_salt: str | None = None
     user: str | None = None
+    tools: ToolRequest | None = None  # chat with tools (tool_choice other than "none")
 
 
 def _prompts(body: dict[str, Any], vocab_size: int) -> list[Prompt]:
@@ -122,8 +125,33 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         elif content is not None and not isinstance(content, str):
             raise bad_request("message content must be a string or an array of parts",
                               "messages")
-        messages.append({"role": role, "content": content or ""})
+        entry: dict[str, Any] = {"role": role, "content": content or ""}
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if not isinstance(call_id, str):
+                raise bad_request("a tool message needs its tool_call_id (a string)", "messages")
+            entry["tool_call_id"] = call_id
+        calls = message.get("tool_calls")
+        if role == "assistant" and calls:
+            entry["tool_calls"] = _tool_calls(calls)
+        messages.append(entry)
     return messages
+
+
+def _tool_calls(calls: Any) -> list[dict[str, Any]]:
+    """An assistant message's earlier calls, as the chat template reads them."""
+    if not isinstance(calls, list):
+        raise bad_request("tool_calls must be an array", "messages")
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)
+                and isinstance(fn.get("arguments", "{}"), str | dict)):
+            raise bad_request("each tool call needs function.name and function.arguments",
+                              "messages")
+        out.append({"id": call.get("id"), "type": "function",
+                    "function": {"name": fn["name"], "arguments": fn.get("arguments", "{}")}})
+    return out
 
 
 def _sampling(body: dict[str, Any], vocab_size: int) -> dict[str, Any]:
@@ -187,12 +215,20 @@ def _common(body: dict[str, Any], kind: Literal["completion", "chat"], vocab_siz
         raise bad_request("stream_options can only be set when stream is true", "stream_options")
     include_usage = get_bool(options or {}, "include_usage", False)
     sampling = _sampling(body, vocab_size)
-    response_format = get_object(body, "response_format")
-    if response_format is not None and response_format.get("type") not in (None, "text"):
-        raise bad_request("only the text response_format is supported", "response_format")
+    sampling["constraint"] = parse_constraint(body)
+    tools = parse_tools(body) if kind == "chat" else None
+    if tools is not None:
+        if sampling["constraint"] is not None:
+            raise bad_request("tools and a constrained response_format / structured_outputs "
+                              "cannot be combined", sampling["constraint"].param)
+        sampling["constraint"] = tool_constraint(tools)
     n = get_int(body, "n", 1)  # its range is SamplingParams' / BeamSearchParams'
     assert n is not None
     _refuse_unsupported(body, n)
+    if kind == "completion":
+        for name, allowed in CHAT_ONLY.items():
+            if name in body and body[name] not in allowed:
+                raise bad_request(f"{name} is only supported on /v1/chat/completions", name)
     return GenerationRequest(
         kind=kind,
         model=get_str(body, "model"),
@@ -213,6 +249,7 @@ def _common(body: dict[str, Any], kind: Literal["completion", "chat"], vocab_siz
         priority=get_int(body, "priority", 0) or 0,
         cache_salt=get_str(body, "cache_salt", non_empty=True),
         user=_user(body),
+        tools=tools,
     )
 
 

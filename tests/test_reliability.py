@@ -176,7 +176,6 @@ async def test_d3_compressed_or_non_json_bodies_are_415(client, path: str) -> No
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize(("field", "value"), [
-    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
     ("suffix", "end"), ("best_of", 3), ("functions", [{"name": "f"}]),
     ("allowed_token_ids", [5, 6]), ("bad_words", ["x"]),  # vLLM extras kvcore does not implement
 ])

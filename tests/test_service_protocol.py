@@ -145,7 +145,7 @@ def test_integer_range_errors_say_the_bounds_that_apply(body: dict, message: str
      "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs"),
-    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
      "response_format"),
 ])
 def test_chat_bad_values_name_their_param(body: dict, param: str) -> None:

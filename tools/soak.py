@@ -436,9 +436,13 @@ def bad_requests(ctx: Ctx) -> list[Bad]:
             {"Content-Type": "text/plain"}),
         Bad("form", c, b"prompt=Hi", 415, None,
             {"Content-Type": "application/x-www-form-urlencoded"}),
-        Bad("tools", ch, chat | {"tools": [{"type": "function", "function": {"name": "f"}}]},
-            400, "tools"),
-        Bad("tool_choice", ch, chat | {"tool_choice": "auto"}, 400, "tool_choice"),
+        Bad("tools", ch, chat | {"tools": [{"type": "function", "function": {
+            "name": "f", "parameters": [1]}}]}, 400, "tools[0].function.parameters"),
+        Bad("tool_choice", ch, chat | {"tools": [{"type": "function", "function": {
+            "name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+            400, "tool_choice"),
+        Bad("tools on completions", c, gen | {"tools": [{"type": "function", "function": {
+            "name": "f"}}]}, 400, "tools"),
         Bad("suffix", c, gen | {"suffix": "!"}, 400, "suffix"),
         Bad("best_of", c, gen | {"best_of": 3}, 400, "best_of"),
         Bad("prompts x n", c, {"prompt": [PROMPTS[i % 8] for i in range(40)], "n": 8,
@@ -452,8 +456,12 @@ def bad_requests(ctx: Ctx) -> list[Bad]:
         Bad("min_tokens > max_tokens", c, gen | {"min_tokens": 5}, 400, "min_tokens"),
         Bad("echo with logprobs", c, gen | {"echo": True, "logprobs": 1}, 400, "echo"),
         Bad("top_logprobs alone", ch, chat | {"top_logprobs": 2}, 400, "top_logprobs"),
-        Bad("response_format", ch, chat | {"response_format": {"type": "json_object"}}, 400,
-            "response_format"),
+        Bad("response_format", ch, chat | {"response_format": {"type": "json_schema",
+                                                                "json_schema": {"schema": {
+                                                                    "type": "objekt"}}}},
+            400, "response_format.json_schema.schema"),
+        Bad("structured_outputs regex", c, gen | {"structured_outputs": {"regex": "[0-9"}}, 400,
+            "structured_outputs.regex"),
         Bad("unknown model", c, gen | {"model": "no-such-model"}, 404, "model"),
         Bad("malformed JSON", c, b'{"prompt": ', 400, None),
         Bad("JSON array", c, b"[1, 2]", 400, None),

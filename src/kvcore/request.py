@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from kvcore.sampling.constraints import SeqMatcher
 from kvcore.sampling.params import BeamSearchParams, SamplingParams, TokenLogprob
 
 
@@ -106,6 +107,8 @@ class Sequence:
     # sequences this one will still fork (n - 1 before an n > 1 request's first token;
     # beam_width - 1 before a beam search's first step): counted toward max_num_seqs
     num_pending_forks: int = 0
+    # structured output: where its tokens stand in the request's constraint (None: none)
+    matcher: SeqMatcher | None = None
     # mutable state
     token_ids: list[int] = field(default_factory=list)  # prompt + outputs
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache
@@ -165,6 +168,13 @@ class Sequence:
             if token_id not in self.eos_token_ids:
                 self.stop_reason = token_id
             return SequenceStatus.FINISHED_STOPPED
+        if self.matcher is not None:
+            try:
+                # complete: nothing but its end may follow
+                if self.matcher.consume_at(len(token_ids) - 1 - self.num_prompt_tokens, token_id):
+                    return SequenceStatus.FINISHED_STOPPED
+            except ValueError:  # a token the mask allowed and the matcher refused
+                return SequenceStatus.FINISHED_ERROR
         if len(token_ids) >= self.length_limit:
             return SequenceStatus.FINISHED_LENGTH
         return None

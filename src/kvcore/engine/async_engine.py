@@ -114,6 +114,8 @@ class AsyncEngine:
         engine = self.engine
         check_prompt(prompt_ids, params, engine.max_model_len, engine.model_config.vocab_size,
                      engine.kv)
+        if params.constraint is not None:  # compiled (and cached) now: a bad one is a 400
+            engine.constraints.matcher(params.constraint)
 
     def stats(self) -> EngineStats:
         """The engine's counters as of the last step (published by the driver between steps)."""

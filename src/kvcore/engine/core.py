@@ -8,7 +8,7 @@ output processor detokenizes, finds stop strings and aborts sequences through `f
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -17,6 +17,7 @@ import structlog
 from kvcore.cache import PENDING_TOKEN_ID
 from kvcore.device import array_module
 from kvcore.engine.beam import BeamPolicy
+from kvcore.engine.constrain import Constrainer, PrevTokens, append_beam_token, fork_matcher
 from kvcore.engine.draw import draw_rows, sampling_row
 from kvcore.engine.records import Drawn, Group, Launched, SeqOutput, StepOutput
 from kvcore.engine.runner import ModelRunner, PendingFill
@@ -52,6 +53,7 @@ class EngineCore:
         self._seeds = np.random.SeedSequence(seed)
         self._groups: dict[str, Group] = {}
         self._inflight: Launched | None = None  # launched, not collected yet
+        self.constrainer = Constrainer(vocab_size)  # structured outputs' token masks
 
     # --- sequences in and out ---
 
@@ -176,6 +178,9 @@ class EngineCore:
                 plain.append(seq)
                 plain_logits.append(i)
             i += 1 + item.num_draft_tokens
+        # computed while the forward pass runs (after the pending tokens' step, if any)
+        masks = self.constrainer.start(plain, None if prev is None or prev.future is None
+                                       else PrevTokens(_host_ids(prev), prev.row_of))
         needs_host = needs_host or any(r.prompt_token_ids for r in rows)  # reads the history
         launched = Launched(out, plain, host, needs_host, drafts)
         fill = None
@@ -188,7 +193,8 @@ class EngineCore:
             if host:  # before the draw: the sampler may process the logits in place
                 index = np.asarray(host_logits, dtype=np.int64)  # (H,)
                 host_rows = logits[array_module(logits).asarray(index)]  # (H, V) a copy
-            token_ids, read, failed = draw_rows(self.sampler, logits, plain_logits, plain, rows)
+            token_ids, read, failed = draw_rows(self.sampler, logits, plain_logits, plain,
+                                                rows if masks is None else masks.apply(rows))
             return Drawn(token_ids, read, failed, host_rows)
         launched.future = self.runner.launch(out, sample, fill)
         self.scheduler.advance(out)
@@ -230,6 +236,11 @@ class EngineCore:
         rows: list[Sequence] = []
         row_logits: list[int] = []
         beams: dict[str, Group] = {}
+        beam_rows = [i for i, seq in enumerate(host) if seq.matcher is not None
+                     and not seq.finished and seq.request_id in self._groups
+                     and self._groups[seq.request_id].policy is not None]
+        if beam_rows:  # the policy ranks a constrained beam's allowed tokens only
+            self.constrainer.mask_logits([host[i] for i in beam_rows], logits, beam_rows)
         for i, seq in enumerate(host):
             group = self._groups.get(seq.request_id)
             if seq.finished or group is None:
@@ -288,6 +299,7 @@ class EngineCore:
                          eos_token_ids=parent.eos_token_ids, token_ids=list(parent.token_ids))
         child.num_cached_tokens = parent.num_cached_tokens
         child.first_scheduled_time = parent.first_scheduled_time
+        fork_matcher(parent, child)
         self.scheduler.add_running(child, parent)
         return child
 
@@ -295,7 +307,8 @@ class EngineCore:
                 result: StepOutput) -> None:
         """Draw every row's token on the host and append it (a fork's first token)."""
         _, read, failed = draw_rows(self.sampler, logits, row_logits, rows,
-                                    [sampling_row(s) for s in rows])
+                                    self.constrainer.masked_rows(
+                                        rows, [sampling_row(s) for s in rows]))
         drawn, logprobs = read()
         for i, error in failed.items():
             if rows[i].request_id not in result.failed:
@@ -371,7 +384,7 @@ class EngineCore:
         for i in decision.dropped:
             finish(live[i], SequenceStatus.FINISHED_STOPPED)  # dropped: blocks freed
         for seq, token_id in next_live:
-            seq.token_ids.append(token_id)  # the policy decides when beams end
+            append_beam_token(seq, token_id)  # the policy decides when beams end
         group.seqs = [seq for seq, _ in next_live]
 
     # --- failures ---
@@ -391,3 +404,10 @@ class EngineCore:
             seq = self.scheduler.seqs.get(item.seq_id)
             if seq is not None and seq.request_id not in result.failed:
                 self._fail(seq.request_id, "forward pass", error, result, uncache=True)
+
+
+def _host_ids(launched: Launched) -> Callable[[], list[int]]:
+    """A launched step's sampled token ids, read back on the host (waits for its draw)."""
+    future = launched.future
+    assert future is not None
+    return lambda: future.result().read()[0]

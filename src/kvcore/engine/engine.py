@@ -28,6 +28,7 @@ from kvcore.model.half_llama import HalfLlamaModel
 from kvcore.model.tokenizer import Tokenizer
 from kvcore.request import RequestOutput, Sequence, SequenceStatus
 from kvcore.sampling import BeamSearch, BeamSearchParams, RowSampler, SamplingParams
+from kvcore.sampling.constraints import ConstraintCompiler
 from kvcore.scheduler import Scheduler
 from kvcore.speculation import SpecDecodeStats, Speculator
 
@@ -47,6 +48,9 @@ class EngineStats:
     block_size: int
     cache_dtype: str
     spec_decode: SpecDecodeStats | None = None  # speculative decoding's counters (None: off)
+    # structured outputs: seconds per step computing token masks, as (bucket edges, counts
+    # per bucket + one above all, sum); None before the first constrained step
+    mask_seconds: tuple[tuple[float, ...], tuple[int, ...], float] | None = None
 
 
 class Engine:
@@ -88,6 +92,9 @@ class Engine:
                                RowSampler(self.eos_token_ids, mc.vocab_size), mc.vocab_size,
                                config.seed, async_scheduling, speculator)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
+        # structured outputs: constraints compiled against this vocabulary (cached)
+        self.constraints = ConstraintCompiler(self.tokenizer.to_json, mc.vocab_size,
+                                              self.eos_token_ids)
         # the weights' and tokenizer's objects never become garbage: keep the cyclic GC from
         # walking them at every collection during serving (a pause inside a step)
         gc.freeze()
@@ -134,6 +141,8 @@ class Engine:
                        params=params, max_tokens=max_tokens, priority=priority,
                        cache_salt=cache_salt, stop_token_ids=stop_ids, eos_token_ids=eos_ids,
                        num_pending_forks=num_seqs - 1)
+        if params.constraint is not None:  # ParamError with the compiler's message
+            seq.matcher = self.constraints.matcher(params.constraint)
         self.output_processor.add(request_id, text, prompt_ids, params)
         try:
             self.core.add(seq, policy)  # admission control: nothing allocated on refusal
@@ -176,4 +185,5 @@ class Engine:
             num_blocks=kv.num_blocks, prefix_cache_queries=kv.num_prefix_queries,
             prefix_cache_hits=kv.num_prefix_hits, num_preemptions=scheduler.num_preemptions,
             block_size=kv.block_size, cache_dtype=self.cache_dtype,
-            spec_decode=None if self.core.speculator is None else self.core.speculator.stats)
+            spec_decode=None if self.core.speculator is None else self.core.speculator.stats,
+            mask_seconds=self.core.constrainer.mask_times())

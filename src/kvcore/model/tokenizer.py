@@ -169,13 +169,19 @@ class Tokenizer:
                 f"token id {token_id} is outside the vocabulary [0, {self.vocab_size})")
         return str(token)
 
+    def to_json(self) -> str:
+        """The tokenizer.json text (what llguidance builds its view of the vocabulary from)."""
+        return str(self._tokenizer.to_str())
+
     def token_to_id(self, token: str) -> int | None:
         token_id = self._tokenizer.token_to_id(token)
         return None if token_id is None else int(token_id)
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> str:
-        """The prompt text of a conversation, rendered as transformers renders it."""
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt text of a conversation, rendered as transformers renders it (`tools`:
+        OpenAI-style tool definitions, for templates that render them)."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template (tokenizer_config.json "
                              "chat_template or chat_template.jinja)")
@@ -189,7 +195,7 @@ class Tokenizer:
             self._template = compile_chat_template(self.chat_template)
         try:
             # tools and documents are None, not undefined, as transformers passes them
-            return self._template.render(messages=messages, tools=None, documents=None,
+            return self._template.render(messages=messages, tools=tools, documents=None,
                                          add_generation_prompt=add_generation_prompt,
                                          **self.special_tokens)
         except (jinja2.exceptions.TemplateError, TypeError) as e:

@@ -71,8 +71,10 @@ def top_candidates(cum_logprobs: np.ndarray, logprobs: np.ndarray,
     best = to_numpy(part).astype(np.int64)  # (k,) host
     best_scores = to_numpy(scores[part])  # (k,) host float32
     order = np.lexsort((best, -best_scores))  # score descending, then (beam, token)
+    # a continuation of probability 0 (a token a constraint masks out) is no candidate
     return [BeamCandidate(parent=int(best[j] // vocab_size), token_id=int(best[j] % vocab_size),
-                          cum_logprob=float(best_scores[j])) for j in order]
+                          cum_logprob=float(best_scores[j])) for j in order
+            if best_scores[j] > -np.inf]
 
 
 def length_penalized(cum_logprob: float, length: int, length_penalty: float) -> float:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvcore.config import ParamError
+from kvcore.sampling.constraints import Constraint
 
 MAX_N = 128
 MAX_STOP_STRINGS = 16
@@ -85,6 +86,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; k >= 0: the chosen token's plus the top k
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    constraint: Constraint | None = None  # structured output: what the text must match
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, 1, MAX_N)
@@ -123,6 +125,7 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
         _check_bool("skip_special_tokens", self.skip_special_tokens)
+        _check_constraint(self.constraint)
 
     @property
     def greedy(self) -> bool:
@@ -140,7 +143,13 @@ class SamplingParams:
     def argmax_only(self) -> bool:
         """Greedy with no processor (no logit_bias, nothing reading the history): the token is
         the raw logits' argmax (logprobs, if asked, are of the raw logits too)."""
-        return self.greedy and not self.logit_bias and not self.reads_history
+        return (self.greedy and not self.logit_bias and not self.reads_history
+                and self.constraint is None)
+
+
+def _check_constraint(value: Any) -> None:
+    if value is not None and not isinstance(value, Constraint):
+        raise ParamError("constraint", f"constraint must be a Constraint or None, got {value!r}")
 
 
 def _stop_strings(value: Any) -> tuple[str, ...]:
@@ -169,6 +178,7 @@ class BeamSearchParams:
     early_stopping: bool | Literal["never"] = False
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         _check_int("beam_width", self.beam_width, 1, MAX_BEAM_WIDTH)
@@ -181,6 +191,7 @@ class BeamSearchParams:
         _check_bool("ignore_eos", self.ignore_eos)
         object.__setattr__(self, "stop_token_ids", _token_ids("stop_token_ids",
                                                               self.stop_token_ids))
+        _check_constraint(self.constraint)
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,8 @@ class SamplingRow:
     # the output position (tokens generated so far) when output_token_ids is left
     # empty because no processor reads the history; None: len(output_token_ids)
     position: int | None = None
+    # a constrained row's packed token bitmask, (ceil(V / 32),) int32 (constraints.MaskFiller)
+    token_mask: np.ndarray | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -125,13 +125,15 @@ class SamplingBatch:
     repetition: tuple[Any, Any, Any] | None  # pair rows, pair tokens, (B,) float32 penalties
     # pair rows, pair tokens, pair counts, (B,) float64 frequency, (B,) float64 presence
     frequency: tuple[Any, Any, Any, Any, Any] | None
+    # constrained rows: (C,) int64 rows, (C, ceil(V / 32)) int32 packed token bitmasks
+    token_masks: tuple[Any, Any] | None = None
 
     @property
     def plain_greedy(self) -> bool:
         """Every row greedy with nothing to process and no logprobs: one argmax is the answer."""
         return (bool(self.greedy.all()) and self.bias is None and self.stop_mask is None
                 and self.repetition is None and self.frequency is None
-                and all(k is None for k in self.num_logprobs))
+                and self.token_masks is None and all(k is None for k in self.num_logprobs))
 
     @classmethod
     def from_rows(cls, rows: Sequence[SamplingRow], vocab_size: int,
@@ -168,6 +170,11 @@ class SamplingBatch:
             repetition = (dev(pair_rows), dev(pair_tokens), dev(penalties.astype(np.float32)))
         if pairs.frequency is not None:
             frequency = tuple(dev(a) for a in pairs.frequency)
+        masked = [(i, r.token_mask) for i, r in enumerate(rows) if r.token_mask is not None]
+        token_masks = None
+        if masked:
+            token_masks = (dev(np.array([i for i, _ in masked], dtype=np.int64)),  # (C,)
+                           dev(np.stack([m for _, m in masked])))  # (C, W) int32
         return cls(
             num_rows=num_rows, vocab_size=vocab_size, greedy=greedy,
             num_logprobs=tuple(p.logprobs for p in params),
@@ -175,6 +182,7 @@ class SamplingBatch:
             logprob_rows=dev(np.array([i for i, p in enumerate(params) if p.logprobs is not None],
                                       dtype=np.int64)),
             bias=bias, stop_mask=stop_mask, repetition=repetition, frequency=frequency,
+            token_masks=token_masks,
             **_random_fields(params, greedy, seeds, positions, vocab_size, dev))
 
 

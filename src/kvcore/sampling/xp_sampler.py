@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from kvcore.device import array_module, to_numpy
+from kvcore.kernels.token_mask import apply_token_bitmask
 from kvcore.sampling.params import TokenLogprob
 from kvcore.sampling.rng import gumbel_, uniforms, uniforms_dense
 from kvcore.sampling.rows import SamplerOutput, SamplingRow
@@ -123,9 +124,12 @@ class XpSampler:
                                                       batch.num_logprobs))
 
     def _penalize(self, logits: Any, batch: SamplingBatch) -> None:
-        """logit_bias, min_tokens, repetition, frequency/presence on every row, in place; the
-        same float32 arithmetic as logits.py, so greedy rows match the NumPy reference exactly."""
+        """Constraint masks, logit_bias, min_tokens, repetition, frequency/presence on every
+        row, in place; the same float32 arithmetic as logits.py, so greedy rows match the NumPy
+        reference exactly."""
         xp = self.xp
+        if batch.token_masks is not None:
+            apply_token_bitmask(logits, *batch.token_masks)
         if batch.bias is not None:
             rows, tokens, values = batch.bias
             logits[rows, tokens] += values

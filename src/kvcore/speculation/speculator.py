@@ -98,8 +98,8 @@ class Speculator:
         return num_running <= self.config.max_batch_for_speculation
 
     def propose(self, running: Sequence[Seq]) -> dict[str, list[int]]:
-        """Drafts by sequence id for this step's decodes. Forks (n > 1), beams, sequences with
-        a pending token, prefills and backed-off sequences get none."""
+        """Drafts by sequence id for this step's decodes. Forks (n > 1), beams, constrained
+        rows, sequences with a pending token, prefills and backed-off sequences get none."""
         self._step += 1
         self._forget_finished()
         if not running or not self.active(len(running)):
@@ -109,6 +109,7 @@ class Speculator:
             params = seq.params
             token_ids = seq.token_ids
             if (not isinstance(params, SamplingParams) or params.n > 1
+                    or params.constraint is not None  # its mask follows accepted tokens only
                     or len(token_ids) - seq.num_computed_tokens != 1
                     or token_ids[-1] == PENDING_TOKEN_ID):
                 continue
