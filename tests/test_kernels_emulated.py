@@ -58,7 +58,8 @@ DECODE_CASES = [
     (4, 2, 32, 8, [23, 9], "f32-f16", 2, 10),               # fp32 model, fp16 cache
     (6, 2, 32, 8, [19, 45], "f32-bf16", None, 20),
     (16, 2, 64, 16, [100, 513], "f32-f16", 3, None),        # 8:1 on the fp32 (CUDA-core) kernel
-    (32, 1, 64, 16, [200, 3], "f16", 2, None),              # 32:1: two row tiles, keys unsplit
+    (32, 1, 64, 16, [200, 3], "f16", 2, None),              # 32:1: two row blocks, 2 key slices
+    (16, 2, 32, 12, [100, 30], "f16", 2, None),             # block size 12: the smem-tile kernel
 ]
 
 
@@ -177,6 +178,25 @@ def test_broken_decode_kernel_fails(defines: tuple[str, ...]) -> None:
     for seed in (0, 1):
         broken = ops(seed, defines).paged_attention(**problem, num_partitions=1)
         assert not np.allclose(broken, expected, rtol=1e-3, atol=1e-3, equal_nan=False)
+
+
+@pytest.mark.parametrize("defines", [("KVC_BREAK_WAIT",), ("KVC_BREAK_SYNC",),
+                                     ("KVC_BREAK_FRAGMENT",), ("KVC_BREAK_GQA",)])
+def test_broken_register_tile_decode_fails(defines: tuple[str, ...]) -> None:
+    """paged_attention_decode_tc.cu's mutants: a tile read before its cp.async wait, a buffer
+    staged again without the barrier after the tile's last reader (3 tiles of 64 keys, so a
+    buffer is reused), P's A fragment registers swapped, the wrong query heads."""
+    rng = np.random.default_rng()
+    problem = paged_problem(rng, [300, 41], [1, 1], 16, 2, 32, 8, "f16", poison=True)
+    expected = attention_f64(problem)
+    good = ops().paged_attention(**problem, num_partitions=1)
+    np.testing.assert_allclose(good.astype(np.float32), expected, rtol=2e-3, atol=2e-3)
+    try:
+        broken = ops(0, defines).paged_attention(**problem, num_partitions=1)
+    except RuntimeError as exc:  # the emulator saw a copy land on a destination in use
+        assert "cp.async" in str(exc)
+        return
+    assert not np.allclose(broken.astype(np.float32), expected, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("dtypes", ["f32", "f16"])  # the fp32 and the tensor-core kernel

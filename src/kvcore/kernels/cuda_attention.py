@@ -31,6 +31,7 @@ MAX_GROUP = 32  # largest GQA group (query heads per KV head) the decode kernel 
 MAX_PARTITIONS = 32  # cap of the split-KV partitions per sequence (and of the scratch width)
 MIN_PARTITION_TOKENS = 256  # a partition shorter than this costs more to merge than it saves
 BLOCKS_PER_SM = 4  # 4-warp decode blocks wanted per SM for one full wave
+DECODE_TC_KEYS = 64  # keys per staged tile of paged_attention_decode_tc.cu
 
 
 def decode_defines(head_dim: int, group: int, suffix: str, cache_suffix: str) -> tuple[str, ...]:
@@ -76,6 +77,22 @@ def decode_partitions(units: int, max_span_blocks: int, block_size: int, num_sms
     wanted = -(-BLOCKS_PER_SM * num_sms // units)
     useful = max(1, (max_span_blocks * block_size) // MIN_PARTITION_TOKENS)
     return max(1, min(wanted, useful, MAX_PARTITIONS))
+
+
+def uses_register_tile_decode(block_size: int) -> bool:
+    """paged_attention_decode_tc.cu (accumulators in registers, cp.async staging) reads the block
+    table with shifts: power-of-two block sizes; others keep the shared-memory tile kernel
+    (paged_attention_prefill_tc.cu in decode mode)."""
+    return block_size & (block_size - 1) == 0
+
+
+def decode_tc_smem_bytes(head_dim: int, cache_itemsize: int) -> int:
+    """paged_attention_decode_tc.cu's kSmemBytes: two buffers of 64-key K and V tiles (raw
+    cache rows padded by 16 bytes), reused after the last tile by the 4 warps' fp32 merge
+    records (16 rows of head_dim + 4)."""
+    stage = 2 * 2 * DECODE_TC_KEYS * (head_dim * cache_itemsize + 16)
+    merge = 4 * 16 * (head_dim + 4) * 4
+    return max(stage, merge)
 
 
 def prefill_tc_defines(head_dim: int, suffix: str, cache_suffix: str) -> tuple[str, ...]:
@@ -190,7 +207,18 @@ def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: An
         max_logits = xp.empty(stats_shape, np.float32)  # (S, H, P)
         exp_sums = xp.empty(stats_shape, np.float32)
         defines = decode_defines(head_dim, group, suffix, cache_suffix)
-        if uses_tensor_core_decode(group, suffix):
+        if uses_tensor_core_decode(group, suffix) and uses_register_tile_decode(block_size):
+            # the group's query heads as the rows of mma.sync tiles, K/V staged asynchronously
+            tc_ints = (num_heads, num_kv_heads, block_size.bit_length() - 1, max_blocks, parts,
+                       window)
+            launches.append(Launch(
+                backend.function("paged_attention_decode_tc.cu", "paged_attention_decode_tc",
+                                 defines),
+                (num_kv_heads, num_seqs, parts), (_PREFILL_THREADS,),
+                (out, tmp_out, max_logits, exp_sums, query, k_cache, v_cache, *metadata,
+                 *(np.int32(v) for v in tc_ints), *scales),
+                decode_tc_smem_bytes(head_dim, k_cache.dtype.itemsize)))
+        elif uses_tensor_core_decode(group, suffix):
             # the group's query heads as the rows of a tensor-core tile: K/V staged once per
             # block with every thread loading distinct bytes, no per-head conversions
             tc_ints = (num_heads, num_kv_heads, block_size, max_blocks, window, parts)
