@@ -100,6 +100,30 @@ def test_register_tile_decode_stages_asynchronously(variant: tuple[int, int, str
     assert compile_check.problems([report], [chosen]) == []
 
 
+@pytest.mark.parametrize("variant", [(128, "f16", "f16"), (64, "bf16", "fp8")],
+                         ids=lambda v: "-".join(map(str, v)))
+def test_planner_reads_the_kernels_smem_formula_and_registers(tmp_path,
+                                                              variant: tuple[int, str, str]
+                                                              ) -> None:
+    """The launcher's shared-memory size is the kernel's own kSmemBytes (a static_assert in
+    the kernel's compile), and its register table bounds what ptxas reports on sm_90."""
+    from kvcore.kernels.cuda_attention import (
+        DECODE_TC_REGISTERS,
+        decode_defines,
+        decode_tc_smem_bytes,
+    )
+
+    head_dim, act, cache = variant
+    itemsize = 1 if cache == "fp8" else 2
+    probe = tmp_path / "smem_probe.cu"
+    probe.write_text('#include "paged_attention_decode_tc.cu"\n'
+                     f"static_assert(kSmemBytes == {decode_tc_smem_bytes(head_dim, itemsize)},"
+                     ' "launcher and kernel disagree on shared memory");\n')
+    reports = compile_check.compile_source(probe, "90", decode_defines(head_dim, 8, act, cache))
+    (report,) = [r for r in reports if r.kernel == "paged_attention_decode_tc"]
+    assert report.registers <= DECODE_TC_REGISTERS[head_dim, itemsize]
+
+
 # DeepSeek's latent shape (512 + 64): the 16-bit cache on one arch, fp8 on the other
 @pytest.mark.parametrize("variant", [("bf16", "bf16", "80"), ("f16", "fp8", "90")],
                          ids=lambda v: "-".join(v))

@@ -13,7 +13,12 @@ import numpy as np
 import pytest
 
 from kvcore.kernels import cpu as reference
-from kvcore.kernels.cuda_attention import MAX_PARTITIONS, decode_partitions
+from kvcore.kernels.cuda_attention import (
+    MAX_PARTITIONS,
+    blocks_per_sm,
+    decode_partitions,
+    decode_tc_blocks_per_sm,
+)
 from kvcore.kernels.cuda_ops import CudaOps
 
 pytest.importorskip("cupy", reason="cupy's CCCL headers provide <nv/target> for cuda_fp16.h")
@@ -97,12 +102,25 @@ def test_decode_partitions_follow_the_sm_count() -> None:
     """Few (sequences x KV heads) on many SMs split more; long spans allow more partitions;
     the count never exceeds the cap, whatever max_model_len a CUDA graph pads to."""
     assert decode_partitions(1, 1024, 16, 132) == MAX_PARTITIONS  # batch 1 x 16k
-    assert decode_partitions(64 * 8, 256, 16, 132) == 2  # batch 64 x 4k, 8 KV heads
+    # batch 64 x 4k, 8 KV heads: 512 blocks fill 97% of one wave of 4 x 132 slots already
+    assert decode_partitions(64 * 8, 256, 16, 132) == 1
     assert decode_partitions(256 * 8, 1024, 16, 132) == 1
     assert decode_partitions(1, 32, 16, 132) == 2  # 512 tokens: 256 per partition at least
     assert decode_partitions(4, 8192, 16, 132) == MAX_PARTITIONS  # 128k-wide graph tables
-    with pytest.raises(ValueError, match="num_sms must be >= 1"):
+    # whole waves at 2 resident blocks per SM (264 slots): batch 8 x 4k, 8 KV heads takes 4
+    # partitions (256 blocks, 97% of one wave), not the 2.18 waves of 9
+    assert decode_partitions(8 * 8, 256, 16, 132, resident=2) == 4
+    assert decode_partitions(8, 1024, 16, 132, resident=2) == MAX_PARTITIONS  # b1 x 16k
+    with pytest.raises(ValueError, match="num_sms and resident must be >= 1"):
         decode_partitions(1, 4, 16, 0)
+
+
+def test_resident_blocks_follow_registers_and_shared_memory() -> None:
+    # 4 warps of 216 registers: 27,648 per block, 2 in 64k registers (3 by 69.6 KB of smem)
+    assert decode_tc_blocks_per_sm(128, 2) == 2
+    assert blocks_per_sm(128, 64, 0) == 8  # registers: 65,536 / (128 x 64)
+    assert blocks_per_sm(256, 16, 0) == 8  # threads: 2048 / 256
+    assert blocks_per_sm(128, 32, 100 * 1024) == 2  # shared memory
 
 
 PREFILL_CASES = [

@@ -32,6 +32,16 @@ MAX_PARTITIONS = 32  # cap of the split-KV partitions per sequence (and of the s
 MIN_PARTITION_TOKENS = 256  # a partition shorter than this costs more to merge than it saves
 BLOCKS_PER_SM = 4  # 4-warp decode blocks wanted per SM for one full wave
 DECODE_TC_KEYS = 64  # keys per staged tile of paged_attention_decode_tc.cu
+DECODE_TC_THREADS = 128
+# sm_90 registers per thread of paged_attention_decode_tc.cu by (head_dim, cache bytes): upper
+# bounds of what compile_check reports for groups up to 16 (a compile test holds them to it);
+# other head_dims count as the 255 maximum
+DECODE_TC_REGISTERS = {(64, 1): 120, (64, 2): 152, (128, 1): 184, (128, 2): 216,
+                       (256, 1): 255, (256, 2): 255}
+SM_REGISTERS = 65536  # per SM (sm_80, sm_90)
+SM_SMEM_BYTES = 228 * 1024  # per SM on an H100 / H200; each resident block also reserves 1 KiB
+SM_THREADS = 2048
+SM_BLOCKS = 32
 
 
 def decode_defines(head_dim: int, group: int, suffix: str, cache_suffix: str) -> tuple[str, ...]:
@@ -68,15 +78,41 @@ def decode_smem_bytes(group: int, head_dim: int) -> int:
     return 4 * warps * -(-group // head_warps) * (head_dim + 2)
 
 
-def decode_partitions(units: int, max_span_blocks: int, block_size: int, num_sms: int) -> int:
-    """Split-KV partitions per sequence: enough blocks for BLOCKS_PER_SM per SM over `units`
-    (decode sequences x KV heads), never partitions under MIN_PARTITION_TOKENS, at most
-    MAX_PARTITIONS (a CUDA graph sized from max_model_len keeps this cap)."""
-    if units < 1 or num_sms < 1:
-        raise ValueError(f"units and num_sms must be >= 1, got {units} and {num_sms}")
-    wanted = -(-BLOCKS_PER_SM * num_sms // units)
-    useful = max(1, (max_span_blocks * block_size) // MIN_PARTITION_TOKENS)
-    return max(1, min(wanted, useful, MAX_PARTITIONS))
+def blocks_per_sm(threads: int, registers: int, smem_bytes: int) -> int:
+    """Resident blocks per SM (sm_90) of a kernel of `threads` threads, `registers` per thread
+    and `smem_bytes` of shared memory: the least of the thread, block, register (allocated per
+    warp in units of 256) and shared-memory (+1 KiB reserved per block) limits."""
+    warps = -(-threads // 32)
+    per_warp = -(-registers * 32 // 256) * 256
+    by_smem = SM_SMEM_BYTES // (smem_bytes + 1024)
+    return min(SM_THREADS // (32 * warps), SM_BLOCKS, SM_REGISTERS // (per_warp * warps), by_smem)
+
+
+def decode_tc_blocks_per_sm(head_dim: int, cache_itemsize: int) -> int:
+    """paged_attention_decode_tc.cu's blocks per SM from its registers and kSmemBytes."""
+    registers = DECODE_TC_REGISTERS.get((head_dim, cache_itemsize), 255)
+    return blocks_per_sm(DECODE_TC_THREADS, registers,
+                         decode_tc_smem_bytes(head_dim, cache_itemsize))
+
+
+def decode_partitions(units: int, max_span_blocks: int, block_size: int, num_sms: int,
+                      resident: int = BLOCKS_PER_SM) -> int:
+    """Split-KV partitions per sequence, sized to whole waves: of 1 .. the useful count (never
+    partitions under MIN_PARTITION_TOKENS, at most MAX_PARTITIONS, the cap a CUDA graph sized
+    from max_model_len keeps), all of them when they fit one wave, else the fewest whose time,
+    waves x tokens per partition, is within 10% of the best (merging costs too); a wave is
+    `resident` blocks per SM x num_sms, a partition `units` blocks (decode sequences x KV
+    heads)."""
+    if units < 1 or num_sms < 1 or resident < 1:
+        raise ValueError(f"units, num_sms and resident must be >= 1, got {units}, {num_sms} "
+                         f"and {resident}")
+    slots = resident * num_sms
+    useful = max(1, min(MAX_PARTITIONS, (max_span_blocks * block_size) // MIN_PARTITION_TOKENS))
+    if units * useful <= slots:  # all partitions fit one wave: the most, the shortest
+        return useful
+    times = [-(-units * parts // slots) / parts for parts in range(1, useful + 1)]
+    best = min(times)
+    return next(parts for parts, t in enumerate(times, 1) if t <= 1.1 * best)
 
 
 def uses_register_tile_decode(block_size: int) -> bool:
@@ -195,11 +231,15 @@ def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: An
     metadata = (block_tables, context_lens, query_start_loc)
     scales = (np.float32(scale), np.float32(k_scale), np.float32(v_scale))
     launches: list[Launch] = []
+    register_tile = uses_tensor_core_decode(group, suffix) and \
+        uses_register_tile_decode(block_size)
     if decode_span > 0:
         span_blocks = -(-decode_span // block_size) + (1 if window else 0)  # window: +1 partial
         if num_partitions is None:
             units = (num_decode or num_seqs) * num_kv_heads
-            parts = decode_partitions(units, span_blocks, block_size, backend.num_sms)
+            resident = decode_tc_blocks_per_sm(head_dim, k_cache.dtype.itemsize) \
+                if register_tile else BLOCKS_PER_SM
+            parts = decode_partitions(units, span_blocks, block_size, backend.num_sms, resident)
         else:
             parts = num_partitions
         stats_shape = (num_seqs, num_heads, parts) if parts > 1 else (1,)
@@ -207,14 +247,14 @@ def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: An
         max_logits = xp.empty(stats_shape, np.float32)  # (S, H, P)
         exp_sums = xp.empty(stats_shape, np.float32)
         defines = decode_defines(head_dim, group, suffix, cache_suffix)
-        if uses_tensor_core_decode(group, suffix) and uses_register_tile_decode(block_size):
+        if register_tile:
             # the group's query heads as the rows of mma.sync tiles, K/V staged asynchronously
             tc_ints = (num_heads, num_kv_heads, block_size.bit_length() - 1, max_blocks, parts,
                        window)
             launches.append(Launch(
                 backend.function("paged_attention_decode_tc.cu", "paged_attention_decode_tc",
                                  defines),
-                (num_kv_heads, num_seqs, parts), (_PREFILL_THREADS,),
+                (num_kv_heads, num_seqs, parts), (DECODE_TC_THREADS,),
                 (out, tmp_out, max_logits, exp_sums, query, k_cache, v_cache, *metadata,
                  *(np.int32(v) for v in tc_ints), *scales),
                 decode_tc_smem_bytes(head_dim, k_cache.dtype.itemsize)))
