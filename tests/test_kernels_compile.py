@@ -8,6 +8,7 @@ import json
 import pytest
 
 from kvcore.kernels import compile_check
+from kvcore.kernels.ptx_facts import tile_loop
 
 cupy = pytest.importorskip("cupy", reason="cupy-cuda12x (the dev extra) provides NVRTC")
 
@@ -18,6 +19,7 @@ EXPECTED_KERNELS = {
     "paged_attention_prefill.cu": {"paged_attention_prefill_f16_f16",
                                    "paged_attention_prefill_bf16_fp8"},
     "paged_attention_prefill_tc.cu": {"paged_attention_prefill_tc"},
+    "paged_attention_prefill_mma.cu": {"paged_attention_prefill_mma"},
     "layers.cu": {"rms_norm_f16", "rope_f16", "silu_and_mul_bf16"},
     "mla_attention.cu": {"mla_paged_attention", "mla_reduce"},
 }
@@ -26,7 +28,7 @@ EXPECTED_KERNELS = {
 @pytest.mark.parametrize("arch", compile_check.ARCHS)
 @pytest.mark.parametrize("source", sorted(set(EXPECTED_KERNELS) - {
     "paged_attention_decode.cu", "paged_attention_decode_tc.cu", "paged_attention_prefill_tc.cu",
-    "mla_attention.cu"}))
+    "paged_attention_prefill_mma.cu", "mla_attention.cu"}))
 def test_compiles_without_spills(source: str, arch: str) -> None:
     reports = compile_check.compile_source(compile_check.KERNEL_DIR / source, arch)
     for r in reports:
@@ -100,17 +102,34 @@ def test_register_tile_decode_stages_asynchronously(variant: tuple[int, int, str
     assert compile_check.problems([report], [chosen]) == []
 
 
+def test_register_tile_prefill_stays_under_the_tile_traffic_limit() -> None:
+    (chosen,) = [v for v in compile_check.variants((128,), (1,), (("f16", "f16"),))
+                 if v.source == "paged_attention_prefill_mma.cu"]
+    (report,) = compile_check.check_variants([chosen], ("90",))
+    print(f"{report.variant} sm_90: {report.registers} registers, {report.tensor_core_ops} "
+          f"mma.sync, {report.cp_async} cp.async, {report.tile_smem_bytes} shared bytes per "
+          "128 x 64 tile")
+    # S: 8 k-steps x 8 n-tiles, O: 4 key steps x 16 n-tiles
+    assert report.tensor_core_ops == 8 * 8 + 4 * 16
+    assert report.cp_async > 0
+    # 32 KB in by cp.async, each of 8 warps reads the tile's 32 KB once: 144 KB per 64 x 64
+    assert report.tile_smem_bytes == 32 * 1024 + 8 * 32 * 1024
+    assert compile_check.problems([report], [chosen]) == []
+
+
 @pytest.mark.parametrize("variant", [(128, "f16", "f16"), (64, "bf16", "fp8")],
                          ids=lambda v: "-".join(map(str, v)))
 def test_planner_reads_the_kernels_smem_formula_and_registers(tmp_path,
                                                               variant: tuple[int, str, str]
                                                               ) -> None:
-    """The launcher's shared-memory size is the kernel's own kSmemBytes (a static_assert in
-    the kernel's compile), and its register table bounds what ptxas reports on sm_90."""
+    """The launcher's shared-memory sizes are the kernels' own kSmemBytes (a static_assert in
+    each kernel's compile), and its register table bounds what ptxas reports on sm_90."""
     from kvcore.kernels.cuda_attention import (
         DECODE_TC_REGISTERS,
         decode_defines,
         decode_tc_smem_bytes,
+        prefill_mma_smem_bytes,
+        prefill_tc_defines,
     )
 
     head_dim, act, cache = variant
@@ -122,6 +141,10 @@ def test_planner_reads_the_kernels_smem_formula_and_registers(tmp_path,
     reports = compile_check.compile_source(probe, "90", decode_defines(head_dim, 8, act, cache))
     (report,) = [r for r in reports if r.kernel == "paged_attention_decode_tc"]
     assert report.registers <= DECODE_TC_REGISTERS[head_dim, itemsize]
+    probe.write_text('#include "paged_attention_prefill_mma.cu"\n'
+                     f"static_assert(kSmemBytes == {prefill_mma_smem_bytes(head_dim, itemsize)},"
+                     ' "launcher and kernel disagree on shared memory");\n')
+    compile_check.compile_source(probe, "90", prefill_tc_defines(head_dim, act, cache))
 
 
 # DeepSeek's latent shape (512 + 64): the 16-bit cache on one arch, fp8 on the other
@@ -205,7 +228,7 @@ def test_tile_loop_traffic_is_read_from_the_ptx() -> None:
     assert facts.cp_async == 1
     # the inner loop (label 3) has no wait_group: the tile loop runs from label 2
     assert facts.tile_smem_bytes == (16 + 2 + 8) * 128
-    assert compile_check.tile_loop("$L__BB0_1:\n mma.sync ...;\n bra $L__BB0_1;\n") == ""
+    assert tile_loop("$L__BB0_1:\n mma.sync ...;\n bra $L__BB0_1;\n") == ""
 
 
 def test_json_report(capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,12 +13,8 @@ import numpy as np
 import pytest
 
 from kvcore.kernels import cpu as reference
-from kvcore.kernels.cuda_attention import (
-    MAX_PARTITIONS,
-    blocks_per_sm,
-    decode_partitions,
-    decode_tc_blocks_per_sm,
-)
+from kvcore.kernels.cuda_attention import decode_tc_blocks_per_sm
+from kvcore.kernels.cuda_occupancy import MAX_PARTITIONS, blocks_per_sm, decode_partitions
 from kvcore.kernels.cuda_ops import CudaOps
 
 pytest.importorskip("cupy", reason="cupy's CCCL headers provide <nv/target> for cuda_fp16.h")
@@ -116,8 +112,10 @@ def test_decode_partitions_follow_the_sm_count() -> None:
 
 
 def test_resident_blocks_follow_registers_and_shared_memory() -> None:
-    # 4 warps of 216 registers: 27,648 per block, 2 in 64k registers (3 by 69.6 KB of smem)
-    assert decode_tc_blocks_per_sm(128, 2) == 2
+    # 4 warps of 168 registers (launch bounds ask for 3 blocks): 21,504 per block, 3 in 64k
+    # registers and 3 in 228 KB of shared memory (69,632 + 1,024 each)
+    assert decode_tc_blocks_per_sm(128, 2) == 3
+    assert decode_tc_blocks_per_sm(256, 2) == 1  # 255 registers, 135 KB
     assert blocks_per_sm(128, 64, 0) == 8  # registers: 65,536 / (128 x 64)
     assert blocks_per_sm(256, 16, 0) == 8  # threads: 2048 / 256
     assert blocks_per_sm(128, 32, 100 * 1024) == 2  # shared memory
@@ -217,10 +215,26 @@ def test_broken_register_tile_decode_fails(defines: tuple[str, ...]) -> None:
     assert not np.allclose(broken.astype(np.float32), expected, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("defines", [("KVC_BREAK_WAIT",), ("KVC_BREAK_SYNC",),
+                                     ("KVC_BREAK_FRAGMENT",), ("KVC_BREAK_GQA",)])
+def test_broken_register_tile_prefill_fails(defines: tuple[str, ...]) -> None:
+    """paged_attention_prefill_mma.cu's mutants, on a chunk whose key span takes 3 tiles."""
+    rng = np.random.default_rng()
+    problem = paged_problem(rng, [150, 20], [40, 20], 4, 2, 16, 8, "f16", poison=True)
+    expected = attention_f64(problem)
+    try:
+        broken = ops(0, defines).paged_attention(**problem)
+    except RuntimeError as exc:  # the emulator saw a copy land on a destination in use
+        assert "cp.async" in str(exc)
+        return
+    assert not np.allclose(broken.astype(np.float32), expected, rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("dtypes", ["f32", "f16"])  # the fp32 and the tensor-core kernel
 def test_broken_prefill_kernel_fails(dtypes: str) -> None:
     rng = np.random.default_rng()
-    problem = paged_problem(rng, [30, 20], [30, 8], 6, 2, 32, 8, dtypes)
+    # block size 6 (not a power of two): fp16 runs paged_attention_prefill_tc.cu
+    problem = paged_problem(rng, [30, 20], [30, 8], 6, 2, 32, 6, dtypes)
     expected = attention_f64(problem)
     for defines in [("KVC_BREAK_GQA",)] + ([("KVC_BREAK_SYNC",)] if dtypes == "f16" else []):
         broken = ops(0, defines).paged_attention(**problem)

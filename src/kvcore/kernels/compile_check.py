@@ -28,6 +28,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvcore.kernels.ptx_facts import PtxFacts, ptx_facts
+
 KERNEL_DIR = Path(__file__).resolve().parent
 _ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2, "fp8": 1}
 ARCHS = ("80", "90")
@@ -42,22 +44,15 @@ TENSOR_CORE_KERNELS = ("paged_attention_prefill_tc", "paged_attention_decode_tc"
                        "mla_paged_attention")
 SMEM_OPT_IN = {"80": 163 * 1024, "90": 227 * 1024}  # most shared memory a block may opt in to
 # kernels that keep S, P, O in registers and stage K/V with cp.async: their limits
-REGISTER_TILE_KERNELS = ("paged_attention_decode_tc",)
-TILE_SMEM_RATIO = 2.0  # shared-memory bytes per key tile over the tile's global (K + V) bytes
+REGISTER_TILE_KERNELS = ("paged_attention_decode_tc", "paged_attention_prefill_mma")
+TILE_SMEM_RATIO = 2.0  # decode: shared-memory bytes per key tile over its global (K + V) bytes
+PREFILL_TILE_SMEM_LIMIT = 150 * 1024  # prefill: shared bytes per 64 query rows x 64 keys
+PREFILL_MMA_ROWS = 128  # query rows of a paged_attention_prefill_mma block (per key tile)
 
 _ENTRY = re.compile(r"Compiling entry function '(\w+)' for 'sm_(\d+)'")
 _STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGS = re.compile(r"Used (\d+) registers")
 _SMEM = re.compile(r"(\d+) bytes smem")
-_PTX_ENTRY = re.compile(r"\.entry\s+(\w+)\s*\(")
-_VECTOR_LOAD = re.compile(r"\bld\.global[\w.]*\.(?:v4|v2\.(?:u64|b64|s64|f64))\b")
-_TENSOR_CORE = re.compile(r"\b(?:wmma\.mma|mma\.sync)\b")
-_CP_ASYNC = re.compile(r"\bcp\.async\.c[ag]\.shared\.global\b[^;]*?\],\s*(\d+)\s*[,;]")
-_SHARED_ACCESS = re.compile(
-    r"\b(?:ld|st)(?:\.volatile)?\.shared(?:::cta)?(?:\.v(\d))?\.[a-z]+(\d+)\b")
-_LABEL = re.compile(r"^(\$L__\w+):", re.M)
-_BRANCH = re.compile(r"\bbra(?:\.uni)?\s+(\$L__\w+);")
-_MAX_THREADS = re.compile(r"\.maxntid\s+(\d+),\s*(\d+),\s*(\d+)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,10 +95,12 @@ def variants(head_dims: tuple[int, ...] = CHECK_HEAD_DIMS, groups: tuple[int, ..
     dtypes) (both 16-bit activations only)."""
     from kvcore.kernels.cuda_attention import (
         DECODE_TC_KEYS,
+        PREFILL_MMA_MAX_HEAD_DIM,
         TC_DECODE_MIN_GROUP,
         decode_defines,
         decode_smem_bytes,
         decode_tc_smem_bytes,
+        prefill_mma_smem_bytes,
         prefill_tc_defines,
         prefill_tc_smem_bytes,
     )
@@ -121,6 +118,12 @@ def variants(head_dims: tuple[int, ...] = CHECK_HEAD_DIMS, groups: tuple[int, ..
                             2 * DECODE_TC_KEYS * d * _ITEMSIZE[cache])
                     for d in head_dims for g in groups for act, cache in dtypes
                     if act != "f32" and g >= TC_DECODE_MIN_GROUP]
+        elif path.name == "paged_attention_prefill_mma.cu":
+            out += [Variant(path.name, prefill_tc_defines(d, act, cache), 0,
+                            prefill_mma_smem_bytes(d, _ITEMSIZE[cache]),
+                            2 * DECODE_TC_KEYS * d * _ITEMSIZE[cache])
+                    for d in head_dims for act, cache in dtypes
+                    if act != "f32" and d <= PREFILL_MMA_MAX_HEAD_DIM]
         elif path.name == "paged_attention_prefill_tc.cu":
             out += [Variant(path.name, prefill_tc_defines(d, act, cache), 0,
                             prefill_tc_smem_bytes(d))
@@ -189,56 +192,6 @@ def compile_source(path: Path, arch: str, defines: tuple[str, ...] = (),
             for r in parse_ptxas_log(path.name, log.getvalue())]
 
 
-@dataclass(frozen=True, slots=True)
-class PtxFacts:
-    vector_loads: int  # 16-byte global loads
-    tensor_core_ops: int  # wmma.mma / mma.sync
-    cp_async: int  # cp.async copies
-    tile_smem_bytes: int  # shared bytes per pass through the key-tile loop, whole block
-
-
-def tile_loop(body: str) -> str:
-    """The smallest loop (a label up to a branch back to it) holding a cp.async.wait_group and
-    an mma.sync: the key-tile loop of a register-tile kernel; "" when there is none."""
-    labels = {m.group(1): m.start() for m in _LABEL.finditer(body)}
-    best = ""
-    for m in _BRANCH.finditer(body):
-        start = labels.get(m.group(1))
-        if start is None or start > m.start():
-            continue  # a forward branch
-        loop = body[start:m.end()]
-        if "cp.async.wait_group" in loop and "mma.sync" in loop and \
-                (not best or len(loop) < len(best)):
-            best = loop
-    return best
-
-
-def shared_bytes(code: str) -> int:
-    """Bytes one thread moves through shared memory running `code` once: ld/st.shared widths
-    and the sizes of the cp.async copies (each lands in shared memory)."""
-    total = sum(int(m.group(1) or 1) * int(m.group(2)) // 8
-                for m in _SHARED_ACCESS.finditer(code))
-    return total + sum(int(size) for size in _CP_ASYNC.findall(code))
-
-
-def ptx_facts(ptx: str) -> dict[str, PtxFacts]:
-    """kernel -> what its PTX body shows (static counts: an unrolled loop counts once per
-    unrolled copy, a rolled one once)."""
-    parts = _PTX_ENTRY.split(ptx)
-    # split gives [prefix, name, body, name, body, ...]
-    out: dict[str, PtxFacts] = {}
-    for i in range(1, len(parts) - 1, 2):
-        body = parts[i + 1]
-        bounds = _MAX_THREADS.search(body)
-        threads = int(bounds.group(1)) * int(bounds.group(2)) * int(bounds.group(3)) \
-            if bounds else 0
-        out[parts[i]] = PtxFacts(len(_VECTOR_LOAD.findall(body)),
-                                 len(_TENSOR_CORE.findall(body)),
-                                 len(_CP_ASYNC.findall(body)),
-                                 shared_bytes(tile_loop(body)) * threads)
-    return out
-
-
 def parse_ptxas_log(source: str, log: str) -> list[KernelReport]:
     """One report per 'Compiling entry function' block of ptxas' verbose output."""
     reports: list[KernelReport] = []
@@ -286,7 +239,13 @@ def problems(reports: list[KernelReport], chosen: list[Variant]) -> list[str]:
         if r.kernel in REGISTER_TILE_KERNELS:
             if r.cp_async == 0:
                 found.append(f"no cp.async staging: {where}")
-            if r.tile_smem_bytes == 0 or \
+            if r.kernel == "paged_attention_prefill_mma":
+                per_64 = r.tile_smem_bytes * 64 // PREFILL_MMA_ROWS
+                if per_64 == 0 or per_64 > PREFILL_TILE_SMEM_LIMIT:
+                    found.append(f"shared-memory traffic per 64 x 64 tile: {where} moves "
+                                 f"{per_64} bytes (at most {PREFILL_TILE_SMEM_LIMIT}; 0 = no "
+                                 "tile loop found)")
+            elif r.tile_smem_bytes == 0 or \
                     r.tile_smem_bytes > TILE_SMEM_RATIO * r.tile_global_bytes:
                 found.append(f"shared-memory traffic per key tile: {where} moves "
                              f"{r.tile_smem_bytes} bytes for a tile of {r.tile_global_bytes} "

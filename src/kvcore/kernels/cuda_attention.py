@@ -21,6 +21,12 @@ from kvcore.kernels.cuda_launch import (
     suffix_of,
     upload_seq_metadata,
 )
+from kvcore.kernels.cuda_occupancy import (
+    BLOCKS_PER_SM,
+    MAX_PARTITIONS,
+    blocks_per_sm,
+    decode_partitions,
+)
 
 _CTYPES = {"f32": "float", "f16": "__half", "bf16": "__nv_bfloat16", "fp8": "__nv_fp8_e4m3"}
 _PREFILL_THREADS = 128
@@ -28,20 +34,16 @@ DECODE_HEAD_DIMS = (16, 32, 64, 128, 256)  # head_dim values the decode kernel c
 PREFILL_TC_ROWS = 64  # query rows (positions x group) per tensor-core prefill block
 TC_DECODE_MIN_GROUP = 4  # decode groups from this size on run on tensor cores (16-bit only)
 MAX_GROUP = 32  # largest GQA group (query heads per KV head) the decode kernel compiles for
-MAX_PARTITIONS = 32  # cap of the split-KV partitions per sequence (and of the scratch width)
-MIN_PARTITION_TOKENS = 256  # a partition shorter than this costs more to merge than it saves
-BLOCKS_PER_SM = 4  # 4-warp decode blocks wanted per SM for one full wave
 DECODE_TC_KEYS = 64  # keys per staged tile of paged_attention_decode_tc.cu
 DECODE_TC_THREADS = 128
 # sm_90 registers per thread of paged_attention_decode_tc.cu by (head_dim, cache bytes): upper
 # bounds of what compile_check reports for groups up to 16 (a compile test holds them to it);
 # other head_dims count as the 255 maximum
-DECODE_TC_REGISTERS = {(64, 1): 120, (64, 2): 152, (128, 1): 184, (128, 2): 216,
+DECODE_TC_REGISTERS = {(64, 1): 120, (64, 2): 144, (128, 1): 168, (128, 2): 168,
                        (256, 1): 255, (256, 2): 255}
-SM_REGISTERS = 65536  # per SM (sm_80, sm_90)
-SM_SMEM_BYTES = 228 * 1024  # per SM on an H100 / H200; each resident block also reserves 1 KiB
-SM_THREADS = 2048
-SM_BLOCKS = 32
+PREFILL_MMA_ROWS = 128  # query rows (positions x group) per register-tile prefill block
+PREFILL_MMA_THREADS = 256
+PREFILL_MMA_MAX_HEAD_DIM = 128  # larger head_dims keep paged_attention_prefill_tc.cu
 
 
 def decode_defines(head_dim: int, group: int, suffix: str, cache_suffix: str) -> tuple[str, ...]:
@@ -78,41 +80,11 @@ def decode_smem_bytes(group: int, head_dim: int) -> int:
     return 4 * warps * -(-group // head_warps) * (head_dim + 2)
 
 
-def blocks_per_sm(threads: int, registers: int, smem_bytes: int) -> int:
-    """Resident blocks per SM (sm_90) of a kernel of `threads` threads, `registers` per thread
-    and `smem_bytes` of shared memory: the least of the thread, block, register (allocated per
-    warp in units of 256) and shared-memory (+1 KiB reserved per block) limits."""
-    warps = -(-threads // 32)
-    per_warp = -(-registers * 32 // 256) * 256
-    by_smem = SM_SMEM_BYTES // (smem_bytes + 1024)
-    return min(SM_THREADS // (32 * warps), SM_BLOCKS, SM_REGISTERS // (per_warp * warps), by_smem)
-
-
 def decode_tc_blocks_per_sm(head_dim: int, cache_itemsize: int) -> int:
     """paged_attention_decode_tc.cu's blocks per SM from its registers and kSmemBytes."""
     registers = DECODE_TC_REGISTERS.get((head_dim, cache_itemsize), 255)
     return blocks_per_sm(DECODE_TC_THREADS, registers,
                          decode_tc_smem_bytes(head_dim, cache_itemsize))
-
-
-def decode_partitions(units: int, max_span_blocks: int, block_size: int, num_sms: int,
-                      resident: int = BLOCKS_PER_SM) -> int:
-    """Split-KV partitions per sequence, sized to whole waves: of 1 .. the useful count (never
-    partitions under MIN_PARTITION_TOKENS, at most MAX_PARTITIONS, the cap a CUDA graph sized
-    from max_model_len keeps), all of them when they fit one wave, else the fewest whose time,
-    waves x tokens per partition, is within 10% of the best (merging costs too); a wave is
-    `resident` blocks per SM x num_sms, a partition `units` blocks (decode sequences x KV
-    heads)."""
-    if units < 1 or num_sms < 1 or resident < 1:
-        raise ValueError(f"units, num_sms and resident must be >= 1, got {units}, {num_sms} "
-                         f"and {resident}")
-    slots = resident * num_sms
-    useful = max(1, min(MAX_PARTITIONS, (max_span_blocks * block_size) // MIN_PARTITION_TOKENS))
-    if units * useful <= slots:  # all partitions fit one wave: the most, the shortest
-        return useful
-    times = [-(-units * parts // slots) / parts for parts in range(1, useful + 1)]
-    best = min(times)
-    return next(parts for parts, t in enumerate(times, 1) if t <= 1.1 * best)
 
 
 def uses_register_tile_decode(block_size: int) -> bool:
@@ -129,6 +101,11 @@ def decode_tc_smem_bytes(head_dim: int, cache_itemsize: int) -> int:
     stage = 2 * 2 * DECODE_TC_KEYS * (head_dim * cache_itemsize + 16)
     merge = 4 * 16 * (head_dim + 4) * 4
     return max(stage, merge)
+
+
+def prefill_mma_smem_bytes(head_dim: int, cache_itemsize: int) -> int:
+    """paged_attention_prefill_mma.cu's kSmemBytes: two buffers of 64-key K and V tiles."""
+    return 2 * 2 * DECODE_TC_KEYS * (head_dim * cache_itemsize + 16)
 
 
 def prefill_tc_defines(head_dim: int, suffix: str, cache_suffix: str) -> tuple[str, ...]:
@@ -284,7 +261,18 @@ def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: An
                 (out, tmp_out, max_logits, exp_sums, query_start_loc,
                  *(np.int32(v) for v in (num_heads, head_dim, parts))),
                 4 * (parts + 1)))
-    if has_prefill and suffix != "f32":  # tensor cores: fp16 / bf16 activations
+    if has_prefill and suffix != "f32" and head_dim <= PREFILL_MMA_MAX_HEAD_DIM and \
+            uses_register_tile_decode(block_size):
+        # register tiles: 128 query rows per block, K/V staged asynchronously
+        mma_ints = (num_heads, num_kv_heads, block_size.bit_length() - 1, max_blocks, window)
+        launches.append(Launch(
+            backend.function("paged_attention_prefill_mma.cu", "paged_attention_prefill_mma",
+                             prefill_tc_defines(head_dim, suffix, cache_suffix)),
+            (num_kv_heads, num_seqs, -(-max_q_len // (PREFILL_MMA_ROWS // group))),
+            (PREFILL_MMA_THREADS,),
+            (out, query, k_cache, v_cache, *metadata, *(np.int32(v) for v in mma_ints), *scales),
+            prefill_mma_smem_bytes(head_dim, k_cache.dtype.itemsize)))
+    elif has_prefill and suffix != "f32":  # tensor cores: fp16 / bf16 activations
         unused = xp.empty((1,), np.float32)  # the decode-mode partial outputs
         tc_ints = (num_heads, num_kv_heads, block_size, max_blocks, window, 0)
         launches.append(Launch(

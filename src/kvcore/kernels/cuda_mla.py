@@ -8,7 +8,6 @@ from typing import Any
 
 import numpy as np
 
-from kvcore.kernels.cuda_attention import MAX_PARTITIONS, SM_SMEM_BYTES, decode_partitions
 from kvcore.kernels.cuda_launch import (
     Backend,
     Launch,
@@ -18,6 +17,7 @@ from kvcore.kernels.cuda_launch import (
     suffix_of,
     upload_seq_metadata,
 )
+from kvcore.kernels.cuda_occupancy import MAX_PARTITIONS, SM_SMEM_BYTES, decode_partitions
 
 _CTYPES = {"f16": "__half", "bf16": "__nv_bfloat16", "fp8": "__nv_fp8_e4m3"}
 MLA_THREADS = 128

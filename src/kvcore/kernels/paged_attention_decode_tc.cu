@@ -21,9 +21,8 @@
 // (two row blocks read K/V twice). At the end the key slices of a row block merge through shared
 // memory in a fixed order; with several partitions a block writes its normalized partial output,
 // max logit and exp-sum for paged_attention_reduce.
-#include <ptx_ops.cuh>  // angle brackets: the kernel directory is on the include path
-
 #include "common.cuh"
+#include "mma_tile.cuh"  // mma.sync / cp.async through <ptx_ops.cuh> (the kernel dir is on the path)
 
 #ifndef KVC_HEAD_DIM
 #define KVC_HEAD_DIM 128
@@ -53,51 +52,16 @@ constexpr int kChunks = kRowBytes / 16;      // 16-byte chunks per row
 // staging: a thread copies a run of kStageRun chunks of one row (one block-table read and one
 // address per run); runs of 8 at head_dim 256, where one address per chunk would spill
 constexpr int kStageRun = kD > 128 ? (kChunks < 8 ? kChunks : 8) : 1;
-constexpr int kStageLanes = kChunks / kStageRun;  // threads per row
-constexpr int kStageRounds = (kKT * kStageLanes + KVC_DECODE_TC_THREADS - 1) /
-                             KVC_DECODE_TC_THREADS;
 constexpr int kTileBytes = kKT * kPitch;
 constexpr int kStageBytes = 2 * 2 * kTileBytes;  // (2 buffers) x (K, V)
 constexpr int kLdO = kD + 4;                 // merge record: o[kD], m, l, padding
 constexpr int kMergeBytes = kWarps * 16 * kLdO * 4;
 constexpr int kSmemBytes = kStageBytes > kMergeBytes ? kStageBytes : kMergeBytes;
+// resident blocks asked of ptxas: 3 (170 registers) up to head_dim 128, where O takes 64
+constexpr int kMinBlocks = kD > 128 ? 1 : 3;
 static_assert(kG >= 1 && kG <= 32, "group: 1 to 32 query heads per KV head");
 static_assert(kD >= 16 && kD <= 256 && (kD & (kD - 1)) == 0, "head_dim: power of two in [16, 256]");
 static_assert(kKW % 16 == 0, "a warp's key slice is whole 16-key mma steps");
-
-// Two consecutive cache elements of a shared row as one .b32 of two activation values.
-template <typename scalar_t>
-__device__ __forceinline__ unsigned pair_at(const unsigned char* row, int col, const scalar_t*) {
-  return *reinterpret_cast<const unsigned*>(row + col * 2);
-}
-__device__ __forceinline__ unsigned short bits16(__half x) { return __half_as_ushort(x); }
-__device__ __forceinline__ unsigned short bits16(__nv_bfloat16 x) {
-  return __bfloat16_as_ushort(x);
-}
-template <typename scalar_t>
-__device__ __forceinline__ unsigned pack2(scalar_t lo, scalar_t hi) {
-  return (unsigned)bits16(lo) | ((unsigned)bits16(hi) << 16);
-}
-template <typename scalar_t>
-__device__ __forceinline__ unsigned pair_at(const unsigned char* row, int col,
-                                            const __nv_fp8_e4m3*) {
-  const __nv_fp8x2_storage_t two = *reinterpret_cast<const __nv_fp8x2_storage_t*>(row + col);
-  const __half2 h = __half2(__nv_cvt_fp8x2_to_halfraw2(two, __NV_E4M3));  // exact
-  return pack2(from_float<scalar_t>(__low2float(h)), from_float<scalar_t>(__high2float(h)));
-}
-// One 16-bit cache element (V's B fragments pair elements of two different rows).
-template <typename scalar_t>
-__device__ __forceinline__ unsigned short elem_at(const unsigned char* row, int col,
-                                                  const scalar_t*) {
-  return *reinterpret_cast<const unsigned short*>(row + col * 2);
-}
-template <typename scalar_t>
-__device__ __forceinline__ unsigned short elem_at(const unsigned char* row, int col,
-                                                  const __nv_fp8_e4m3*) {
-  __nv_fp8_e4m3 v;
-  v.__x = row[col];
-  return bits16(from_float<scalar_t>(static_cast<float>(v)));  // exact
-}
 
 template <typename scalar_t, typename cache_t>
 __device__ void decode_tc_partition(
@@ -155,28 +119,10 @@ __device__ void decode_tc_partition(
   const unsigned char* v_base = reinterpret_cast<const unsigned char*>(v_cache) +
                                 (long long)kvh * kRowBytes;
   const long long slot_bytes = (long long)num_kv_heads * kRowBytes;
-  // stages keys [k0, k0 + kKT) into buffer b: one cp.async per 16-byte chunk, zero-filled
-  // past k_hi (the source is not read)
-  auto stage = [&](int k0, int b) {
-    unsigned char* k_s = smem + b * 2 * kTileBytes;
-    unsigned char* v_s = k_s + kTileBytes;
-#pragma unroll
-    for (int round = 0; round < kStageRounds; ++round) {
-      const int i = tid + round * KVC_DECODE_TC_THREADS;
-      if (kKT * kStageLanes % KVC_DECODE_TC_THREADS != 0 && i >= kKT * kStageLanes) break;
-      const int key = i / kStageLanes, c0 = (i % kStageLanes) * kStageRun;  // shifts
-      const int pos = k0 + key;
-      const bool valid = pos < k_hi;
-      const long long slot = valid ? ((long long)table[pos >> block_shift] << block_shift) +
-                                     (pos & (bs - 1)) : 0;
-      const unsigned char* k_src = k_base + slot * slot_bytes + c0 * 16;
-      const unsigned char* v_src = v_base + slot * slot_bytes + c0 * 16;
-#pragma unroll
-      for (int c = 0; c < kStageRun; ++c) {
-        cp_async16_zfill(k_s + key * kPitch + (c0 + c) * 16, k_src + c * 16, valid);
-        cp_async16_zfill(v_s + key * kPitch + (c0 + c) * 16, v_src + c * 16, valid);
-      }
-    }
+  auto stage = [&](int k0, int b) {  // keys [k0, k0 + kKT) into buffer b
+    stage_kv_tile<kKT, KVC_DECODE_TC_THREADS, kRowBytes, kPitch, kStageRun>(
+        smem + b * 2 * kTileBytes, smem + b * 2 * kTileBytes + kTileBytes, k_base, v_base,
+        slot_bytes, table, block_shift, k0, k_hi, tid);
   };
 
   if (num_tiles > 0) stage(k_lo, 0);
@@ -360,7 +306,7 @@ __device__ void decode_tc_partition(
   }
 }
 
-extern "C" __global__ void __launch_bounds__(KVC_DECODE_TC_THREADS, 1) paged_attention_decode_tc(
+extern "C" __global__ void __launch_bounds__(KVC_DECODE_TC_THREADS, kMinBlocks) paged_attention_decode_tc(
     KVC_SCALAR* out, float* tmp_out, float* max_logits, float* exp_sums, const KVC_SCALAR* query,
     const KVC_CACHE* k_cache, const KVC_CACHE* v_cache, const int* block_tables,
     const int* context_lens, const int* query_start_loc, int num_heads, int num_kv_heads,
