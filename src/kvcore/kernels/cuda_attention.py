@@ -53,9 +53,10 @@ def decode_defines(head_dim: int, group: int, suffix: str, cache_suffix: str) ->
 
 
 def uses_tensor_core_decode(group: int, suffix: str) -> bool:
-    """Decode of groups of 4+ with fp16 / bf16 activations runs on the tensor-core kernel
-    (paged_attention_prefill_tc.cu in decode mode): one head per warp would repeat each K/V
-    conversion and score reduction per head and keep too few distinct bytes in flight."""
+    """Decode of groups of 4+ with fp16 / bf16 activations runs on tensor cores
+    (paged_attention_decode_tc.cu, or paged_attention_prefill_tc.cu in decode mode for block
+    sizes that are not powers of two): one head per warp would repeat each K/V conversion and
+    score reduction per head and keep too few distinct bytes in flight."""
     return group >= TC_DECODE_MIN_GROUP and suffix != "f32"
 
 
