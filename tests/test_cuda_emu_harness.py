@@ -147,3 +147,119 @@ def test_divergent_collective_and_smem_limit_are_errors(module: EmuModule) -> No
         module.get_function("divergent")((1,), (32,), (out,))
     with pytest.raises(RuntimeError, match="48 KiB"):
         module.get_function("publish")((1,), (64,), (out, np.int32(1)), shared_mem=64 * 1024)
+
+
+PTX_SOURCE = r"""
+#include <ptx_ops.cuh>
+// d (16 x 8) = a (16 x 16, row-major) b + c, with b given transposed (8 x 16, row-major) and c, d
+// (16 x 8, row-major): the fragments gathered as the PTX ISA lays them out. BREAK_FRAGMENT swaps
+// two registers of A (rows g + 8 and columns 2t + 8 trade places).
+template <typename T>
+__device__ void mma_tile(float* d, const T* a, const T* bt, const float* c) {
+  const int lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+  const uint32_t* a32 = reinterpret_cast<const uint32_t*>(a);   // (16, 8) pairs
+  const uint32_t* b32 = reinterpret_cast<const uint32_t*>(bt);  // (8, 8) pairs
+  uint32_t af[4] = {a32[g * 8 + t], a32[(g + 8) * 8 + t], a32[g * 8 + t + 4],
+                    a32[(g + 8) * 8 + t + 4]};
+#ifdef BREAK_FRAGMENT
+  const uint32_t swap = af[1]; af[1] = af[2]; af[2] = swap;
+#endif
+  const uint32_t bf[2] = {b32[g * 8 + t], b32[g * 8 + t + 4]};
+  float acc[4] = {c[g * 8 + 2 * t], c[g * 8 + 2 * t + 1], c[(g + 8) * 8 + 2 * t],
+                  c[(g + 8) * 8 + 2 * t + 1]};
+  mma_m16n8k16<T>(acc, af, bf);
+  d[g * 8 + 2 * t] = acc[0];
+  d[g * 8 + 2 * t + 1] = acc[1];
+  d[(g + 8) * 8 + 2 * t] = acc[2];
+  d[(g + 8) * 8 + 2 * t + 1] = acc[3];
+}
+extern "C" __global__ void mma_f16(float* d, const __half* a, const __half* bt, const float* c) {
+  mma_tile(d, a, bt, c);
+}
+extern "C" __global__ void mma_bf16(float* d, const __nv_bfloat16* a, const __nv_bfloat16* bt,
+                                    const float* c) {
+  mma_tile(d, a, bt, c);
+}
+// Double-buffered staging of 256-float tiles (each of 64 threads copies 16 bytes); each thread
+// then sums the chunk another warp staged. SKIP_WAIT reads before the wait; SKIP_SWAP_BARRIER
+// re-stages a buffer while the other warp may still read it.
+extern "C" __global__ void staged(float* out, const float* x, int num_tiles) {
+  __shared__ __align__(16) float buf[2][256];
+  const int tid = threadIdx.x, peer = (tid + 32) % 64;
+  cp_async16(&buf[0][tid * 4], x + tid * 4);
+  cp_async_commit();
+  for (int i = 0; i < num_tiles; ++i) {
+    if (i + 1 < num_tiles) cp_async16(&buf[(i + 1) & 1][tid * 4], x + (i + 1) * 256 + tid * 4);
+    cp_async_commit();
+#ifndef SKIP_WAIT
+    cp_async_wait<1>();
+#endif
+    __syncthreads();
+    const float* v = &buf[i & 1][peer * 4];
+    out[i * 64 + tid] = v[0] + v[1] + v[2] + v[3];
+#ifndef SKIP_SWAP_BARRIER
+    __syncthreads();
+#endif
+  }
+  cp_async_wait<0>();
+}
+extern "C" __global__ void never_waits(const float* x) {
+  __shared__ __align__(16) float buf[4];
+  cp_async16(buf, x);
+  cp_async_commit();
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def ptx_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = Path(tmp_path_factory.mktemp("emu_ptx")) / "ptx.cu"
+    path.write_text(PTX_SOURCE)
+    return path
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_mma_m16n8k16_follows_the_ptx_fragment_layout(ptx_path: Path, dtype: str) -> None:
+    from kernel_problems import BF16
+
+    np_dtype = np.float16 if dtype == "f16" else BF16
+    rng = np.random.default_rng()
+    a = rng.standard_normal((16, 16)).astype(np_dtype)
+    b = rng.standard_normal((16, 8)).astype(np_dtype)
+    c = rng.standard_normal((16, 8)).astype(np.float32)
+    want = c + a.astype(np.float64) @ b.astype(np.float64)
+    d = np.zeros((16, 8), np.float32)
+    EmuModule(ptx_path).get_function(f"mma_{dtype}")((1,), (32,),
+                                                     (d, a, np.ascontiguousarray(b.T), c))
+    np.testing.assert_allclose(d, want, rtol=1e-5, atol=1e-5)
+    broken = np.zeros((16, 8), np.float32)
+    EmuModule(ptx_path, ("BREAK_FRAGMENT",)).get_function(f"mma_{dtype}")(
+        (1,), (32,), (broken, a, np.ascontiguousarray(b.T), c))
+    assert not np.allclose(broken, want, rtol=1e-2, atol=1e-2)
+
+
+def test_cp_async_hazards_are_caught(ptx_path: Path) -> None:
+    rng = np.random.default_rng()
+    x = rng.standard_normal((3, 64, 4)).astype(np.float32)  # 3 tiles of 64 chunks of 16 bytes
+    want = x.sum(axis=2)[:, (np.arange(64) + 32) % 64]
+    for seed in (0, 2):
+        out = np.zeros((3, 64), np.float32)
+        EmuModule(ptx_path, order_seed=seed).get_function("staged")(
+            (1,), (64,), (out, x, np.int32(3)))
+        np.testing.assert_allclose(out, want, rtol=1e-6)
+    # read before the wait: the chunks have not arrived (NaN), or the next copy lands on one
+    # still in flight
+    out = np.zeros((3, 64), np.float32)
+    try:
+        EmuModule(ptx_path, ("SKIP_WAIT",)).get_function("staged")(
+            (1,), (64,), (out, x, np.int32(3)))
+        assert np.isnan(out).any()
+    except RuntimeError as exc:
+        assert "in flight" in str(exc)
+    # no barrier before a buffer is staged again: the lagging warp reads chunks in flight
+    out = np.zeros((3, 64), np.float32)
+    EmuModule(ptx_path, ("SKIP_SWAP_BARRIER",)).get_function("staged")(
+        (1,), (64,), (out, x, np.int32(3)))
+    assert np.isnan(out).any()
+    with pytest.raises(RuntimeError, match="never waited for"):
+        EmuModule(ptx_path).get_function("never_waits")((1,), (32,), (x,))

@@ -101,19 +101,18 @@ def test_bad_options_are_refused(kwargs: dict, match: str) -> None:
 
 
 @pytest.mark.parametrize("heads,kernels", [
-    (8, ["paged_attention_prefill_tc", "paged_attention_prefill_tc"]),  # group 4: tensor cores
-    (4, ["paged_attention_decode", "paged_attention_prefill_tc"]),      # group 2: CUDA cores
+    (8, ["paged_attention_decode_tc", "paged_attention_prefill_mma"]),  # group 4: tensor cores
+    (4, ["paged_attention_decode", "paged_attention_prefill_mma"]),     # group 2: CUDA cores
 ])
 def test_good_launch_picks_the_variants(heads: int, kernels: list[str]) -> None:
-    """A valid mixed batch plans decode (tensor cores from group 4 on) and the tensor-core
+    """A valid mixed batch plans decode (tensor cores from group 4 on) and the register-tile
     prefill, each compiled for its (head_dim, group, dtypes), and launches them in order."""
     backend = RecordingBackend()
     problem = paged_problem(np.random.default_rng(0), [40, 9], [1, 9], heads, 2, 64, 8,
                             "f16-fp8", 0.05, 0.02)
     CudaOps(backend).paged_attention(**problem, num_partitions=1)
     assert backend.launched == kernels
-    if kernels[0] == "paged_attention_decode":
-        assert set(backend.fetched[0][2]) == {"KVC_HEAD_DIM=64", "KVC_GROUP=2",
-                                              "KVC_SCALAR=__half", "KVC_CACHE=__nv_fp8_e4m3"}
+    assert set(backend.fetched[0][2]) == {"KVC_HEAD_DIM=64", f"KVC_GROUP={heads // 2}",
+                                          "KVC_SCALAR=__half", "KVC_CACHE=__nv_fp8_e4m3"}
     assert set(backend.fetched[-1][2]) == {"KVC_HEAD_DIM=64", "KVC_SCALAR=__half",
                                            "KVC_CACHE=__nv_fp8_e4m3"}

@@ -8,15 +8,18 @@ import json
 import pytest
 
 from kvcore.kernels import compile_check
+from kvcore.kernels.ptx_facts import tile_loop
 
 cupy = pytest.importorskip("cupy", reason="cupy-cuda12x (the dev extra) provides NVRTC")
 
 EXPECTED_KERNELS = {
     "cache_ops.cu": {"copy_blocks", "reshape_and_cache_f16_fp8", "reshape_and_cache_f32_f32"},
     "paged_attention_decode.cu": {"paged_attention_decode", "paged_attention_reduce"},
+    "paged_attention_decode_tc.cu": {"paged_attention_decode_tc"},
     "paged_attention_prefill.cu": {"paged_attention_prefill_f16_f16",
                                    "paged_attention_prefill_bf16_fp8"},
     "paged_attention_prefill_tc.cu": {"paged_attention_prefill_tc"},
+    "paged_attention_prefill_mma.cu": {"paged_attention_prefill_mma"},
     "layers.cu": {"rms_norm_f16", "rope_f16", "silu_and_mul_bf16"},
     "mla_attention.cu": {"mla_paged_attention", "mla_reduce"},
 }
@@ -24,7 +27,8 @@ EXPECTED_KERNELS = {
 
 @pytest.mark.parametrize("arch", compile_check.ARCHS)
 @pytest.mark.parametrize("source", sorted(set(EXPECTED_KERNELS) - {
-    "paged_attention_decode.cu", "paged_attention_prefill_tc.cu", "mla_attention.cu"}))
+    "paged_attention_decode.cu", "paged_attention_decode_tc.cu", "paged_attention_prefill_tc.cu",
+    "paged_attention_prefill_mma.cu", "mla_attention.cu"}))
 def test_compiles_without_spills(source: str, arch: str) -> None:
     reports = compile_check.compile_source(compile_check.KERNEL_DIR / source, arch)
     for r in reports:
@@ -76,6 +80,73 @@ def test_prefill_uses_tensor_cores(variant: tuple[int, str, str], arch: str) -> 
     assert compile_check.problems([report], [chosen]) == []
 
 
+# the register-tile decode kernel: Llama-3 8B's shape on both archs, a smaller fp8 one on sm_90
+@pytest.mark.parametrize("variant", [(128, 4, "f16", "f16", "80"), (128, 4, "f16", "f16", "90"),
+                                     (64, 8, "bf16", "fp8", "90")],
+                         ids=lambda v: "-".join(map(str, v)))
+def test_register_tile_decode_stages_asynchronously(variant: tuple[int, int, str, str, str]
+                                                    ) -> None:
+    head_dim, group, act, cache, arch = variant
+    (chosen,) = [v for v in compile_check.variants((head_dim,), (group,), ((act, cache),))
+                 if v.source == "paged_attention_decode_tc.cu"]
+    (report,) = compile_check.check_variants([chosen], (arch,))
+    print(f"{report.variant} sm_{arch}: {report.registers} registers, {report.tensor_core_ops} "
+          f"mma.sync, {report.cp_async} cp.async, {report.tile_smem_bytes} shared bytes per "
+          f"tile of {report.tile_global_bytes}")
+    assert report.kernel == "paged_attention_decode_tc"
+    # S: head_dim / 16 k-steps x 2 n-tiles, O: 1 key step x head_dim / 8 n-tiles
+    assert report.tensor_core_ops == head_dim // 16 * 2 + head_dim // 8
+    assert report.cp_async > 0
+    # the tile in by cp.async and out once as fragments: exactly twice its global bytes
+    assert report.tile_smem_bytes == 2 * report.tile_global_bytes
+    assert compile_check.problems([report], [chosen]) == []
+
+
+def test_register_tile_prefill_stays_under_the_tile_traffic_limit() -> None:
+    (chosen,) = [v for v in compile_check.variants((128,), (1,), (("f16", "f16"),))
+                 if v.source == "paged_attention_prefill_mma.cu"]
+    (report,) = compile_check.check_variants([chosen], ("90",))
+    print(f"{report.variant} sm_90: {report.registers} registers, {report.tensor_core_ops} "
+          f"mma.sync, {report.cp_async} cp.async, {report.tile_smem_bytes} shared bytes per "
+          "128 x 64 tile")
+    # S: 8 k-steps x 8 n-tiles, O: 4 key steps x 16 n-tiles
+    assert report.tensor_core_ops == 8 * 8 + 4 * 16
+    assert report.cp_async > 0
+    # 32 KB in by cp.async, each of 8 warps reads the tile's 32 KB once: 144 KB per 64 x 64
+    assert report.tile_smem_bytes == 32 * 1024 + 8 * 32 * 1024
+    assert compile_check.problems([report], [chosen]) == []
+
+
+@pytest.mark.parametrize("variant", [(128, "f16", "f16"), (64, "bf16", "fp8")],
+                         ids=lambda v: "-".join(map(str, v)))
+def test_planner_reads_the_kernels_smem_formula_and_registers(tmp_path,
+                                                              variant: tuple[int, str, str]
+                                                              ) -> None:
+    """The launcher's shared-memory sizes are the kernels' own kSmemBytes (a static_assert in
+    each kernel's compile), and its register table bounds what ptxas reports on sm_90."""
+    from kvcore.kernels.cuda_attention import (
+        DECODE_TC_REGISTERS,
+        decode_defines,
+        decode_tc_smem_bytes,
+        prefill_mma_smem_bytes,
+        prefill_tc_defines,
+    )
+
+    head_dim, act, cache = variant
+    itemsize = 1 if cache == "fp8" else 2
+    probe = tmp_path / "smem_probe.cu"
+    probe.write_text('#include "paged_attention_decode_tc.cu"\n'
+                     f"static_assert(kSmemBytes == {decode_tc_smem_bytes(head_dim, itemsize)},"
+                     ' "launcher and kernel disagree on shared memory");\n')
+    reports = compile_check.compile_source(probe, "90", decode_defines(head_dim, 8, act, cache))
+    (report,) = [r for r in reports if r.kernel == "paged_attention_decode_tc"]
+    assert report.registers <= DECODE_TC_REGISTERS[head_dim, itemsize]
+    probe.write_text('#include "paged_attention_prefill_mma.cu"\n'
+                     f"static_assert(kSmemBytes == {prefill_mma_smem_bytes(head_dim, itemsize)},"
+                     ' "launcher and kernel disagree on shared memory");\n')
+    compile_check.compile_source(probe, "90", prefill_tc_defines(head_dim, act, cache))
+
+
 # DeepSeek's latent shape (512 + 64): the 16-bit cache on one arch, fp8 on the other
 @pytest.mark.parametrize("variant", [("bf16", "bf16", "80"), ("f16", "fp8", "90")],
                          ids=lambda v: "-".join(v))
@@ -122,6 +193,15 @@ def test_problems_flag_spills_budget_and_scalar_loads() -> None:
     assert no_tc.startswith("no tensor-core instructions")
     (smem,) = compile_check.problems([_report("k", arch="80", dynamic_smem=170 * 1024)], chosen)
     assert smem.startswith("shared memory over the sm_80 limit")
+    tile = dict(tensor_core_ops=32, cp_async=32, tile_global_bytes=32768)
+    assert compile_check.problems([_report("paged_attention_decode_tc", **tile,
+                                           tile_smem_bytes=65536)], chosen) == []
+    (no_cp,) = compile_check.problems([_report("paged_attention_decode_tc", **{
+        **tile, "cp_async": 0}, tile_smem_bytes=65536)], chosen)
+    assert no_cp.startswith("no cp.async staging")
+    (traffic,) = compile_check.problems([_report("paged_attention_decode_tc", **tile,
+                                                 tile_smem_bytes=65537)], chosen)
+    assert traffic.startswith("shared-memory traffic per key tile")
 
 
 def test_ptx_facts_count_per_kernel() -> None:
@@ -129,7 +209,26 @@ def test_ptx_facts_count_per_kernel() -> None:
            " ld.global.v2.u64 {%rd2, %rd3}, [%rd4];\n ld.global.v2.u32 {%r5, %r6}, [%rd4];\n}\n"
            ".visible .entry b(\n wmma.mma.sync.aligned.row.col.m16n16k16.f32.f16 ...;\n"
            " mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 ...;\n ld.global.f32 %f1;\n}\n")
-    assert compile_check.ptx_facts(ptx) == {"a": (2, 0), "b": (0, 2)}
+    facts = compile_check.ptx_facts(ptx)
+    assert (facts["a"].vector_loads, facts["a"].tensor_core_ops) == (2, 0)
+    assert (facts["b"].vector_loads, facts["b"].tensor_core_ops) == (0, 2)
+
+
+def test_tile_loop_traffic_is_read_from_the_ptx() -> None:
+    """The key-tile loop is the smallest loop holding a wait_group and an mma; its shared bytes
+    are the ld/st.shared widths and cp.async sizes, times .maxntid's threads."""
+    ptx = (".visible .entry k(\n.maxntid 128, 1, 1\n"
+           " ld.shared.v4.u32 {%r1, %r2, %r3, %r4}, [%r9];\n$L__BB0_2:\n"
+           " cp.async.cg.shared.global [%r5], [%rd1], 16, %r6;\n"
+           " cp.async.wait_group 1;\n$L__BB0_3:\n ld.shared.u16 %rs1, [%r7];\n"
+           " mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 ...;\n"
+           " st.shared.v2.f32 [%r8], {%f1, %f2};\n @%p1 bra $L__BB0_3;\n"
+           " @%p2 bra.uni $L__BB0_2;\n @%p3 bra $L__BB0_9;\n$L__BB0_9:\n ret;\n}\n")
+    (facts,) = compile_check.ptx_facts(ptx).values()
+    assert facts.cp_async == 1
+    # the inner loop (label 3) has no wait_group: the tile loop runs from label 2
+    assert facts.tile_smem_bytes == (16 + 2 + 8) * 128
+    assert tile_loop("$L__BB0_1:\n mma.sync ...;\n bra $L__BB0_1;\n") == ""
 
 
 def test_json_report(capsys: pytest.CaptureFixture[str]) -> None:

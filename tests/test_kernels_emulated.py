@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from kvcore.kernels import cpu as reference
-from kvcore.kernels.cuda_attention import MAX_PARTITIONS, decode_partitions
+from kvcore.kernels.cuda_attention import decode_tc_blocks_per_sm
+from kvcore.kernels.cuda_occupancy import MAX_PARTITIONS, blocks_per_sm, decode_partitions
 from kvcore.kernels.cuda_ops import CudaOps
 
 pytest.importorskip("cupy", reason="cupy's CCCL headers provide <nv/target> for cuda_fp16.h")
@@ -58,7 +59,8 @@ DECODE_CASES = [
     (4, 2, 32, 8, [23, 9], "f32-f16", 2, 10),               # fp32 model, fp16 cache
     (6, 2, 32, 8, [19, 45], "f32-bf16", None, 20),
     (16, 2, 64, 16, [100, 513], "f32-f16", 3, None),        # 8:1 on the fp32 (CUDA-core) kernel
-    (32, 1, 64, 16, [200, 3], "f16", 2, None),              # 32:1: two row tiles, keys unsplit
+    (32, 1, 64, 16, [200, 3], "f16", 2, None),              # 32:1: two row blocks, 2 key slices
+    (16, 2, 32, 12, [100, 30], "f16", 2, None),             # block size 12: the smem-tile kernel
 ]
 
 
@@ -96,12 +98,27 @@ def test_decode_partitions_follow_the_sm_count() -> None:
     """Few (sequences x KV heads) on many SMs split more; long spans allow more partitions;
     the count never exceeds the cap, whatever max_model_len a CUDA graph pads to."""
     assert decode_partitions(1, 1024, 16, 132) == MAX_PARTITIONS  # batch 1 x 16k
-    assert decode_partitions(64 * 8, 256, 16, 132) == 2  # batch 64 x 4k, 8 KV heads
+    # batch 64 x 4k, 8 KV heads: 512 blocks fill 97% of one wave of 4 x 132 slots already
+    assert decode_partitions(64 * 8, 256, 16, 132) == 1
     assert decode_partitions(256 * 8, 1024, 16, 132) == 1
     assert decode_partitions(1, 32, 16, 132) == 2  # 512 tokens: 256 per partition at least
     assert decode_partitions(4, 8192, 16, 132) == MAX_PARTITIONS  # 128k-wide graph tables
-    with pytest.raises(ValueError, match="num_sms must be >= 1"):
+    # whole waves at 2 resident blocks per SM (264 slots): batch 8 x 4k, 8 KV heads takes 4
+    # partitions (256 blocks, 97% of one wave), not the 2.18 waves of 9
+    assert decode_partitions(8 * 8, 256, 16, 132, resident=2) == 4
+    assert decode_partitions(8, 1024, 16, 132, resident=2) == MAX_PARTITIONS  # b1 x 16k
+    with pytest.raises(ValueError, match="num_sms and resident must be >= 1"):
         decode_partitions(1, 4, 16, 0)
+
+
+def test_resident_blocks_follow_registers_and_shared_memory() -> None:
+    # 4 warps of 168 registers (launch bounds ask for 3 blocks): 21,504 per block, 3 in 64k
+    # registers and 3 in 228 KB of shared memory (69,632 + 1,024 each)
+    assert decode_tc_blocks_per_sm(128, 2) == 3
+    assert decode_tc_blocks_per_sm(256, 2) == 1  # 255 registers, 135 KB
+    assert blocks_per_sm(128, 64, 0) == 8  # registers: 65,536 / (128 x 64)
+    assert blocks_per_sm(256, 16, 0) == 8  # threads: 2048 / 256
+    assert blocks_per_sm(128, 32, 100 * 1024) == 2  # shared memory
 
 
 PREFILL_CASES = [
@@ -179,10 +196,45 @@ def test_broken_decode_kernel_fails(defines: tuple[str, ...]) -> None:
         assert not np.allclose(broken, expected, rtol=1e-3, atol=1e-3, equal_nan=False)
 
 
+@pytest.mark.parametrize("defines", [("KVC_BREAK_WAIT",), ("KVC_BREAK_SYNC",),
+                                     ("KVC_BREAK_FRAGMENT",), ("KVC_BREAK_GQA",)])
+def test_broken_register_tile_decode_fails(defines: tuple[str, ...]) -> None:
+    """paged_attention_decode_tc.cu's mutants: a tile read before its cp.async wait, a buffer
+    staged again without the barrier after the tile's last reader (3 tiles of 64 keys, so a
+    buffer is reused), P's A fragment registers swapped, the wrong query heads."""
+    rng = np.random.default_rng()
+    problem = paged_problem(rng, [300, 41], [1, 1], 16, 2, 32, 8, "f16", poison=True)
+    expected = attention_f64(problem)
+    good = ops().paged_attention(**problem, num_partitions=1)
+    np.testing.assert_allclose(good.astype(np.float32), expected, rtol=2e-3, atol=2e-3)
+    try:
+        broken = ops(0, defines).paged_attention(**problem, num_partitions=1)
+    except RuntimeError as exc:  # the emulator saw a copy land on a destination in use
+        assert "cp.async" in str(exc)
+        return
+    assert not np.allclose(broken.astype(np.float32), expected, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("defines", [("KVC_BREAK_WAIT",), ("KVC_BREAK_SYNC",),
+                                     ("KVC_BREAK_FRAGMENT",), ("KVC_BREAK_GQA",)])
+def test_broken_register_tile_prefill_fails(defines: tuple[str, ...]) -> None:
+    """paged_attention_prefill_mma.cu's mutants, on a chunk whose key span takes 3 tiles."""
+    rng = np.random.default_rng()
+    problem = paged_problem(rng, [150, 20], [40, 20], 4, 2, 16, 8, "f16", poison=True)
+    expected = attention_f64(problem)
+    try:
+        broken = ops(0, defines).paged_attention(**problem)
+    except RuntimeError as exc:  # the emulator saw a copy land on a destination in use
+        assert "cp.async" in str(exc)
+        return
+    assert not np.allclose(broken.astype(np.float32), expected, rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("dtypes", ["f32", "f16"])  # the fp32 and the tensor-core kernel
 def test_broken_prefill_kernel_fails(dtypes: str) -> None:
     rng = np.random.default_rng()
-    problem = paged_problem(rng, [30, 20], [30, 8], 6, 2, 32, 8, dtypes)
+    # block size 6 (not a power of two): fp16 runs paged_attention_prefill_tc.cu
+    problem = paged_problem(rng, [30, 20], [30, 8], 6, 2, 32, 6, dtypes)
     expected = attention_f64(problem)
     for defines in [("KVC_BREAK_GQA",)] + ([("KVC_BREAK_SYNC",)] if dtypes == "f16" else []):
         broken = ops(0, defines).paged_attention(**problem)

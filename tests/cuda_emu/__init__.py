@@ -112,7 +112,7 @@ def build(path: Path, defines: Sequence[str] = ()) -> tuple[Path, list[str]]:
              *(f"-I{d}" for d in includes)]
     deps = [source, (HERE / "cuda_emu.h").read_text(), (HERE / "emu_runtime.cpp").read_text(),
             (HERE / "crt" / "host_defines.h").read_text(), (HERE / "mma.h").read_text(),
-            " ".join(flags)]
+            (HERE / "ptx_ops.cuh").read_text(), " ".join(flags)]
     deps += [p.read_text() for p in sorted(path.parent.glob("*.cuh"))]
     key = hashlib.sha256("\0".join(deps).encode()).hexdigest()[:20]
     lib = CACHE_DIR / f"{path.stem}-{key}.so"

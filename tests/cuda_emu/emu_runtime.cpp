@@ -3,6 +3,7 @@
 // __syncthreads (the order of warps, and of lanes inside a warp, is a permutation drawn from the
 // launch's seed; seed 0 keeps the natural order), so a missing barrier lets one warp read shared
 // memory that another warp has not written yet. Warp collectives are rendezvous of their mask.
+// cp.async copies are kept per thread until a wait_group completes them (see ptx_ops.cuh).
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -29,6 +30,14 @@ namespace {
 
 enum State { kRunnable, kAtBarrier, kAtWarp, kExited, kFailed };
 
+// One cp.async in flight: the source bytes as read at issue, and its group (-1: not committed).
+struct AsyncCopy {
+  unsigned char* dst;
+  unsigned char data[16];
+  int bytes;
+  long group;
+};
+
 struct Fiber {
   ucontext_t ctx;
   uint3 tid;
@@ -41,6 +50,8 @@ struct Fiber {
   int size = 0;
   int src_lane = 0;
   void* out = nullptr;
+  std::vector<AsyncCopy> copies;  // this thread's cp.async copies not yet completed
+  long groups = 0;                // cp.async groups committed so far
 };
 
 constexpr size_t kStackSize = 256 * 1024;
@@ -58,6 +69,9 @@ void switch_to_scheduler() { swapcontext(&current->ctx, &scheduler); }
 
 void fiber_main() {
   kernel_tramp(kernel_args);
+  if (!current->copies.empty()) {
+    emu::fail("a thread exited with cp.async copies it never waited for (cp.async.wait_group)");
+  }
   current->state = kExited;
   switch_to_scheduler();
 }
@@ -153,6 +167,8 @@ bool run_block(unsigned long long seed) {
     f.lane = i % 32;
     f.warp = i / 32;
     f.state = kRunnable;
+    f.copies.clear();
+    f.groups = 0;
     getcontext(&f.ctx);
     f.ctx.uc_stack.ss_sp = stacks + static_cast<size_t>(i) * kStackSize;
     f.ctx.uc_stack.ss_size = kStackSize;
@@ -209,6 +225,40 @@ unsigned active_mask() {
 }
 
 int lane_id() { return current->lane; }
+
+void cp_async(void* dst, const void* src, int bytes) {
+  // src null: the zero-fill form (src-size 0), nothing is read
+  if (reinterpret_cast<uintptr_t>(dst) % bytes || reinterpret_cast<uintptr_t>(src) % bytes) {
+    fail("cp.async: source and destination must be aligned to the copy size");
+  }
+  AsyncCopy copy{static_cast<unsigned char*>(dst), {}, bytes, -1};
+  if (src != nullptr) memcpy(copy.data, src, bytes);
+  memset(dst, 0xff, bytes);  // not arrived yet: reads as NaN until a wait completes the copy
+  current->copies.push_back(copy);
+}
+
+void cp_async_commit() {
+  for (AsyncCopy& c : current->copies) {
+    if (c.group < 0) c.group = current->groups;
+  }
+  ++current->groups;  // an empty group is a group too, as in PTX
+}
+
+void cp_async_wait(int allowed_in_flight) {
+  const long done_below = current->groups - allowed_in_flight;  // groups that must be complete
+  std::vector<AsyncCopy> still;
+  for (const AsyncCopy& c : current->copies) {
+    if (c.group < 0 || c.group >= done_below) {
+      still.push_back(c);
+      continue;
+    }
+    for (int i = 0; i < c.bytes; ++i) {
+      if (c.dst[i] != 0xff) fail("cp.async: its destination was written while the copy was in flight");
+    }
+    memcpy(c.dst, c.data, c.bytes);
+  }
+  current->copies.swap(still);
+}
 
 void fail(const char* message) {
   error = message;

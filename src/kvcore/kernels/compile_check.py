@@ -6,10 +6,13 @@ cubin for sm_80 and sm_90 through CuPy's NVRTC with CuPy's own options, and repo
 kernel: registers, stack, spill bytes, static shared memory (ptxas' verbose log), the dynamic
 shared memory the launcher asks for, and facts read from the PTX of the same compile: 16-byte
 global loads (`ld.global*.v4` / `.v2.u64`) and tensor-core instructions (`wmma.mma` /
-`mma.sync`). It exits non-zero on a compile error, a spill, shared memory above the arch's
-opt-in limit, a decode variant of a group up to 8 above DECODE_REGISTER_BUDGET registers or
-without 16-byte loads, or a tensor-core (prefill or MLA) variant without tensor-core
-instructions.
+`mma.sync`), cp.async copies, and the shared-memory bytes one pass through the key-tile loop
+moves (the smallest PTX loop holding both a cp.async.wait_group and an mma.sync: ld/st.shared
+widths plus cp.async sizes, times the block's threads from `.maxntid`). It exits non-zero on a
+compile error, a spill, shared memory above the arch's opt-in limit, a decode variant of a group
+up to 8 above DECODE_REGISTER_BUDGET registers or without 16-byte loads, a tensor-core (prefill
+or MLA) variant without tensor-core instructions, or a register-tile kernel without cp.async or
+moving more than TILE_SMEM_RATIO x its tile's global bytes through shared memory per tile.
 cuda.py loads the kernels with the same `nvrtc_options()`.
 """
 
@@ -25,7 +28,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvcore.kernels.ptx_facts import PtxFacts, ptx_facts
+
 KERNEL_DIR = Path(__file__).resolve().parent
+_ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2, "fp8": 1}
 ARCHS = ("80", "90")
 DECODE_REGISTER_BUDGET = 96  # sm_90, groups up to 8: 5 blocks of 4 warps (2.5 of 8) per SM
 # decode variants compiled by the check: the head_dims and groups of common models
@@ -34,16 +40,19 @@ CHECK_GROUPS = (1, 2, 3, 4, 8, 16)
 CHECK_DTYPES = (("f16", "f16"), ("bf16", "bf16"), ("f16", "fp8"), ("f32", "f32"))
 # MLA variants: (kv_lora_rank, qk_rope_head_dim) of DeepSeek-V2, V2-Lite and V3 (all 512 + 64)
 CHECK_MLA_SHAPES = ((512, 64),)
-TENSOR_CORE_KERNELS = ("paged_attention_prefill_tc", "mla_paged_attention")
+TENSOR_CORE_KERNELS = ("paged_attention_prefill_tc", "paged_attention_decode_tc",
+                       "mla_paged_attention")
 SMEM_OPT_IN = {"80": 163 * 1024, "90": 227 * 1024}  # most shared memory a block may opt in to
+# kernels that keep S, P, O in registers and stage K/V with cp.async: their limits
+REGISTER_TILE_KERNELS = ("paged_attention_decode_tc", "paged_attention_prefill_mma")
+TILE_SMEM_RATIO = 2.0  # decode: shared-memory bytes per key tile over its global (K + V) bytes
+PREFILL_TILE_SMEM_LIMIT = 150 * 1024  # prefill: shared bytes per 64 query rows x 64 keys
+PREFILL_MMA_ROWS = 128  # query rows of a paged_attention_prefill_mma block (per key tile)
 
 _ENTRY = re.compile(r"Compiling entry function '(\w+)' for 'sm_(\d+)'")
 _STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGS = re.compile(r"Used (\d+) registers")
 _SMEM = re.compile(r"(\d+) bytes smem")
-_PTX_ENTRY = re.compile(r"\.entry\s+(\w+)\s*\(")
-_VECTOR_LOAD = re.compile(r"\bld\.global[\w.]*\.(?:v4|v2\.(?:u64|b64|s64|f64))\b")
-_TENSOR_CORE = re.compile(r"\b(?:wmma\.mma|mma\.sync)\b")
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +69,9 @@ class KernelReport:
     dynamic_smem: int = 0  # what the launcher requests for this variant
     vector_loads: int = 0  # 16-byte global loads in the kernel's PTX
     tensor_core_ops: int = 0  # wmma.mma / mma.sync in the kernel's PTX
+    cp_async: int = 0  # cp.async copies in the kernel's PTX
+    tile_smem_bytes: int = 0  # shared-memory bytes one pass through the key-tile loop moves
+    tile_global_bytes: int = 0  # the K + V bytes of one key tile (register-tile kernels)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +80,7 @@ class Variant:
     defines: tuple[str, ...] = ()
     group: int = 0  # decode: the GQA group the variant serves (its register budget depends on it)
     dynamic_smem: int = 0
+    tile_global_bytes: int = 0  # register-tile kernels: K + V bytes of one key tile
 
 
 def kernel_sources() -> list[Path]:
@@ -81,8 +94,13 @@ def variants(head_dims: tuple[int, ...] = CHECK_HEAD_DIMS, groups: tuple[int, ..
     tensor-core prefill once per (head_dim, dtypes) and the MLA kernel once per (latent shape,
     dtypes) (both 16-bit activations only)."""
     from kvcore.kernels.cuda_attention import (
+        DECODE_TC_KEYS,
+        PREFILL_MMA_MAX_HEAD_DIM,
+        TC_DECODE_MIN_GROUP,
         decode_defines,
         decode_smem_bytes,
+        decode_tc_smem_bytes,
+        prefill_mma_smem_bytes,
         prefill_tc_defines,
         prefill_tc_smem_bytes,
     )
@@ -94,6 +112,18 @@ def variants(head_dims: tuple[int, ...] = CHECK_HEAD_DIMS, groups: tuple[int, ..
             out += [Variant(path.name, decode_defines(d, g, act, cache), g,
                             decode_smem_bytes(g, d))
                     for d in head_dims for g in groups for act, cache in dtypes]
+        elif path.name == "paged_attention_decode_tc.cu":
+            out += [Variant(path.name, decode_defines(d, g, act, cache), g,
+                            decode_tc_smem_bytes(d, _ITEMSIZE[cache]),
+                            2 * DECODE_TC_KEYS * d * _ITEMSIZE[cache])
+                    for d in head_dims for g in groups for act, cache in dtypes
+                    if act != "f32" and g >= TC_DECODE_MIN_GROUP]
+        elif path.name == "paged_attention_prefill_mma.cu":
+            out += [Variant(path.name, prefill_tc_defines(d, act, cache), 0,
+                            prefill_mma_smem_bytes(d, _ITEMSIZE[cache]),
+                            2 * DECODE_TC_KEYS * d * _ITEMSIZE[cache])
+                    for d in head_dims for act, cache in dtypes
+                    if act != "f32" and d <= PREFILL_MMA_MAX_HEAD_DIM]
         elif path.name == "paged_attention_prefill_tc.cu":
             out += [Variant(path.name, prefill_tc_defines(d, act, cache), 0,
                             prefill_tc_smem_bytes(d))
@@ -139,7 +169,7 @@ def cupy_options(arch: str) -> tuple[str, ...]:
 
 
 def compile_source(path: Path, arch: str, defines: tuple[str, ...] = (),
-                   dynamic_smem: int = 0) -> list[KernelReport]:
+                   dynamic_smem: int = 0, tile_global_bytes: int = 0) -> list[KernelReport]:
     """Compile one source (one variant) for one arch; raises cupy's CompileException on an
     error. NVRTC keeps the PTX of a cubin compile, so one compile gives both reports."""
     from cupy.cuda import compiler
@@ -152,19 +182,14 @@ def compile_source(path: Path, arch: str, defines: tuple[str, ...] = (),
     program.compile(options, log)
     ptx = nvrtc.getPTX(program.ptr)
     facts = ptx_facts(ptx.decode() if isinstance(ptx, bytes) else ptx)
+    none = PtxFacts(0, 0, 0, 0)
     return [dataclasses.replace(r, variant=" ".join(defines), dynamic_smem=dynamic_smem,
-                                vector_loads=facts.get(r.kernel, (0, 0))[0],
-                                tensor_core_ops=facts.get(r.kernel, (0, 0))[1])
+                                vector_loads=facts.get(r.kernel, none).vector_loads,
+                                tensor_core_ops=facts.get(r.kernel, none).tensor_core_ops,
+                                cp_async=facts.get(r.kernel, none).cp_async,
+                                tile_smem_bytes=facts.get(r.kernel, none).tile_smem_bytes,
+                                tile_global_bytes=tile_global_bytes)
             for r in parse_ptxas_log(path.name, log.getvalue())]
-
-
-def ptx_facts(ptx: str) -> dict[str, tuple[int, int]]:
-    """kernel -> (16-byte global loads, tensor-core instructions) counted in its PTX body."""
-    parts = _PTX_ENTRY.split(ptx)
-    # split gives [prefix, name, body, name, body, ...]
-    return {parts[i]: (len(_VECTOR_LOAD.findall(parts[i + 1])),
-                       len(_TENSOR_CORE.findall(parts[i + 1])))
-            for i in range(1, len(parts) - 1, 2)}
 
 
 def parse_ptxas_log(source: str, log: str) -> list[KernelReport]:
@@ -185,7 +210,8 @@ def parse_ptxas_log(source: str, log: str) -> list[KernelReport]:
 
 def check_variants(chosen: list[Variant], archs: tuple[str, ...] = ARCHS) -> list[KernelReport]:
     reports = [r for v in chosen for arch in archs
-               for r in compile_source(KERNEL_DIR / v.source, arch, v.defines, v.dynamic_smem)]
+               for r in compile_source(KERNEL_DIR / v.source, arch, v.defines, v.dynamic_smem,
+                                       v.tile_global_bytes)]
     if not reports:
         raise RuntimeError(f"no kernels found under {KERNEL_DIR}")
     return reports
@@ -210,6 +236,20 @@ def problems(reports: list[KernelReport], chosen: list[Variant]) -> list[str]:
                 found.append(f"no 16-byte global loads: {where}")
         if r.kernel in TENSOR_CORE_KERNELS and r.tensor_core_ops == 0:
             found.append(f"no tensor-core instructions: {where}")
+        if r.kernel in REGISTER_TILE_KERNELS:
+            if r.cp_async == 0:
+                found.append(f"no cp.async staging: {where}")
+            if r.kernel == "paged_attention_prefill_mma":
+                per_64 = r.tile_smem_bytes * 64 // PREFILL_MMA_ROWS
+                if per_64 == 0 or per_64 > PREFILL_TILE_SMEM_LIMIT:
+                    found.append(f"shared-memory traffic per 64 x 64 tile: {where} moves "
+                                 f"{per_64} bytes (at most {PREFILL_TILE_SMEM_LIMIT}; 0 = no "
+                                 "tile loop found)")
+            elif r.tile_smem_bytes == 0 or \
+                    r.tile_smem_bytes > TILE_SMEM_RATIO * r.tile_global_bytes:
+                found.append(f"shared-memory traffic per key tile: {where} moves "
+                             f"{r.tile_smem_bytes} bytes for a tile of {r.tile_global_bytes} "
+                             f"(at most {TILE_SMEM_RATIO:g}x; 0 = no tile loop found)")
         if r.static_smem + r.dynamic_smem > SMEM_OPT_IN.get(r.arch, SMEM_OPT_IN["80"]):
             found.append(f"shared memory over the sm_{r.arch} limit: {where} needs "
                          f"{r.static_smem + r.dynamic_smem} bytes")
@@ -248,12 +288,13 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(dataclasses.asdict(r)))
     else:
         print(f"{'kernel':30} {'variant':70} {'arch':>5} {'regs':>5} {'spill':>6} {'smem':>7} "
-              f"{'v4 ld':>6} {'mma':>5}")
+              f"{'v4 ld':>6} {'mma':>5} {'cp.as':>5} {'tile smem/global':>17}")
         for r in reports:
             variant = r.variant.replace("KVC_", "")
+            tile = f"{r.tile_smem_bytes}/{r.tile_global_bytes}" if r.tile_global_bytes else "-"
             print(f"{r.kernel:30} {variant:70} sm_{r.arch:>2} {r.registers:5d} "
                   f"{r.spill_stores + r.spill_loads:6d} {r.static_smem + r.dynamic_smem:7d} "
-                  f"{r.vector_loads:6d} {r.tensor_core_ops:5d}")
+                  f"{r.vector_loads:6d} {r.tensor_core_ops:5d} {r.cp_async:5d} {tile:>17}")
     found = problems(reports, chosen)
     for line in found:
         print(line, file=sys.stderr)

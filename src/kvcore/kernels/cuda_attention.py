@@ -21,6 +21,12 @@ from kvcore.kernels.cuda_launch import (
     suffix_of,
     upload_seq_metadata,
 )
+from kvcore.kernels.cuda_occupancy import (
+    BLOCKS_PER_SM,
+    MAX_PARTITIONS,
+    blocks_per_sm,
+    decode_partitions,
+)
 
 _CTYPES = {"f32": "float", "f16": "__half", "bf16": "__nv_bfloat16", "fp8": "__nv_fp8_e4m3"}
 _PREFILL_THREADS = 128
@@ -28,9 +34,16 @@ DECODE_HEAD_DIMS = (16, 32, 64, 128, 256)  # head_dim values the decode kernel c
 PREFILL_TC_ROWS = 64  # query rows (positions x group) per tensor-core prefill block
 TC_DECODE_MIN_GROUP = 4  # decode groups from this size on run on tensor cores (16-bit only)
 MAX_GROUP = 32  # largest GQA group (query heads per KV head) the decode kernel compiles for
-MAX_PARTITIONS = 32  # cap of the split-KV partitions per sequence (and of the scratch width)
-MIN_PARTITION_TOKENS = 256  # a partition shorter than this costs more to merge than it saves
-BLOCKS_PER_SM = 4  # 4-warp decode blocks wanted per SM for one full wave
+DECODE_TC_KEYS = 64  # keys per staged tile of paged_attention_decode_tc.cu
+DECODE_TC_THREADS = 128
+# sm_90 registers per thread of paged_attention_decode_tc.cu by (head_dim, cache bytes): upper
+# bounds of what compile_check reports for groups up to 16 (a compile test holds them to it);
+# other head_dims count as the 255 maximum
+DECODE_TC_REGISTERS = {(64, 1): 120, (64, 2): 144, (128, 1): 168, (128, 2): 168,
+                       (256, 1): 255, (256, 2): 255}
+PREFILL_MMA_ROWS = 128  # query rows (positions x group) per register-tile prefill block
+PREFILL_MMA_THREADS = 256
+PREFILL_MMA_MAX_HEAD_DIM = 128  # larger head_dims keep paged_attention_prefill_tc.cu
 
 
 def decode_defines(head_dim: int, group: int, suffix: str, cache_suffix: str) -> tuple[str, ...]:
@@ -40,9 +53,10 @@ def decode_defines(head_dim: int, group: int, suffix: str, cache_suffix: str) ->
 
 
 def uses_tensor_core_decode(group: int, suffix: str) -> bool:
-    """Decode of groups of 4+ with fp16 / bf16 activations runs on the tensor-core kernel
-    (paged_attention_prefill_tc.cu in decode mode): one head per warp would repeat each K/V
-    conversion and score reduction per head and keep too few distinct bytes in flight."""
+    """Decode of groups of 4+ with fp16 / bf16 activations runs on tensor cores
+    (paged_attention_decode_tc.cu, or paged_attention_prefill_tc.cu in decode mode for block
+    sizes that are not powers of two): one head per warp would repeat each K/V conversion and
+    score reduction per head and keep too few distinct bytes in flight."""
     return group >= TC_DECODE_MIN_GROUP and suffix != "f32"
 
 
@@ -67,15 +81,32 @@ def decode_smem_bytes(group: int, head_dim: int) -> int:
     return 4 * warps * -(-group // head_warps) * (head_dim + 2)
 
 
-def decode_partitions(units: int, max_span_blocks: int, block_size: int, num_sms: int) -> int:
-    """Split-KV partitions per sequence: enough blocks for BLOCKS_PER_SM per SM over `units`
-    (decode sequences x KV heads), never partitions under MIN_PARTITION_TOKENS, at most
-    MAX_PARTITIONS (a CUDA graph sized from max_model_len keeps this cap)."""
-    if units < 1 or num_sms < 1:
-        raise ValueError(f"units and num_sms must be >= 1, got {units} and {num_sms}")
-    wanted = -(-BLOCKS_PER_SM * num_sms // units)
-    useful = max(1, (max_span_blocks * block_size) // MIN_PARTITION_TOKENS)
-    return max(1, min(wanted, useful, MAX_PARTITIONS))
+def decode_tc_blocks_per_sm(head_dim: int, cache_itemsize: int) -> int:
+    """paged_attention_decode_tc.cu's blocks per SM from its registers and kSmemBytes."""
+    registers = DECODE_TC_REGISTERS.get((head_dim, cache_itemsize), 255)
+    return blocks_per_sm(DECODE_TC_THREADS, registers,
+                         decode_tc_smem_bytes(head_dim, cache_itemsize))
+
+
+def uses_register_tile_decode(block_size: int) -> bool:
+    """paged_attention_decode_tc.cu (accumulators in registers, cp.async staging) reads the block
+    table with shifts: power-of-two block sizes; others keep the shared-memory tile kernel
+    (paged_attention_prefill_tc.cu in decode mode)."""
+    return block_size & (block_size - 1) == 0
+
+
+def decode_tc_smem_bytes(head_dim: int, cache_itemsize: int) -> int:
+    """paged_attention_decode_tc.cu's kSmemBytes: two buffers of 64-key K and V tiles (raw
+    cache rows padded by 16 bytes), reused after the last tile by the 4 warps' fp32 merge
+    records (16 rows of head_dim + 4)."""
+    stage = 2 * 2 * DECODE_TC_KEYS * (head_dim * cache_itemsize + 16)
+    merge = 4 * 16 * (head_dim + 4) * 4
+    return max(stage, merge)
+
+
+def prefill_mma_smem_bytes(head_dim: int, cache_itemsize: int) -> int:
+    """paged_attention_prefill_mma.cu's kSmemBytes: two buffers of 64-key K and V tiles."""
+    return 2 * 2 * DECODE_TC_KEYS * (head_dim * cache_itemsize + 16)
 
 
 def prefill_tc_defines(head_dim: int, suffix: str, cache_suffix: str) -> tuple[str, ...]:
@@ -178,11 +209,15 @@ def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: An
     metadata = (block_tables, context_lens, query_start_loc)
     scales = (np.float32(scale), np.float32(k_scale), np.float32(v_scale))
     launches: list[Launch] = []
+    register_tile = uses_tensor_core_decode(group, suffix) and \
+        uses_register_tile_decode(block_size)
     if decode_span > 0:
         span_blocks = -(-decode_span // block_size) + (1 if window else 0)  # window: +1 partial
         if num_partitions is None:
             units = (num_decode or num_seqs) * num_kv_heads
-            parts = decode_partitions(units, span_blocks, block_size, backend.num_sms)
+            resident = decode_tc_blocks_per_sm(head_dim, k_cache.dtype.itemsize) \
+                if register_tile else BLOCKS_PER_SM
+            parts = decode_partitions(units, span_blocks, block_size, backend.num_sms, resident)
         else:
             parts = num_partitions
         stats_shape = (num_seqs, num_heads, parts) if parts > 1 else (1,)
@@ -190,7 +225,18 @@ def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: An
         max_logits = xp.empty(stats_shape, np.float32)  # (S, H, P)
         exp_sums = xp.empty(stats_shape, np.float32)
         defines = decode_defines(head_dim, group, suffix, cache_suffix)
-        if uses_tensor_core_decode(group, suffix):
+        if register_tile:
+            # the group's query heads as the rows of mma.sync tiles, K/V staged asynchronously
+            tc_ints = (num_heads, num_kv_heads, block_size.bit_length() - 1, max_blocks, parts,
+                       window)
+            launches.append(Launch(
+                backend.function("paged_attention_decode_tc.cu", "paged_attention_decode_tc",
+                                 defines),
+                (num_kv_heads, num_seqs, parts), (DECODE_TC_THREADS,),
+                (out, tmp_out, max_logits, exp_sums, query, k_cache, v_cache, *metadata,
+                 *(np.int32(v) for v in tc_ints), *scales),
+                decode_tc_smem_bytes(head_dim, k_cache.dtype.itemsize)))
+        elif uses_tensor_core_decode(group, suffix):
             # the group's query heads as the rows of a tensor-core tile: K/V staged once per
             # block with every thread loading distinct bytes, no per-head conversions
             tc_ints = (num_heads, num_kv_heads, block_size, max_blocks, window, parts)
@@ -216,7 +262,18 @@ def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: An
                 (out, tmp_out, max_logits, exp_sums, query_start_loc,
                  *(np.int32(v) for v in (num_heads, head_dim, parts))),
                 4 * (parts + 1)))
-    if has_prefill and suffix != "f32":  # tensor cores: fp16 / bf16 activations
+    if has_prefill and suffix != "f32" and head_dim <= PREFILL_MMA_MAX_HEAD_DIM and \
+            uses_register_tile_decode(block_size):
+        # register tiles: 128 query rows per block, K/V staged asynchronously
+        mma_ints = (num_heads, num_kv_heads, block_size.bit_length() - 1, max_blocks, window)
+        launches.append(Launch(
+            backend.function("paged_attention_prefill_mma.cu", "paged_attention_prefill_mma",
+                             prefill_tc_defines(head_dim, suffix, cache_suffix)),
+            (num_kv_heads, num_seqs, -(-max_q_len // (PREFILL_MMA_ROWS // group))),
+            (PREFILL_MMA_THREADS,),
+            (out, query, k_cache, v_cache, *metadata, *(np.int32(v) for v in mma_ints), *scales),
+            prefill_mma_smem_bytes(head_dim, k_cache.dtype.itemsize)))
+    elif has_prefill and suffix != "f32":  # tensor cores: fp16 / bf16 activations
         unused = xp.empty((1,), np.float32)  # the decode-mode partial outputs
         tc_ints = (num_heads, num_kv_heads, block_size, max_blocks, window, 0)
         launches.append(Launch(

@@ -8,7 +8,6 @@ from typing import Any
 
 import numpy as np
 
-from kvcore.kernels.cuda_attention import MAX_PARTITIONS, decode_partitions
 from kvcore.kernels.cuda_launch import (
     Backend,
     Launch,
@@ -18,6 +17,7 @@ from kvcore.kernels.cuda_launch import (
     suffix_of,
     upload_seq_metadata,
 )
+from kvcore.kernels.cuda_occupancy import MAX_PARTITIONS, SM_SMEM_BYTES, decode_partitions
 
 _CTYPES = {"f16": "__half", "bf16": "__nv_bfloat16", "fp8": "__nv_fp8_e4m3"}
 MLA_THREADS = 128
@@ -104,8 +104,11 @@ def plan_mla_attention(backend: Backend, query: Any, cache: Any, block_tables: A
     if num_partitions is not None:
         parts = num_partitions
     elif decode_span > 0 and num_decode != 0:
+        # resident blocks per SM: shared memory bounds the MLA kernel (1 at 512 + 64)
+        resident = max(1, SM_SMEM_BYTES // (mla_smem_bytes(kv_lora_rank, rope_dim) + 1024))
         parts = decode_partitions((num_decode or num_seqs) * head_tiles,
-                                  -(-decode_span // block_size), block_size, backend.num_sms)
+                                  -(-decode_span // block_size), block_size, backend.num_sms,
+                                  resident)
     else:
         parts = 1
     stats_shape = (num_seqs, num_heads, parts) if parts > 1 else (1,)

@@ -16,7 +16,8 @@
 // rows cannot be scaled inside a fragment). Shared memory exceeds 48 KB at head_dim >= 64: the
 // launcher opts in. Sequences with a single query token are skipped.
 //
-// Decode mode (num_partitions >= 1, used for GQA groups of 4+): only one-token sequences, the
+// Decode mode (num_partitions >= 1, used for GQA groups of 4+ when the block size is not a power
+// of two; paged_attention_decode_tc.cu serves the others): only one-token sequences, the
 // grid's z is the split-KV partition (a run of whole KV blocks, as paged_attention_decode.cu
 // splits), the Q tile holds the group's heads; with up to 16 heads the four warps split each key
 // tile instead of the rows and merge their states at the end. With several partitions a block

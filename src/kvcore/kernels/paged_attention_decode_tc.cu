@@ -1,0 +1,322 @@
+// Paged attention for decode on tensor cores (fp16 / bf16 activations, GQA groups of 4 to 32):
+// one query token per sequence, the G query heads of a KV head as the rows of mma.sync tiles.
+//
+// One compiled variant per (head_dim, group, activation dtype, cache dtype): KVC_HEAD_DIM,
+// KVC_GROUP, KVC_SCALAR, KVC_CACHE are -D options. grid (num_kv_heads, num_seqs, num_partitions),
+// 128 threads (4 warps). A block owns one KV head of one sequence and one partition (a run of
+// whole KV blocks, split as paged_attention_decode.cu splits). The group's heads form kRB 16-row
+// blocks (padding rows are zero queries, never written out); warp w serves row block w % kRB and
+// the w / kRB-th slice of kKW keys of every 64-key tile.
+//
+// Everything a warp accumulates stays in registers across key tiles (PTX mma.sync m16n8k16,
+// fp32 accumulate, fragment layouts as ptx_ops.cuh states them): the Q fragments (loaded once),
+// S = Q K^T, P (S's accumulator registers are P's A fragments: no shared memory), and O.
+// The online softmax runs on the accumulators; the rescale of O is skipped when no row's running
+// max grew (a warp vote). K/V tiles are staged raw (fp8 stays 1 byte) by cp.async 16-byte copies
+// through the block table into two buffers, the next tile in flight while the current one is
+// computed; the copies zero-fill keys past the span (free slots may hold NaN). Shared rows are
+// padded by 16 bytes, so the fragment loads of 8 rows x 4 lanes hit 32 distinct banks. The block
+// table is read with shifts (block sizes are powers of two). Per 64-key tile a block moves
+// through shared memory the tile's bytes twice (cp.async in, fragments out) for groups up to 16
+// (two row blocks read K/V twice). At the end the key slices of a row block merge through shared
+// memory in a fixed order; with several partitions a block writes its normalized partial output,
+// max logit and exp-sum for paged_attention_reduce.
+#include "common.cuh"
+#include "mma_tile.cuh"  // mma.sync / cp.async through <ptx_ops.cuh> (the kernel dir is on the path)
+
+#ifndef KVC_HEAD_DIM
+#define KVC_HEAD_DIM 128
+#endif
+#ifndef KVC_GROUP
+#define KVC_GROUP 8
+#endif
+#ifndef KVC_SCALAR
+#define KVC_SCALAR __half
+#endif
+#ifndef KVC_CACHE
+#define KVC_CACHE __half
+#endif
+
+#define KVC_DECODE_TC_THREADS 128
+
+constexpr int kD = KVC_HEAD_DIM;
+constexpr int kG = KVC_GROUP;
+constexpr int kWarps = KVC_DECODE_TC_THREADS / KVC_WARP;
+constexpr int kRB = (kG + 15) / 16;          // 16-row blocks of query heads
+constexpr int kSlices = kWarps / kRB;        // warps sharing a row block: key slices
+constexpr int kKT = 64;                      // keys per staged tile
+constexpr int kKW = kKT / kSlices;           // keys per warp per tile (16 or 32)
+constexpr int kRowBytes = kD * (int)sizeof(KVC_CACHE);  // one KV head's row of the cache
+constexpr int kPitch = kRowBytes + 16;       // padded shared row: 8 rows start 4 banks apart
+constexpr int kChunks = kRowBytes / 16;      // 16-byte chunks per row
+// staging: a thread copies a run of kStageRun chunks of one row (one block-table read and one
+// address per run); runs of 8 at head_dim 256, where one address per chunk would spill
+constexpr int kStageRun = kD > 128 ? (kChunks < 8 ? kChunks : 8) : 1;
+constexpr int kTileBytes = kKT * kPitch;
+constexpr int kStageBytes = 2 * 2 * kTileBytes;  // (2 buffers) x (K, V)
+constexpr int kLdO = kD + 4;                 // merge record: o[kD], m, l, padding
+constexpr int kMergeBytes = kWarps * 16 * kLdO * 4;
+constexpr int kSmemBytes = kStageBytes > kMergeBytes ? kStageBytes : kMergeBytes;
+// resident blocks asked of ptxas: 3 (170 registers) up to head_dim 128, where O takes 64
+constexpr int kMinBlocks = kD > 128 ? 1 : 3;
+static_assert(kG >= 1 && kG <= 32, "group: 1 to 32 query heads per KV head");
+static_assert(kD >= 16 && kD <= 256 && (kD & (kD - 1)) == 0, "head_dim: power of two in [16, 256]");
+static_assert(kKW % 16 == 0, "a warp's key slice is whole 16-key mma steps");
+
+template <typename scalar_t, typename cache_t>
+__device__ void decode_tc_partition(
+    scalar_t* __restrict__ out,                 // (T, H, D)
+    float* __restrict__ tmp_out,                // (S, H, P, D), used when P > 1
+    float* __restrict__ max_logits,             // (S, H, P)
+    float* __restrict__ exp_sums,               // (S, H, P)
+    const scalar_t* __restrict__ query,         // (T, H, D)
+    const cache_t* __restrict__ k_cache,        // (num_blocks, block_size, Hkv, D)
+    const cache_t* __restrict__ v_cache,
+    const int* __restrict__ block_tables,       // (S, max_blocks)
+    const int* __restrict__ context_lens,       // (S,)
+    const int* __restrict__ query_start_loc,    // (S + 1,)
+    int num_heads, int num_kv_heads, int block_shift, int max_blocks, int num_partitions,
+    int sliding_window, float scale, float v_scale, unsigned char* smem) {
+  const int kvh = blockIdx.x, seq = blockIdx.y, part = blockIdx.z;
+  const int q_row = query_start_loc[seq];
+  if (query_start_loc[seq + 1] - q_row != 1) return;
+  const int ctx = context_lens[seq];
+  const int first = sliding_window > 0 ? max(0, ctx - sliding_window) : 0;
+  const int bs = 1 << block_shift;
+  const int kb_first = first >> block_shift, kb_end = (ctx + bs - 1) >> block_shift;
+  const int per_part = (kb_end - kb_first + num_partitions - 1) / num_partitions;
+  const int kb_lo = kb_first + part * per_part;
+  const int k_lo = max(first, kb_lo << block_shift);
+  const int k_hi = min(ctx, min(kb_end, kb_lo + per_part) << block_shift);
+  const int num_tiles = k_hi > k_lo ? (k_hi - k_lo + kKT - 1) / kKT : 0;
+
+  const int tid = threadIdx.x, lane = tid % KVC_WARP, warp = tid / KVC_WARP;
+  const int g = lane >> 2, t = lane & 3;       // the fragment coordinates of this lane
+  const int rb = warp % kRB, slice = warp / kRB;
+  const int key0 = slice * kKW;                // the warp's first key of every tile
+
+  // Q fragments of the warp's row block, once: rows rb * 16 + g and + 8 (zero past the group)
+  unsigned qf[kD / 16][4];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int gi = rb * 16 + g + 8 * r;
+    const unsigned* q32 = reinterpret_cast<const unsigned*>(
+        query + ((long long)q_row * num_heads + KVC_QHEAD(kvh, gi, kG, num_kv_heads)) * kD);
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      qf[kk][r] = gi < kG ? q32[kk * 8 + t] : 0u;
+      qf[kk][r + 2] = gi < kG ? q32[kk * 8 + t + 4] : 0u;
+    }
+  }
+  float o[kD / 8][4];
+#pragma unroll
+  for (int n = 0; n < kD / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+  float m[2] = {kvc_neg_inf(), kvc_neg_inf()}, l[2] = {0.0f, 0.0f};  // rows g, g + 8
+
+  const int* table = block_tables + (long long)seq * max_blocks;
+  const unsigned char* k_base = reinterpret_cast<const unsigned char*>(k_cache) +
+                                (long long)kvh * kRowBytes;
+  const unsigned char* v_base = reinterpret_cast<const unsigned char*>(v_cache) +
+                                (long long)kvh * kRowBytes;
+  const long long slot_bytes = (long long)num_kv_heads * kRowBytes;
+  auto stage = [&](int k0, int b) {  // keys [k0, k0 + kKT) into buffer b
+    stage_kv_tile<kKT, KVC_DECODE_TC_THREADS, kRowBytes, kPitch, kStageRun>(
+        smem + b * 2 * kTileBytes, smem + b * 2 * kTileBytes + kTileBytes, k_base, v_base,
+        slot_bytes, table, block_shift, k0, k_hi, tid);
+  };
+
+  if (num_tiles > 0) stage(k_lo, 0);
+  cp_async_commit();
+  for (int it = 0; it < num_tiles; ++it) {
+    if (it + 1 < num_tiles) stage(k_lo + (it + 1) * kKT, (it + 1) & 1);  // next tile in flight
+    cp_async_commit();
+#ifndef KVC_BREAK_WAIT  // the tests' mutant: the tile is read before its copies complete
+    cp_async_wait<1>();
+#endif
+    __syncthreads();  // every thread's copies of this tile have landed
+    const unsigned char* k_s = smem + (it & 1) * 2 * kTileBytes;
+    const unsigned char* v_s = k_s + kTileBytes;
+    const int tile0 = k_lo + it * kKT;
+
+    // S (16 rows x kKW keys) = Q K^T: K rows are B's columns, two elements per .b32
+    float s[kKW / 8][4];
+#pragma unroll
+    for (int j = 0; j < kKW / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+#pragma unroll
+      for (int j = 0; j < kKW / 8; ++j) {
+        const unsigned char* krow = k_s + (key0 + j * 8 + g) * kPitch;
+        const unsigned kf[2] = {pair_at<scalar_t>(krow, kk * 16 + 2 * t, k_cache),
+                                pair_at<scalar_t>(krow, kk * 16 + 2 * t + 8, k_cache)};
+        mma_m16n8k16<scalar_t>(s[j], qf[kk], kf);
+      }
+    }
+    // online softmax on the accumulators: element e of n-tile j is row g + 8 (e >> 1),
+    // key key0 + 8 j + 2 t + (e & 1); the 4 lanes of a row (t) reduce by shuffles
+    float mx[2] = {m[0], m[1]};
+#pragma unroll
+    for (int j = 0; j < kKW / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const bool valid = tile0 + key0 + j * 8 + 2 * t + (e & 1) < k_hi;
+        s[j][e] = valid ? s[j][e] * scale : kvc_neg_inf();
+        mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(KVC_FULL_MASK, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(KVC_FULL_MASK, mx[r], 2));
+    }
+    if (__any_sync(KVC_FULL_MASK, mx[0] != m[0] || mx[1] != m[1])) {  // some row's max grew
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float alpha = m[r] == kvc_neg_inf() ? 0.0f : __expf(m[r] - mx[r]);
+        l[r] *= alpha;
+#pragma unroll
+        for (int n = 0; n < kD / 8; ++n) {
+          o[n][2 * r] *= alpha;
+          o[n][2 * r + 1] *= alpha;
+        }
+        m[r] = mx[r];
+      }
+    }
+    // P as 16-bit A fragments straight from S's registers; l sums P as rounded for P V
+    unsigned pf[kKW / 16][4];
+#pragma unroll
+    for (int j = 0; j < kKW / 8; ++j) {
+      scalar_t p[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float mr = m[e >> 1];
+        p[e] = from_float<scalar_t>(s[j][e] == kvc_neg_inf() ? 0.0f : __expf(s[j][e] - mr));
+        l[e >> 1] += to_float(p[e]);
+      }
+      // n-tile 2 ks holds keys 0-7 of step ks (A columns 2t, 2t+1), 2 ks + 1 keys 8-15
+      pf[j / 2][2 * (j & 1)] = pack2(p[0], p[1]);      // row g
+      pf[j / 2][2 * (j & 1) + 1] = pack2(p[2], p[3]);  // row g + 8
+    }
+#ifdef KVC_BREAK_FRAGMENT  // the tests' mutant: rows g + 8 and keys 8-15 trade places
+    for (int ks = 0; ks < kKW / 16; ++ks) {
+      const unsigned swap = pf[ks][1];
+      pf[ks][1] = pf[ks][2];
+      pf[ks][2] = swap;
+    }
+#endif
+    // O (16 x D) += P V: B (keys x 8 columns) pairs the elements of rows 2t, 2t + 1
+#pragma unroll
+    for (int ks = 0; ks < kKW / 16; ++ks) {
+      const unsigned char* v0 = v_s + (key0 + ks * 16 + 2 * t) * kPitch;
+#pragma unroll
+      for (int n = 0; n < kD / 8; ++n) {
+        const int col = n * 8 + g;
+        const unsigned vf[2] = {
+            (unsigned)elem_at<scalar_t>(v0, col, v_cache) |
+                ((unsigned)elem_at<scalar_t>(v0 + kPitch, col, v_cache) << 16),
+            (unsigned)elem_at<scalar_t>(v0 + 8 * kPitch, col, v_cache) |
+                ((unsigned)elem_at<scalar_t>(v0 + 9 * kPitch, col, v_cache) << 16)};
+        mma_m16n8k16<scalar_t>(o[n], pf[ks], vf);
+      }
+    }
+#ifndef KVC_BREAK_SYNC  // the tests' mutant: a buffer is staged again while warps still read it
+    __syncthreads();
+#endif
+  }
+  cp_async_wait<0>();  // (nothing is left in flight: the last tile was waited for)
+  __syncthreads();     // the staging buffers become the merge records
+
+  // each row's sum over its 4 lanes, then the key slices of a row block merge in slice order
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(KVC_FULL_MASK, l[r], 1);
+    l[r] += __shfl_xor_sync(KVC_FULL_MASK, l[r], 2);
+  }
+  float* rec = reinterpret_cast<float*>(smem);  // (warps, 16 rows, kLdO)
+  if (slice > 0) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float* row = rec + (warp * 16 + g + 8 * r) * kLdO;
+#pragma unroll
+      for (int n = 0; n < kD / 8; ++n) {
+        row[n * 8 + 2 * t] = o[n][2 * r];
+        row[n * 8 + 2 * t + 1] = o[n][2 * r + 1];
+      }
+      if (t == 0) {
+        row[kD] = m[r];
+        row[kD + 1] = l[r];
+      }
+    }
+  }
+  __syncthreads();
+  if (slice > 0) return;  // no barrier follows
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = m[r];
+    for (int sl = 1; sl < kSlices; ++sl) {
+      mx = fmaxf(mx, rec[((rb + kRB * sl) * 16 + g + 8 * r) * kLdO + kD]);
+    }
+    const float a = m[r] == kvc_neg_inf() ? 0.0f : __expf(m[r] - mx);
+    l[r] *= a;
+#pragma unroll
+    for (int n = 0; n < kD / 8; ++n) {
+      o[n][2 * r] *= a;
+      o[n][2 * r + 1] *= a;
+    }
+    for (int sl = 1; sl < kSlices; ++sl) {
+      const float* row = rec + ((rb + kRB * sl) * 16 + g + 8 * r) * kLdO;
+      const float b = row[kD] == kvc_neg_inf() ? 0.0f : __expf(row[kD] - mx);
+      l[r] += b * row[kD + 1];
+#pragma unroll
+      for (int n = 0; n < kD / 8; ++n) {
+        o[n][2 * r] += b * row[n * 8 + 2 * t];
+        o[n][2 * r + 1] += b * row[n * 8 + 2 * t + 1];
+      }
+    }
+    m[r] = mx;
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int gi = rb * 16 + g + 8 * r;
+    if (gi >= kG) continue;
+    const int h = KVC_QHEAD(kvh, gi, kG, num_kv_heads);
+    // an empty partition (l = 0) writes zeros and a zero weight
+    const float inv = l[r] > 0.0f ? v_scale / l[r] : 0.0f;
+    if (num_partitions == 1) {
+      scalar_t* dst = out + ((long long)q_row * num_heads + h) * kD + 2 * t;
+#pragma unroll
+      for (int n = 0; n < kD / 8; ++n) {
+        dst[n * 8] = from_float<scalar_t>(o[n][2 * r] * inv);
+        dst[n * 8 + 1] = from_float<scalar_t>(o[n][2 * r + 1] * inv);
+      }
+    } else {
+      const long long idx = ((long long)seq * num_heads + h) * num_partitions + part;
+      float* dst = tmp_out + idx * kD + 2 * t;
+#pragma unroll
+      for (int n = 0; n < kD / 8; ++n) {
+        dst[n * 8] = o[n][2 * r] * inv;
+        dst[n * 8 + 1] = o[n][2 * r + 1] * inv;
+      }
+      if (t == 0) {
+        max_logits[idx] = m[r];
+        exp_sums[idx] = l[r];
+      }
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(KVC_DECODE_TC_THREADS, kMinBlocks) paged_attention_decode_tc(
+    KVC_SCALAR* out, float* tmp_out, float* max_logits, float* exp_sums, const KVC_SCALAR* query,
+    const KVC_CACHE* k_cache, const KVC_CACHE* v_cache, const int* block_tables,
+    const int* context_lens, const int* query_start_loc, int num_heads, int num_kv_heads,
+    int block_shift, int max_blocks, int num_partitions, int sliding_window, float scale,
+    float k_scale, float v_scale) {
+  extern __shared__ __align__(128) unsigned char kvc_dtc_smem[];
+  decode_tc_partition<KVC_SCALAR, KVC_CACHE>(out, tmp_out, max_logits, exp_sums, query, k_cache,
+                                             v_cache, block_tables, context_lens,
+                                             query_start_loc, num_heads, num_kv_heads,
+                                             block_shift, max_blocks, num_partitions,
+                                             sliding_window, scale * k_scale, v_scale,
+                                             kvc_dtc_smem);
+}

@@ -1,0 +1,231 @@
+// Paged attention for prefill chunks with register tiles (fp16 / bf16 activations, head_dim up
+// to 128, power-of-two block sizes), FlashAttention-2 style: a chunk's queries against the cached
+// prefix and causally within the chunk, honouring a sliding window.
+//
+// One compiled variant per (head_dim, activation dtype, cache dtype): KVC_HEAD_DIM, KVC_SCALAR,
+// KVC_CACHE are -D options. grid (num_kv_heads, num_seqs, query tiles), 256 threads (8 warps).
+// A block's Q tile has 128 rows: 128 / G query positions times the G query heads of one KV head
+// (row r = position r / G, head r % G), so the group shares every K/V tile. Warp w owns rows
+// 16w..16w+15 and keeps in registers, across all key tiles: its Q fragments (loaded once), S for
+// the 64 keys of a tile, P (S's accumulators are P's A fragments) and O (fp32), with the online
+// softmax on the accumulators (the rescale of O skipped when no row's max grew: a warp vote).
+// K/V tiles of 64 keys are staged raw (fp8 dequantized in the fragment loads) by cp.async into
+// two buffers through the block table (mma_tile.cuh), the next tile in flight while the current
+// one is computed; the copies zero-fill keys past the span. A warp skips the tiles wholly after
+// its last query position (causal). Sequences with a single query token are left to decode.
+#include "common.cuh"
+#include "mma_tile.cuh"  // mma.sync / cp.async through <ptx_ops.cuh> (the kernel dir is on the path)
+
+#ifndef KVC_HEAD_DIM
+#define KVC_HEAD_DIM 128
+#endif
+#ifndef KVC_SCALAR
+#define KVC_SCALAR __half
+#endif
+#ifndef KVC_CACHE
+#define KVC_CACHE __half
+#endif
+
+#define KVC_PREFILL_MMA_THREADS 256
+
+constexpr int kD = KVC_HEAD_DIM;
+constexpr int kRows = KVC_PREFILL_MMA_THREADS / KVC_WARP * 16;  // query rows per block (128)
+constexpr int kKT = 64;                                           // keys per staged tile
+constexpr int kRowBytes = kD * (int)sizeof(KVC_CACHE);
+constexpr int kPitch = kRowBytes + 16;  // padded shared row: 8 rows start 4 banks apart
+constexpr int kTileBytes = kKT * kPitch;
+constexpr int kSmemBytes = 2 * 2 * kTileBytes;  // (2 buffers) x (K, V)
+static_assert(kD >= 16 && kD <= 128 && (kD & (kD - 1)) == 0, "head_dim: power of two, 16-128");
+
+template <typename scalar_t, typename cache_t>
+__device__ void prefill_mma_tile(
+    scalar_t* __restrict__ out,                // (T, H, D)
+    const scalar_t* __restrict__ query,        // (T, H, D)
+    const cache_t* __restrict__ k_cache,       // (num_blocks, block_size, Hkv, D)
+    const cache_t* __restrict__ v_cache,
+    const int* __restrict__ block_tables,      // (S, max_blocks)
+    const int* __restrict__ context_lens,      // (S,)
+    const int* __restrict__ query_start_loc,   // (S + 1,)
+    int num_heads, int num_kv_heads, int block_shift, int max_blocks, int sliding_window,
+    float scale, float v_scale, unsigned char* smem) {
+  const int kvh = blockIdx.x, seq = blockIdx.y;
+  const int G = num_heads / num_kv_heads, positions = kRows / G;  // query positions per tile
+  const int q_start = query_start_loc[seq];
+  const int q_len = query_start_loc[seq + 1] - q_start;
+  const int i0 = blockIdx.z * positions;
+  if (q_len <= 1 || i0 >= q_len) return;
+  const int nq = min(positions, q_len - i0);
+  const int rows = nq * G;
+  const int ctx = context_lens[seq];
+  const int pos0 = ctx - q_len + i0;  // position of the tile's first query
+  const int k_begin = sliding_window > 0 ? max(0, pos0 - sliding_window + 1) : 0;
+  const int k_end = pos0 + nq;  // the last query sees keys up to its own position
+  const int num_tiles = (k_end - k_begin + kKT - 1) / kKT;
+
+  const int tid = threadIdx.x, lane = tid % KVC_WARP, warp = tid / KVC_WARP;
+  const int g = lane >> 2, t = lane & 3;  // the fragment coordinates of this lane
+  // this lane's rows 16 w + g and + 8: their query positions (rows past `rows` see nothing)
+  int q_pos[2];
+  bool row_valid[2];
+  unsigned qf[kD / 16][4];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = warp * 16 + g + 8 * r;
+    row_valid[r] = row < rows;
+    q_pos[r] = pos0 + row / G;
+    const unsigned* q32 = reinterpret_cast<const unsigned*>(
+        query + ((long long)(q_start + i0 + row / G) * num_heads +
+                 KVC_QHEAD(kvh, row % G, G, num_kv_heads)) * kD);
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      qf[kk][r] = row_valid[r] ? q32[kk * 8 + t] : 0u;
+      qf[kk][r + 2] = row_valid[r] ? q32[kk * 8 + t + 4] : 0u;
+    }
+  }
+  // the warp's last query position: tiles starting after it are masked for all its rows
+  const int warp_last = warp * 16 < rows ? pos0 + (min(rows, warp * 16 + 16) - 1) / G : -1;
+  float o[kD / 8][4];
+#pragma unroll
+  for (int n = 0; n < kD / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+  float m[2] = {kvc_neg_inf(), kvc_neg_inf()}, l[2] = {0.0f, 0.0f};
+
+  const int* table = block_tables + (long long)seq * max_blocks;
+  const unsigned char* k_base = reinterpret_cast<const unsigned char*>(k_cache) +
+                                (long long)kvh * kRowBytes;
+  const unsigned char* v_base = reinterpret_cast<const unsigned char*>(v_cache) +
+                                (long long)kvh * kRowBytes;
+  const long long slot_bytes = (long long)num_kv_heads * kRowBytes;
+  auto stage = [&](int k0, int b) {  // keys [k0, k0 + kKT) into buffer b
+    stage_kv_tile<kKT, KVC_PREFILL_MMA_THREADS, kRowBytes, kPitch, 1>(
+        smem + b * 2 * kTileBytes, smem + b * 2 * kTileBytes + kTileBytes, k_base, v_base,
+        slot_bytes, table, block_shift, k0, k_end, tid);
+  };
+
+  stage(k_begin, 0);
+  cp_async_commit();
+  for (int it = 0; it < num_tiles; ++it) {
+    if (it + 1 < num_tiles) stage(k_begin + (it + 1) * kKT, (it + 1) & 1);
+    cp_async_commit();
+#ifndef KVC_BREAK_WAIT  // the tests' mutant: the tile is read before its copies complete
+    cp_async_wait<1>();
+#endif
+    __syncthreads();  // every thread's copies of this tile have landed
+    const int tile0 = k_begin + it * kKT;
+    if (tile0 <= warp_last) {  // warp-uniform: no collective is skipped by part of a warp
+      const unsigned char* k_s = smem + (it & 1) * 2 * kTileBytes;
+      const unsigned char* v_s = k_s + kTileBytes;
+      float s[kKT / 8][4];  // S (16 rows x 64 keys)
+#pragma unroll
+      for (int j = 0; j < kKT / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk) {
+#pragma unroll
+        for (int j = 0; j < kKT / 8; ++j) {
+          const unsigned char* krow = k_s + (j * 8 + g) * kPitch;
+          const unsigned kf[2] = {pair_at<scalar_t>(krow, kk * 16 + 2 * t, k_cache),
+                                  pair_at<scalar_t>(krow, kk * 16 + 2 * t + 8, k_cache)};
+          mma_m16n8k16<scalar_t>(s[j], qf[kk], kf);
+        }
+      }
+      // scale and mask (span, causal, window); element e: row g + 8 (e >> 1), key 2t + (e & 1)
+      float mx[2] = {m[0], m[1]};
+#pragma unroll
+      for (int j = 0; j < kKT / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = e >> 1, k_pos = tile0 + j * 8 + 2 * t + (e & 1);
+          const bool allowed = row_valid[r] && k_pos < k_end && k_pos <= q_pos[r] &&
+                               (sliding_window <= 0 || k_pos > q_pos[r] - sliding_window);
+          s[j][e] = allowed ? s[j][e] * scale : kvc_neg_inf();
+          mx[r] = fmaxf(mx[r], s[j][e]);
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(KVC_FULL_MASK, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(KVC_FULL_MASK, mx[r], 2));
+      }
+      if (__any_sync(KVC_FULL_MASK, mx[0] != m[0] || mx[1] != m[1])) {  // a row's max grew
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const float alpha = m[r] == kvc_neg_inf() ? 0.0f : __expf(m[r] - mx[r]);
+          l[r] *= alpha;
+#pragma unroll
+          for (int n = 0; n < kD / 8; ++n) {
+            o[n][2 * r] *= alpha;
+            o[n][2 * r + 1] *= alpha;
+          }
+          m[r] = mx[r];
+        }
+      }
+      unsigned pf[kKT / 16][4];  // P as A fragments; l sums P as rounded for P V
+#pragma unroll
+      for (int j = 0; j < kKT / 8; ++j) {
+        scalar_t p[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          p[e] = from_float<scalar_t>(s[j][e] == kvc_neg_inf() ? 0.0f
+                                                               : __expf(s[j][e] - m[e >> 1]));
+          l[e >> 1] += to_float(p[e]);
+        }
+        pf[j / 2][2 * (j & 1)] = pack2(p[0], p[1]);      // row g
+        pf[j / 2][2 * (j & 1) + 1] = pack2(p[2], p[3]);  // row g + 8
+      }
+#ifdef KVC_BREAK_FRAGMENT  // the tests' mutant: rows g + 8 and keys 8-15 trade places
+      for (int ks = 0; ks < kKT / 16; ++ks) {
+        const unsigned swap = pf[ks][1];
+        pf[ks][1] = pf[ks][2];
+        pf[ks][2] = swap;
+      }
+#endif
+#pragma unroll
+      for (int ks = 0; ks < kKT / 16; ++ks) {  // O (16 x D) += P V
+        const unsigned char* v0 = v_s + (ks * 16 + 2 * t) * kPitch;
+#pragma unroll
+        for (int n = 0; n < kD / 8; ++n) {
+          const int col = n * 8 + g;
+          const unsigned vf[2] = {
+              (unsigned)elem_at<scalar_t>(v0, col, v_cache) |
+                  ((unsigned)elem_at<scalar_t>(v0 + kPitch, col, v_cache) << 16),
+              (unsigned)elem_at<scalar_t>(v0 + 8 * kPitch, col, v_cache) |
+                  ((unsigned)elem_at<scalar_t>(v0 + 9 * kPitch, col, v_cache) << 16)};
+          mma_m16n8k16<scalar_t>(o[n], pf[ks], vf);
+        }
+      }
+    }
+#ifndef KVC_BREAK_SYNC  // the tests' mutant: a buffer is staged again while warps still read it
+    __syncthreads();
+#endif
+  }
+  cp_async_wait<0>();  // (nothing is left in flight: the last tile was waited for)
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(KVC_FULL_MASK, l[r], 1);
+    l[r] += __shfl_xor_sync(KVC_FULL_MASK, l[r], 2);
+    if (!row_valid[r]) continue;
+    const int row = warp * 16 + g + 8 * r;
+    const int h = KVC_QHEAD(kvh, row % G, G, num_kv_heads);
+    const float inv = l[r] > 0.0f ? v_scale / l[r] : 0.0f;
+    scalar_t* dst = out + ((long long)(q_start + i0 + row / G) * num_heads + h) * kD + 2 * t;
+#pragma unroll
+    for (int n = 0; n < kD / 8; ++n) {
+      dst[n * 8] = from_float<scalar_t>(o[n][2 * r] * inv);
+      dst[n * 8 + 1] = from_float<scalar_t>(o[n][2 * r + 1] * inv);
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(KVC_PREFILL_MMA_THREADS, 1)
+    paged_attention_prefill_mma(KVC_SCALAR* out, const KVC_SCALAR* query,
+                                const KVC_CACHE* k_cache, const KVC_CACHE* v_cache,
+                                const int* block_tables, const int* context_lens,
+                                const int* query_start_loc, int num_heads, int num_kv_heads,
+                                int block_shift, int max_blocks, int sliding_window, float scale,
+                                float k_scale, float v_scale) {
+  extern __shared__ __align__(128) unsigned char kvc_pm_smem[];
+  prefill_mma_tile<KVC_SCALAR, KVC_CACHE>(out, query, k_cache, v_cache, block_tables,
+                                          context_lens, query_start_loc, num_heads, num_kv_heads,
+                                          block_shift, max_blocks, sliding_window,
+                                          scale * k_scale, v_scale, kvc_pm_smem);
+}
