@@ -182,3 +182,39 @@ def test_compile_is_bounded_and_cached(engine: Engine) -> None:
     for pattern in ("a+", "b+", "a+", "c+"):
         compiler.matcher(Constraint("regex", pattern))
     assert [spec for _, spec in compiler._cache] == ["a+", "c+"]
+
+
+def test_constrained_rows_do_not_speculate_and_outputs_stay(tiny_model_dir: Path) -> None:
+    """Speculation on: constrained rows never draft (their mask follows accepted tokens only),
+    plain rows in the same batch still do, and every output equals speculation off."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+             "prompt_lookup_min": 1}
+    spec = make_engine(tiny_model_dir, speculative_config=ngram)
+    drafted: list[int] = []
+    real = spec.scheduler.schedule
+
+    def schedule(drafts: Any = None) -> Any:
+        out = real(drafts)
+        for item in out.scheduled:
+            if item.num_draft_tokens:
+                seq = spec.scheduler.seqs[item.seq_id]
+                assert isinstance(seq.params, SamplingParams)
+                assert seq.params.constraint is None, item.seq_id
+                drafted.append(item.num_draft_tokens)
+        return out
+    spec.scheduler.schedule = schedule  # type: ignore[method-assign]
+    schema = SCHEMAS[0][1]
+    params = [SamplingParams(max_tokens=20, temperature=0.0, seed=1,
+                             constraint=Constraint("regex", r"[a-f]{2,5}-[0-9]{3}")),
+              _schema_params(schema, spec.tokenizer, temperature=0.7, seed=3),
+              SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=0.5, seed=9, ignore_eos=True)]
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]] * len(params)  # repetitive: drafts exist
+    on = run_all(spec, prompts, params)
+    off = run_all(make_engine(tiny_model_dir), prompts, params)
+    assert [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in on] == \
+        [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in off]
+    assert re.fullmatch(r"[a-f]{2,5}-[0-9]{3}", on[0].outputs[0].text)
+    _assert_valid(schema, on[1].outputs[0].text, on[1].outputs[0].finish_reason)
+    assert drafted  # the plain rows did speculate
+    assert_pool_empty(spec)
