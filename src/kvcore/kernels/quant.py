@@ -1,0 +1,226 @@
+"""Quantized weights kept in memory (int8 per output channel; q4 / q8 in blocks of 32, as GGUF's
+Q4_0 / Q4_1 / Q8_0) and their linear layer: activations quantized per row on the fly, then the
+compiled integer kernels of quant_numba, split over the kernel threads.
+
+The instruction set is chosen once, at import, from the CPU's features (AVX-512 VNNI, else
+AVX2) and logged; a CPU with neither cannot run the quantized formats (QuantizationError).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import partial
+
+import numpy as np
+import structlog
+
+from kvcore.kernels import quant_numba
+from kvcore.kernels.parallel import run_parallel, split
+from kvcore.kernels.quant_simd import BLOCK
+
+log = structlog.get_logger("kvcore.kernels")
+
+ISA_VNNI = np.zeros(0, np.uint16)  # the kernels' `isa` argument: its dtype picks the path
+ISA_AVX2 = np.zeros(0, np.uint8)
+ISA_NAMES: dict[str, np.ndarray] = {"avx512_vnni": ISA_VNNI, "avx2": ISA_AVX2}
+FORMATS = ("int8", "q4", "q8")
+
+
+class QuantizationError(ValueError):
+    """A quantized format this CPU or this tensor cannot use."""
+
+
+def cpu_isas() -> list[str]:
+    """The integer dot-product paths the CPU has, best first."""
+    from llvmlite import binding
+
+    features = binding.get_host_cpu_features()
+    return [name for name, wanted in (("avx512_vnni", ("avx512vnni", "avx512bw")),
+                                      ("avx2", ("avx2",)))
+            if all(features.get(f, False) for f in wanted)]
+
+
+def cpu_isa() -> str | None:
+    """The best integer dot-product path the CPU has: 'avx512_vnni', 'avx2' or None.
+    $KVCORE_QUANT_ISA=avx2 forces the fallback (a path the CPU lacks is never taken)."""
+    found = cpu_isas()
+    forced = os.environ.get("KVCORE_QUANT_ISA")
+    if forced:
+        if forced not in ISA_NAMES:
+            raise QuantizationError(f"KVCORE_QUANT_ISA must be one of {', '.join(ISA_NAMES)}, "
+                                    f"got {forced!r}")
+        if forced not in found:
+            raise QuantizationError(f"KVCORE_QUANT_ISA={forced}: this CPU lacks it")
+        return forced
+    return found[0] if found else None
+
+
+ISA = cpu_isa()
+AVAILABLE_ISAS = cpu_isas()
+log.info("quantized kernels", isa=ISA or "none (quantized formats unavailable)")
+
+
+def _padded(size: int, multiple: int) -> int:
+    return -(-size // multiple) * multiple
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedWeight:
+    """An (out_features, in_features) weight in a quantized format, rows padded to TILE and
+    columns to PAD_K with zeros (the kernels have no tails).
+
+    int8: q int8 (Np, Kp), scales (Np,) one per output row. q4: q uint8 (Np, Kp / 2) nibbles
+    in GGUF's order (byte j of a block: weight j low, j + 16 high), scales and mins (Np,
+    Kp / 32) with weight = nibble x scale + min. q8: q int8 (Np, Kp), scales (Np, Kp / 32)."""
+
+    format: str
+    shape: tuple[int, int]  # (out_features, in_features), unpadded
+    q: np.ndarray
+    scales: np.ndarray
+    mins: np.ndarray | None = None  # q4 only
+    corrections: np.ndarray | None = None  # 128 x each row's weighted sum (the VNNI offset)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in (self.q, self.scales, self.mins) if x is not None)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(np.float32)  # what a product with it returns
+
+
+def _with_corrections(weight: QuantizedWeight) -> QuantizedWeight:
+    """The VNNI path sums (a + 128) q: keep 128 x sum(scale-free int8 q) per row (int8) or
+    128 x sum(d q) (q8) to subtract; q4's nibbles are already unsigned."""
+    if weight.format == "int8":
+        corr: np.ndarray | None = 128 * weight.q.astype(np.int64).sum(axis=1)
+    elif weight.format == "q8":
+        blocks = weight.q.reshape(weight.q.shape[0], -1, BLOCK).astype(np.float64).sum(axis=2)
+        corr = (128 * (blocks * weight.scales).sum(axis=1)).astype(np.float32)
+    else:
+        corr = None
+    return QuantizedWeight(weight.format, weight.shape, weight.q, weight.scales, weight.mins,
+                           corr)
+
+
+def _pad(array: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    out = np.zeros((rows, cols), array.dtype)
+    out[:array.shape[0], :array.shape[1]] = array
+    return out
+
+
+def quantize_int8(w: np.ndarray) -> QuantizedWeight:
+    """(N, K) float -> int8, symmetric per output row: q = rint(w / s), s = max|w| / 127."""
+    n, k = w.shape
+    w64 = np.asarray(w, np.float64)
+    scales = np.abs(w64).max(axis=1) / 127.0
+    safe = np.where(scales > 0, scales, 1.0)
+    q = np.rint(w64 / safe[:, None]).astype(np.int8)
+    np_, kp = _padded(n, quant_numba.TILE), _padded(k, quant_numba.PAD_K)
+    return _with_corrections(QuantizedWeight(
+        "int8", (n, k), _pad(q, np_, kp), _pad(scales[:, None].astype(np.float32), np_, 1)[:, 0]))
+
+
+def _blocked(w: np.ndarray) -> tuple[np.ndarray, int, int]:
+    """(N, K) -> (Np, Kp / 32, 32) float64, zero-padded."""
+    n, k = w.shape
+    np_, kp = _padded(n, quant_numba.TILE), _padded(k, quant_numba.PAD_K)
+    return _pad(np.asarray(w, np.float64), np_, kp).reshape(np_, kp // BLOCK, BLOCK), n, k
+
+
+def quantize_q4(w: np.ndarray) -> QuantizedWeight:
+    """(N, K) float -> q4 with a min per block (GGUF's Q4_1 rule: d = (max - min) / 15,
+    nibble = rint((w - min) / d))."""
+    blocks, n, k = _blocked(w)
+    low, high = blocks.min(axis=2), blocks.max(axis=2)
+    d = (high - low) / 15.0
+    safe = np.where(d > 0, d, 1.0)
+    nibbles = np.clip(np.rint((blocks - low[..., None]) / safe[..., None]), 0, 15).astype(np.uint8)
+    return pack_q4(nibbles, d.astype(np.float32), low.astype(np.float32), (n, k))
+
+
+def pack_q4(nibbles: np.ndarray, d: np.ndarray, mins: np.ndarray,
+            shape: tuple[int, int]) -> QuantizedWeight:
+    """(Np, B, 32) nibble values 0..15 and (Np, B) scales / mins -> q4 in GGUF byte order."""
+    packed = nibbles[..., :16] | (nibbles[..., 16:] << 4)  # (Np, B, 16)
+    return QuantizedWeight("q4", shape, packed.reshape(nibbles.shape[0], -1), d, mins)
+
+
+def quantize_q8(w: np.ndarray) -> QuantizedWeight:
+    """(N, K) float -> q8 blocks (GGUF's Q8_0 rule: d = max|w| / 127, q = rint(w / d))."""
+    blocks, n, k = _blocked(w)
+    d = np.abs(blocks).max(axis=2) / 127.0
+    safe = np.where(d > 0, d, 1.0)
+    q = np.rint(blocks / safe[..., None]).astype(np.int8)
+    return _with_corrections(QuantizedWeight("q8", (n, k), q.reshape(q.shape[0], -1),
+                                             d.astype(np.float32)))
+
+
+QUANTIZERS = {"int8": quantize_int8, "q4": quantize_q4, "q8": quantize_q8}
+
+
+def dequantize_rows(weight: QuantizedWeight, rows: np.ndarray) -> np.ndarray:
+    """weight[rows] as float32 (len(rows), in_features): the embedding's gather."""
+    n, k = weight.shape
+    q = weight.q[rows]
+    if weight.format == "int8":
+        return (q[:, :k] * weight.scales[rows][:, None]).astype(np.float32)
+    if weight.format == "q4":
+        packed = q.reshape(len(rows), -1, 16)
+        values = np.concatenate((packed & 15, packed >> 4), axis=2).astype(np.float32)
+        out = values * weight.scales[rows][..., None]
+        assert weight.mins is not None
+        out += weight.mins[rows][..., None]
+    else:
+        out = q.reshape(len(rows), -1, BLOCK).astype(np.float32) * weight.scales[rows][..., None]
+    return np.ascontiguousarray(out.reshape(len(rows), -1)[:, :k], dtype=np.float32)
+
+
+def dequantize(weight: QuantizedWeight) -> np.ndarray:
+    """The whole (out_features, in_features) weight as float32."""
+    return dequantize_rows(weight, np.arange(weight.shape[0]))
+
+
+_NO_FLOATS = np.zeros(1, np.float32)
+
+
+def linear(x: np.ndarray, weight: QuantizedWeight, isa: str | None = None) -> np.ndarray:
+    """x (T, in_features) float32 @ weight.T -> (T, out_features) float32, x quantized per row
+    to int8 (symmetric). isa: the path to run (default: the CPU's best, chosen at import)."""
+    isa = isa or ISA
+    if isa is None:
+        raise QuantizationError("quantized weights need a CPU with AVX2 or AVX-512 VNNI")
+    if isa not in AVAILABLE_ISAS:  # running it would fault on an illegal instruction
+        raise QuantizationError(f"isa {isa!r}: this CPU has only {AVAILABLE_ISAS}")
+    n, k = weight.shape
+    if x.ndim != 2 or x.shape[1] != k:
+        raise ValueError(f"x must have shape (T, {k}), got {x.shape}")
+    tag = ISA_NAMES[isa]
+    vnni = tag is ISA_VNNI
+    rows = x.shape[0]
+    kp = _padded(k, quant_numba.PAD_K)
+    a = np.empty((rows, kp), np.int8)  # (T, Kp)
+    a_scales = np.empty(rows, np.float32)
+    block_sums = np.empty((rows, kp // BLOCK), np.float32)
+    quant_numba.quantize_rows(np.ascontiguousarray(x, dtype=np.float32), a, a_scales, block_sums,
+                              vnni and weight.format == "q4")
+    out = np.empty((rows, n), np.float32)  # (T, out_features)
+    if rows == 0:
+        return out
+    num_tiles = weight.q.shape[0] // quant_numba.TILE
+    no_corrections = np.zeros(weight.q.shape[0], np.int64 if weight.format == "int8"
+                              else np.float32)
+    corr = weight.corrections if vnni and weight.corrections is not None else no_corrections
+    if weight.format == "int8":
+        kernel = partial(quant_numba.int8_rows, tag, a, a_scales, weight.q.reshape(-1),
+                         weight.scales, corr, out)
+    else:
+        mins = weight.mins if weight.mins is not None else _NO_FLOATS.reshape(1, 1)
+        kernel = partial(quant_numba.block_rows, tag, a, a_scales, block_sums,
+                         weight.q.reshape(-1), weight.scales, mins, weight.mins is not None,
+                         corr, out)
+    tile = quant_numba.TILE
+    run_parallel(lambda part: kernel(part.start * tile, part.stop * tile),
+                 split(num_tiles, 1))
+    return out
