@@ -61,7 +61,7 @@ AVAILABLE_ISAS = cpu_isas()
 log.info("quantized kernels", isa=ISA or "none (quantized formats unavailable)")
 
 
-def _padded(size: int, multiple: int) -> int:
+def padded(size: int, multiple: int) -> int:
     return -(-size // multiple) * multiple
 
 
@@ -70,16 +70,18 @@ class QuantizedWeight:
     """An (out_features, in_features) weight in a quantized format, rows padded to TILE and
     columns to PAD_K with zeros (the kernels have no tails).
 
-    int8: q int8 (Np, Kp), scales (Np,) one per output row. q4: q uint8 (Np, Kp / 2) nibbles
-    in GGUF's order (byte j of a block: weight j low, j + 16 high), scales and mins (Np,
-    Kp / 32) with weight = nibble x scale + min. q8: q int8 (Np, Kp), scales (Np, Kp / 32)."""
+    int8: q int8 (Np, Kp), scales (Np, 2) one per output row (twice: the kernel's pair read).
+    q4: q uint8 (Np, Kp / 2) nibbles in GGUF's order (byte j of a block: weight j low, j + 16
+    high), scales and mins (Np, Kp / 32) with weight = nibble x scale + min. q8: q int8 (Np,
+    Kp), scales (Np, Kp / 32)."""
 
     format: str
     shape: tuple[int, int]  # (out_features, in_features), unpadded
     q: np.ndarray
     scales: np.ndarray
     mins: np.ndarray | None = None  # q4 only
-    corrections: np.ndarray | None = None  # 128 x each row's weighted sum (the VNNI offset)
+    # int8 / q8: -128 x each block's scaled sum (Np, Kp / 32): undoes VNNI's a + 128
+    offsets: np.ndarray | None = None
 
     @property
     def nbytes(self) -> int:
@@ -90,18 +92,16 @@ class QuantizedWeight:
         return np.dtype(np.float32)  # what a product with it returns
 
 
-def _with_corrections(weight: QuantizedWeight) -> QuantizedWeight:
-    """The VNNI path sums (a + 128) q: keep 128 x sum(scale-free int8 q) per row (int8) or
-    128 x sum(d q) (q8) to subtract; q4's nibbles are already unsigned."""
-    if weight.format == "int8":
-        corr: np.ndarray | None = 128 * weight.q.astype(np.int64).sum(axis=1)
-    elif weight.format == "q8":
-        blocks = weight.q.reshape(weight.q.shape[0], -1, BLOCK).astype(np.float64).sum(axis=2)
-        corr = (128 * (blocks * weight.scales).sum(axis=1)).astype(np.float32)
-    else:
-        corr = None
+def with_corrections(weight: QuantizedWeight) -> QuantizedWeight:
+    """The VNNI path sums (a + 128) q for signed q (int8, q8): keep -128 x each block's
+    d x sum(q) to add back (times the activation block's scale); q4's nibbles are unsigned."""
+    offsets = None
+    if weight.format != "q4":
+        sums = weight.q.reshape(weight.q.shape[0], -1, BLOCK).astype(np.float64).sum(axis=2)
+        d = weight.scales[:, :1] if weight.format == "int8" else weight.scales
+        offsets = (-128 * sums * d).astype(np.float32)
     return QuantizedWeight(weight.format, weight.shape, weight.q, weight.scales, weight.mins,
-                           corr)
+                           offsets)
 
 
 def _pad(array: np.ndarray, rows: int, cols: int) -> np.ndarray:
@@ -117,15 +117,15 @@ def quantize_int8(w: np.ndarray) -> QuantizedWeight:
     scales = np.abs(w64).max(axis=1) / 127.0
     safe = np.where(scales > 0, scales, 1.0)
     q = np.rint(w64 / safe[:, None]).astype(np.int8)
-    np_, kp = _padded(n, quant_numba.TILE), _padded(k, quant_numba.PAD_K)
-    return _with_corrections(QuantizedWeight(
-        "int8", (n, k), _pad(q, np_, kp), _pad(scales[:, None].astype(np.float32), np_, 1)[:, 0]))
+    np_, kp = padded(n, quant_numba.TILE), padded(k, quant_numba.PAD_K)
+    pair = np.repeat(scales[:, None], 2, axis=1).astype(np.float32)  # (N, 2)
+    return with_corrections(QuantizedWeight("int8", (n, k), _pad(q, np_, kp), _pad(pair, np_, 2)))
 
 
 def _blocked(w: np.ndarray) -> tuple[np.ndarray, int, int]:
     """(N, K) -> (Np, Kp / 32, 32) float64, zero-padded."""
     n, k = w.shape
-    np_, kp = _padded(n, quant_numba.TILE), _padded(k, quant_numba.PAD_K)
+    np_, kp = padded(n, quant_numba.TILE), padded(k, quant_numba.PAD_K)
     return _pad(np.asarray(w, np.float64), np_, kp).reshape(np_, kp // BLOCK, BLOCK), n, k
 
 
@@ -153,11 +153,33 @@ def quantize_q8(w: np.ndarray) -> QuantizedWeight:
     d = np.abs(blocks).max(axis=2) / 127.0
     safe = np.where(d > 0, d, 1.0)
     q = np.rint(blocks / safe[..., None]).astype(np.int8)
-    return _with_corrections(QuantizedWeight("q8", (n, k), q.reshape(q.shape[0], -1),
+    return with_corrections(QuantizedWeight("q8", (n, k), q.reshape(q.shape[0], -1),
                                              d.astype(np.float32)))
 
 
 QUANTIZERS = {"int8": quantize_int8, "q4": quantize_q4, "q8": quantize_q8}
+
+
+def concat_rows(parts: list[QuantizedWeight], order: np.ndarray | None = None) -> QuantizedWeight:
+    """The weights' rows stacked (q, k and v fused; gate and up), optionally reordered (row
+    `order[i]` of the stack becomes row i), without dequantizing."""
+    fmt, k = parts[0].format, parts[0].shape[1]
+    if any(p.format != fmt or p.shape[1] != k for p in parts):
+        raise QuantizationError("concat_rows needs weights of one format and in_features")
+
+    def rows(arrays: list[np.ndarray]) -> np.ndarray:
+        stacked = np.concatenate([a[:p.shape[0]] for a, p in zip(arrays, parts, strict=True)])
+        return stacked if order is None else stacked[order]
+
+    q = rows([p.q for p in parts])
+    n, np_ = q.shape[0], padded(q.shape[0], quant_numba.TILE)
+    scales = rows([p.scales for p in parts])
+    scales = _pad(scales, np_, scales.shape[1])
+    mins = None if parts[0].mins is None else rows([p.mins for p in parts  # type: ignore[misc]
+                                                    ])
+    return with_corrections(QuantizedWeight(
+        fmt, (n, k), _pad(q, np_, q.shape[1]), scales,
+        None if mins is None else _pad(mins, np_, mins.shape[1])))
 
 
 def dequantize_rows(weight: QuantizedWeight, rows: np.ndarray) -> np.ndarray:
@@ -165,7 +187,7 @@ def dequantize_rows(weight: QuantizedWeight, rows: np.ndarray) -> np.ndarray:
     n, k = weight.shape
     q = weight.q[rows]
     if weight.format == "int8":
-        return (q[:, :k] * weight.scales[rows][:, None]).astype(np.float32)
+        return (q[:, :k] * weight.scales[rows][:, :1]).astype(np.float32)
     if weight.format == "q4":
         packed = q.reshape(len(rows), -1, 16)
         values = np.concatenate((packed & 15, packed >> 4), axis=2).astype(np.float32)
@@ -182,12 +204,13 @@ def dequantize(weight: QuantizedWeight) -> np.ndarray:
     return dequantize_rows(weight, np.arange(weight.shape[0]))
 
 
-_NO_FLOATS = np.zeros(1, np.float32)
+_NO_TERMS = np.zeros((1, 1), np.float32)
 
 
 def linear(x: np.ndarray, weight: QuantizedWeight, isa: str | None = None) -> np.ndarray:
-    """x (T, in_features) float32 @ weight.T -> (T, out_features) float32, x quantized per row
-    to int8 (symmetric). isa: the path to run (default: the CPU's best, chosen at import)."""
+    """x (T, in_features) float32 @ weight.T -> (T, out_features) float32, x quantized to int8
+    with a scale per block of 32 (symmetric). isa: the path to run (default: the CPU's best,
+    chosen at import)."""
     isa = isa or ISA
     if isa is None:
         raise QuantizationError("quantized weights need a CPU with AVX2 or AVX-512 VNNI")
@@ -199,28 +222,27 @@ def linear(x: np.ndarray, weight: QuantizedWeight, isa: str | None = None) -> np
     tag = ISA_NAMES[isa]
     vnni = tag is ISA_VNNI
     rows = x.shape[0]
-    kp = _padded(k, quant_numba.PAD_K)
+    kp = padded(k, quant_numba.PAD_K)
     a = np.empty((rows, kp), np.int8)  # (T, Kp)
-    a_scales = np.empty(rows, np.float32)
+    a_scales = np.empty((rows, kp // BLOCK), np.float32)  # (T, Kp / 32)
     block_sums = np.empty((rows, kp // BLOCK), np.float32)
     quant_numba.quantize_rows(np.ascontiguousarray(x, dtype=np.float32), a, a_scales, block_sums,
                               vnni and weight.format == "q4")
     out = np.empty((rows, n), np.float32)  # (T, out_features)
     if rows == 0:
         return out
-    num_tiles = weight.q.shape[0] // quant_numba.TILE
-    no_corrections = np.zeros(weight.q.shape[0], np.int64 if weight.format == "int8"
-                              else np.float32)
-    corr = weight.corrections if vnni and weight.corrections is not None else no_corrections
-    if weight.format == "int8":
-        kernel = partial(quant_numba.int8_rows, tag, a, a_scales, weight.q.reshape(-1),
-                         weight.scales, corr, out)
-    else:
-        mins = weight.mins if weight.mins is not None else _NO_FLOATS.reshape(1, 1)
-        kernel = partial(quant_numba.block_rows, tag, a, a_scales, block_sums,
-                         weight.q.reshape(-1), weight.scales, mins, weight.mins is not None,
-                         corr, out)
+    terms, act_terms = _NO_TERMS, _NO_TERMS
+    if weight.format == "q4":
+        assert weight.mins is not None
+        terms, act_terms = weight.mins, block_sums
+    elif vnni:
+        assert weight.offsets is not None
+        terms, act_terms = weight.offsets, a_scales
+    int8 = weight.format == "int8"
+    kernel = partial(quant_numba.block_rows, tag, a, a_scales, weight.q.reshape(-1),
+                     weight.scales.reshape(-1), 2 if int8 else kp // BLOCK, 0 if int8 else 1,
+                     terms, act_terms, terms is not _NO_TERMS, out)
     tile = quant_numba.TILE
     run_parallel(lambda part: kernel(part.start * tile, part.stop * tile),
-                 split(num_tiles, 1))
+                 split(weight.q.shape[0] // tile, 1))
     return out
