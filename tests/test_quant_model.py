@@ -129,3 +129,12 @@ def test_eval_cli(gguf_model, tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert all(len(r["greedy"]) == 4 for r in rows.values())
     assert "top-1 agree" in capsys.readouterr().out
     assert main(["eval", str(model_dir), "--formats", "fp8"]) == 2
+
+
+def test_plan_reports_weight_bytes(gguf_model, capsys: pytest.CaptureFixture[str]) -> None:
+    model_dir, _ = gguf_model
+    assert main(["plan", "--model", str(model_dir), "--json"]) == 0
+    sizes = json.loads(capsys.readouterr().out)["weight_bytes"]
+    assert sizes["gguf"] == model_weight_bytes(load_model(model_dir, "cpu", "gguf"))
+    assert sizes["int8"] == model_weight_bytes(load_model(model_dir, "cpu", "int8"))
+    assert sizes["q4"] < sizes["int8"] < sizes["none"]

@@ -3,7 +3,8 @@ Q4_0 / Q4_1 / Q8_0) and their linear layer: activations quantized per row on the
 compiled integer kernels of quant_numba, split over the kernel threads.
 
 The instruction set is chosen once, at import, from the CPU's features (AVX-512 VNNI, else
-AVX2) and logged; a CPU with neither cannot run the quantized formats (QuantizationError).
+AVX2; the engine logs it at start-up); a CPU with neither cannot run the quantized formats
+(QuantizationError).
 """
 
 from __future__ import annotations
@@ -13,13 +14,10 @@ from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
-import structlog
 
 from kvcore.kernels import quant_numba
 from kvcore.kernels.parallel import run_parallel, split
 from kvcore.kernels.quant_simd import BLOCK
-
-log = structlog.get_logger("kvcore.kernels")
 
 ISA_VNNI = np.zeros(0, np.uint16)  # the kernels' `isa` argument: its dtype picks the path
 ISA_AVX2 = np.zeros(0, np.uint8)
@@ -58,7 +56,6 @@ def cpu_isa() -> str | None:
 
 ISA = cpu_isa()
 AVAILABLE_ISAS = cpu_isas()
-log.info("quantized kernels", isa=ISA or "none (quantized formats unavailable)")
 
 
 def padded(size: int, multiple: int) -> int:
@@ -85,11 +82,25 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        return sum(x.nbytes for x in (self.q, self.scales, self.mins) if x is not None)
+        return sum(x.nbytes for x in (self.q, self.scales, self.mins, self.offsets)
+                   if x is not None)
 
     @property
     def dtype(self) -> np.dtype:
         return np.dtype(np.float32)  # what a product with it returns
+
+
+def format_bytes(n: int, k: int, fmt: str) -> int:
+    """Bytes an (n, k) weight holds in `fmt` (QuantizedWeight.nbytes without building it)."""
+    rows, cols = padded(n, quant_numba.TILE), padded(k, quant_numba.PAD_K)
+    blocks = rows * cols // BLOCK * 4  # one float32 per block of 32
+    if fmt == "int8":
+        return rows * cols + rows * 2 * 4 + blocks
+    if fmt == "q4":
+        return rows * cols // 2 + 2 * blocks
+    if fmt == "q8":
+        return rows * cols + 2 * blocks
+    return n * k * 4
 
 
 def with_corrections(weight: QuantizedWeight) -> QuantizedWeight:

@@ -144,3 +144,31 @@ def model_weight_bytes(model: Any) -> int:
     for name in ("embed", "norm", "lm_head", "layers"):
         visit(getattr(model, name, None))
     return sum(int(v.nbytes) for v in found.values())
+
+
+def planned_weight_bytes(config: ModelConfig, model_dir: Path | None = None) -> dict[str, int]:
+    """Weight bytes in memory per format ('none', 'int8', 'q4'; 'gguf' when model_dir holds
+    model.gguf: its own block types), from the shapes alone (nothing loaded)."""
+    from kvcore.model.weights import expected_shapes
+
+    shapes = expected_shapes(config)
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    out = {fmt: sum(quant.format_bytes(s[0], s[1], fmt) if is_quantized_tensor(name)
+                    else int(np.prod(s)) * 4 for name, s in shapes.items())
+           for fmt in ("none", "int8", "q4")}
+    gguf = None if model_dir is None else Path(model_dir) / GGUF_FILE
+    if gguf is not None and gguf.is_file():
+        total = 0
+        for tensor in GGUFReader(gguf).tensors:
+            shape = tuple(reversed(tensor.shape.tolist()))
+            kind = tensor.tensor_type
+            if tensor.name == "rope_freqs.weight":
+                continue
+            if len(shape) == 1:
+                total += shape[0] * 4
+            else:
+                fmt = {_Q.Q4_0: "q4", _Q.Q4_1: "q4", _Q.Q8_0: "q8"}.get(kind, "q4")
+                total += quant.format_bytes(shape[0], shape[1], fmt)
+        out["gguf"] = total
+    return out
