@@ -216,6 +216,7 @@ def dequantize(weight: QuantizedWeight) -> np.ndarray:
 
 
 _NO_TERMS = np.zeros((1, 1), np.float32)
+MIN_SHARE_BYTES = 256 << 10
 
 
 def linear(x: np.ndarray, weight: QuantizedWeight, isa: str | None = None) -> np.ndarray:
@@ -254,6 +255,10 @@ def linear(x: np.ndarray, weight: QuantizedWeight, isa: str | None = None) -> np
                      weight.scales.reshape(-1), 2 if int8 else kp // BLOCK, 0 if int8 else 1,
                      terms, act_terms, terms is not _NO_TERMS, out)
     tile = quant_numba.TILE
+    num_tiles = weight.q.shape[0] // tile
+    # a thread's share must outweigh the hand-off (~0.1 ms on a 2-core VM): at least
+    # MIN_SHARE_BYTES of weights x activation rows
+    min_tiles = max(1, MIN_SHARE_BYTES // (weight.nbytes // num_tiles * rows))
     run_parallel(lambda part: kernel(part.start * tile, part.stop * tile),
-                 split(weight.q.shape[0] // tile, 1))
+                 split(num_tiles, min_tiles))
     return out
