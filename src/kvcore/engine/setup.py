@@ -63,6 +63,8 @@ def load_engine_model(config: EngineConfig, device: str) -> tuple[EngineModel, s
     weight_format = resolve_quantization(config.quantization, config.model, device)
     if device != "cuda":
         model = load_model(config.model, device, weight_format)
+        if weight_format != "none":
+            quant.warm_up()
         log.info("weights loaded", quantization=weight_format, isa=quant.ISA,
                  weight_bytes=model_weight_bytes(model))
         # the compiled CPU attention for this cache dtype, loaded (or compiled) before the

@@ -262,3 +262,11 @@ def linear(x: np.ndarray, weight: QuantizedWeight, isa: str | None = None) -> np
     run_parallel(lambda part: kernel(part.start * tile, part.stop * tile),
                  split(num_tiles, min_tiles))
     return out
+
+
+def warm_up(formats: tuple[str, ...] = FORMATS) -> None:
+    """Load (or compile, on a machine's first start) the kernels of `formats` on the CPU's
+    path before the engine takes requests: no JIT on a request."""
+    x = np.ones((1, BLOCK), np.float32)
+    for fmt in formats:
+        linear(x, QUANTIZERS[fmt](np.ones((1, BLOCK), np.float32)))
