@@ -117,12 +117,14 @@ def test_eval_cli(gguf_model, tmp_path: Path, capsys: pytest.CaptureFixture[str]
     text = tmp_path / "text.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 20)
     report = tmp_path / "eval.json"
-    assert main(["eval", str(model_dir), "--formats", "none,int8,auto", "--text", str(text),
+    assert main(["eval", str(model_dir), "--formats", "none,auto:fp16", "--text", str(text),
                  "--tokens", "120", "--window", "64", "--greedy-tokens", "3",
                  "--json", str(report)]) == 0
     results = json.loads(report.read_text())
     rows = {r["variant"]: r for r in results["rows"]}
-    assert results["tokens"] == 120 and list(rows) == ["none", "int8", "auto"]
+    assert results["tokens"] == 120 and list(rows) == ["none", "auto:fp16"]
+    rows["auto"] = rows["auto:fp16"]
+    assert rows["auto"]["cache_dtype"] == "fp16"
     assert rows["none"]["top1_agreement"] == 1.0 and rows["none"]["perplexity_vs_baseline"] == 0
     assert rows["auto"]["weights"] == "gguf"
     assert rows["auto"]["weight_bytes"] < rows["none"]["weight_bytes"]
