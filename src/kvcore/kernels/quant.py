@@ -85,10 +85,6 @@ class QuantizedWeight:
         return sum(x.nbytes for x in (self.q, self.scales, self.mins, self.offsets)
                    if x is not None)
 
-    @property
-    def dtype(self) -> np.dtype:
-        return np.dtype(np.float32)  # what a product with it returns
-
 
 def format_bytes(n: int, k: int, fmt: str) -> int:
     """Bytes an (n, k) weight holds in `fmt` (QuantizedWeight.nbytes without building it)."""
