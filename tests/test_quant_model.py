@@ -140,3 +140,16 @@ def test_plan_reports_weight_bytes(gguf_model, capsys: pytest.CaptureFixture[str
     assert sizes["gguf"] == model_weight_bytes(load_model(model_dir, "cpu", "gguf"))
     assert sizes["int8"] == model_weight_bytes(load_model(model_dir, "cpu", "int8"))
     assert sizes["q4"] < sizes["int8"] < sizes["none"]
+
+
+def test_serve_flag_reaches_the_engine_config() -> None:
+    import argparse
+
+    from kvcore.cli import serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    assert serve._config(parser.parse_args([]), "m").quantization == "auto"
+    assert serve._config(parser.parse_args(["--quantization", "int8"]), "m").quantization == "int8"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantization", "int4"])
