@@ -9,15 +9,19 @@ AVX2; the engine logs it at start-up); a CPU with neither cannot run the quantiz
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import numpy as np
 
-from kvcore.kernels import quant_numba
 from kvcore.kernels.parallel import run_parallel, split
-from kvcore.kernels.quant_simd import BLOCK
+
+BLOCK = 32  # weights per scale block of the q4 / q8 formats (GGUF's block size)
+TILE = 16  # weight rows per kernel tile (and the row padding)
+PAD_K = 64  # in_features are padded to a multiple of this (one VNNI step)
 
 ISA_VNNI = np.zeros(0, np.uint16)  # the kernels' `isa` argument: its dtype picks the path
 ISA_AVX2 = np.zeros(0, np.uint8)
@@ -54,8 +58,20 @@ def cpu_isa() -> str | None:
     return found[0] if found else None
 
 
-ISA = cpu_isa()
-AVAILABLE_ISAS = cpu_isas()
+@functools.cache
+def _isas() -> tuple[str | None, tuple[str, ...]]:
+    """(the path the kernels run, every path the CPU has), checked once, on first use: importing
+    this module (every model does) loads neither numba nor LLVM."""
+    return cpu_isa(), tuple(cpu_isas())
+
+
+def __getattr__(name: str) -> Any:
+    """ISA: the path the kernels run (or None); AVAILABLE_ISAS: the paths the CPU has."""
+    if name == "ISA":
+        return _isas()[0]
+    if name == "AVAILABLE_ISAS":
+        return _isas()[1]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def padded(size: int, multiple: int) -> int:
@@ -88,7 +104,7 @@ class QuantizedWeight:
 
 def format_bytes(n: int, k: int, fmt: str) -> int:
     """Bytes an (n, k) weight holds in `fmt` (QuantizedWeight.nbytes without building it)."""
-    rows, cols = padded(n, quant_numba.TILE), padded(k, quant_numba.PAD_K)
+    rows, cols = padded(n, TILE), padded(k, PAD_K)
     blocks = rows * cols // BLOCK * 4  # one float32 per block of 32
     if fmt == "int8":
         return rows * cols + rows * 2 * 4 + blocks
@@ -124,7 +140,7 @@ def quantize_int8(w: np.ndarray) -> QuantizedWeight:
     scales = np.abs(w64).max(axis=1) / 127.0
     safe = np.where(scales > 0, scales, 1.0)
     q = np.rint(w64 / safe[:, None]).astype(np.int8)
-    np_, kp = padded(n, quant_numba.TILE), padded(k, quant_numba.PAD_K)
+    np_, kp = padded(n, TILE), padded(k, PAD_K)
     pair = np.repeat(scales[:, None], 2, axis=1).astype(np.float32)  # (N, 2)
     return with_corrections(QuantizedWeight("int8", (n, k), _pad(q, np_, kp), _pad(pair, np_, 2)))
 
@@ -132,7 +148,7 @@ def quantize_int8(w: np.ndarray) -> QuantizedWeight:
 def _blocked(w: np.ndarray) -> tuple[np.ndarray, int, int]:
     """(N, K) -> (Np, Kp / 32, 32) float64, zero-padded."""
     n, k = w.shape
-    np_, kp = padded(n, quant_numba.TILE), padded(k, quant_numba.PAD_K)
+    np_, kp = padded(n, TILE), padded(k, PAD_K)
     return _pad(np.asarray(w, np.float64), np_, kp).reshape(np_, kp // BLOCK, BLOCK), n, k
 
 
@@ -179,7 +195,7 @@ def concat_rows(parts: list[QuantizedWeight], order: np.ndarray | None = None) -
         return stacked if order is None else stacked[order]
 
     q = rows([p.q for p in parts])
-    n, np_ = q.shape[0], padded(q.shape[0], quant_numba.TILE)
+    n, np_ = q.shape[0], padded(q.shape[0], TILE)
     scales = rows([p.scales for p in parts])
     scales = _pad(scales, np_, scales.shape[1])
     mins = None if parts[0].mins is None else rows([p.mins for p in parts  # type: ignore[misc]
@@ -219,18 +235,21 @@ def linear(x: np.ndarray, weight: QuantizedWeight, isa: str | None = None) -> np
     """x (T, in_features) float32 @ weight.T -> (T, out_features) float32, x quantized to int8
     with a scale per block of 32 (symmetric). isa: the path to run (default: the CPU's best,
     chosen at import)."""
-    isa = isa or ISA
+    from kvcore.kernels import quant_numba
+
+    best, available = _isas()
+    isa = isa or best
     if isa is None:
         raise QuantizationError("quantized weights need a CPU with AVX2 or AVX-512 VNNI")
-    if isa not in AVAILABLE_ISAS:  # running it would fault on an illegal instruction
-        raise QuantizationError(f"isa {isa!r}: this CPU has only {AVAILABLE_ISAS}")
+    if isa not in available:  # running it would fault on an illegal instruction
+        raise QuantizationError(f"isa {isa!r}: this CPU has only {list(available)}")
     n, k = weight.shape
     if x.ndim != 2 or x.shape[1] != k:
         raise ValueError(f"x must have shape (T, {k}), got {x.shape}")
     tag = ISA_NAMES[isa]
     vnni = tag is ISA_VNNI
     rows = x.shape[0]
-    kp = padded(k, quant_numba.PAD_K)
+    kp = padded(k, PAD_K)
     a = np.empty((rows, kp), np.int8)  # (T, Kp)
     a_scales = np.empty((rows, kp // BLOCK), np.float32)  # (T, Kp / 32)
     block_sums = np.empty((rows, kp // BLOCK), np.float32)
@@ -250,7 +269,7 @@ def linear(x: np.ndarray, weight: QuantizedWeight, isa: str | None = None) -> np
     kernel = partial(quant_numba.block_rows, tag, a, a_scales, weight.q.reshape(-1),
                      weight.scales.reshape(-1), 2 if int8 else kp // BLOCK, 0 if int8 else 1,
                      terms, act_terms, terms is not _NO_TERMS, out)
-    tile = quant_numba.TILE
+    tile = TILE
     num_tiles = weight.q.shape[0] // tile
     # a thread's share must outweigh the hand-off (~0.1 ms on a 2-core VM): at least
     # MIN_SHARE_BYTES of weights x activation rows

@@ -16,10 +16,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from kvcore.kernels.quant_simd import BLOCK, dot_blocks, fsum, fzero, step
-
-TILE = 16  # weight rows per tile (and the row padding)
-PAD_K = 64  # K is padded to a multiple of this (one VNNI step)
+from kvcore.kernels.quant import BLOCK, TILE
+from kvcore.kernels.quant_simd import dot_blocks, fsum, fzero, step
 
 
 @njit(nogil=True, cache=True)

@@ -26,7 +26,6 @@ from numba.core import cgutils
 from numba.core.datamodel.models import PrimitiveModel
 from numba.extending import intrinsic, register_model
 
-BLOCK = 32  # weights per scale block of the q4 / q8 formats (GGUF's block size)
 _I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
 
 

@@ -15,8 +15,7 @@ from gguf.quants import dequantize
 
 from kvcore.config import ModelConfig
 from kvcore.kernels import quant
-from kvcore.kernels.quant import QuantizedWeight
-from kvcore.kernels.quant_simd import BLOCK
+from kvcore.kernels.quant import BLOCK, QuantizedWeight
 
 QUANTIZATIONS = ("auto", "none", "int8", "q4")
 GGUF_FILE = "model.gguf"  # the GGUF a converted directory came from (kvcore convert keeps it)
@@ -65,8 +64,8 @@ def _gguf_blocks(raw: np.ndarray, kind: GGMLQuantizationType,
     n, k = shape
     blocks = raw.reshape(n, k // BLOCK, _BLOCK_BYTES[kind])  # (N, B, bytes per block)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # (N, B)
-    rows = quant.padded(n, quant.quant_numba.TILE)
-    cols = quant.padded(k, quant.quant_numba.PAD_K) // BLOCK
+    rows = quant.padded(n, quant.TILE)
+    cols = quant.padded(k, quant.PAD_K) // BLOCK
 
     def pad(array: np.ndarray) -> np.ndarray:
         out = np.zeros((rows, cols, *array.shape[2:]), array.dtype)
