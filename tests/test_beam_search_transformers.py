@@ -107,8 +107,10 @@ def test_default_model_beams_equal_transformers(default_model_dir: Path,
                for q in questions]
     params = BeamSearchParams(beam_width=3, max_tokens=12, length_penalty=1.0)
     # an fp32 cache, as transformers': the subject is beam search, and its scores are compared
-    # at 1e-4 (the CPU default fp16 cache keeps the beams but moves the scores by ~5e-4)
-    engine = make_engine(default_model_dir, block_size=16, num_blocks=64, cache_dtype="fp32")
+    # at 1e-4 (the CPU default fp16 cache keeps the beams but moves the scores by ~5e-4), and
+    # fp32 weights (the default keeps the GGUF's q4 blocks)
+    engine = make_engine(default_model_dir, block_size=16, num_blocks=64, cache_dtype="fp32",
+                         quantization="none")
     outputs = run_all(engine, prompts, params)
     assert_pool_empty(engine)
     eos = list(engine.eos_token_ids)

@@ -161,7 +161,10 @@ def test_sliding_window_and_qkv_bias_models_are_batch_independent(
 
 def test_default_model_greedy_is_the_same_alone_chunked_and_preempted(
         default_model_dir: Path) -> None:
-    engine = make_engine(default_model_dir, block_size=16, num_blocks=64)
+    # the block size of the runs below (4): another changes attention's summation order in the
+    # last bits, which the default q4 weights' int8 activation rounding can turn into a flipped
+    # near-tie
+    engine = make_engine(default_model_dir, num_blocks=256)
     tok = engine.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}])
                for q in ("What is 2 + 2?", "Name a fruit.", "Say hello in French.")]

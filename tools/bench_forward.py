@@ -42,6 +42,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--mla-modes", default="auto",
                    help="MLA models: attention forms to time side by side, of absorbed, "
                         "decompressed, auto (default auto)")
+    p.add_argument("--quantization", default="none", choices=("none", "int8", "q4", "auto"),
+                   help="weights in memory (kvcore --quantization; default none: fp32)")
     p.add_argument("--breakdown", action="store_true",
                    help="also time each kernel of the batch-64 decode step, and attention's "
                    "share of every batch's step")
@@ -310,7 +312,10 @@ def main() -> int:
         print(f"no model at {model_dir}: run `kvcore pull` or pass --model DIR", file=sys.stderr)
         return 2
     rng = np.random.default_rng(0)
-    model = load_model(model_dir)
+    from kvcore.model.quantized import resolve_quantization
+
+    weight_format = resolve_quantization(ARGS.quantization, model_dir, "cpu")
+    model = load_model(model_dir, "cpu", weight_format=weight_format)
     hf = None if ARGS.no_transformers else Transformers(model_dir, ARGS.threads)
     rows = []
     mla = isinstance(model, DeepseekModel)
@@ -342,7 +347,8 @@ def main() -> int:
                          base_t and base_t / ours_t))
             print(rows[-1], flush=True)
     lines = [f"Model `{model_dir.name}` ({model.config.num_layers} layers, hidden "
-             f"{model.config.hidden_size}), fp32 weights, {ARGS.kv_cache_dtype} KV cache, "
+             f"{model.config.hidden_size}), {weight_format} weights, "
+             f"{ARGS.kv_cache_dtype} KV cache, "
              f"block size {BLOCK_SIZE}, "
              f"{ARGS.threads} BLAS threads for both, {platform.processor() or platform.machine()}, "
              f"NumPy {np.__version__}" + (f", {hf.version}" if hf else "") + ". Median of "

@@ -331,6 +331,9 @@ class EngineConfig:
     # to gain, and a sequence that stops would compute one token more). Outputs are identical.
     async_scheduling: bool | None = None
     speculative: SpeculativeConfig | None = None  # speculative decoding (None: off)
+    # weights in memory (vLLM's --quantization): "none" fp32, "int8" / "q4" quantized (CPU);
+    # "auto": a model converted from a GGUF keeps its own blocks on the CPU, else fp32
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
@@ -338,6 +341,9 @@ class EngineConfig:
                              f"SpeculativeConfig.parse), got {self.speculative!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.quantization not in ("auto", "none", "int8", "q4"):
+            raise ValueError(f"quantization must be auto, none, int8 or q4, "
+                             f"got {self.quantization!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):

@@ -13,6 +13,7 @@ SUBCOMMANDS: dict[str, str] = {
     "pull": "pull",
     "convert": "convert",
     "serve": "serve",
+    "eval": "eval",
 }
 
 

@@ -26,6 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="seed of the sampler")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                         help="where to run (default: cuda when available, else cpu)")
+    parser.add_argument("--quantization", default="auto", choices=("auto", "none", "int8", "q4"),
+                        help="weights in memory (CPU), as kvcore serve's (default auto)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="cuda: run every step eagerly (no CUDA graphs for decode steps)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
@@ -74,7 +76,8 @@ def _generate(args: argparse.Namespace, model: str | None, prompt: str) -> int:
         engine = Engine(engine_config(str(model_dir), device=args.device, max_num_seqs=1,
                                       enforce_eager=args.enforce_eager,
                                       async_scheduling=args.async_scheduling,
-                                      speculative_config=args.speculative_config))
+                                      speculative_config=args.speculative_config,
+                                      quantization=args.quantization))
         if args.chat:
             prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
         engine.add_request("cli", prompt, params)

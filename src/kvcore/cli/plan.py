@@ -88,11 +88,28 @@ def run(args: argparse.Namespace) -> int:
         full = full_kv_bytes_per_token(shape.num_layers, *shape.full_kv, dtype)
         inputs["full_kv_bytes_per_token"] = full
         inputs["mla_ratio"] = round(full / result.bytes_per_token, 2)
+    weights = _weight_bytes(Path(args.model)) if args.model is not None else None
     if args.json:
-        print(json.dumps({**inputs, **asdict(result)}))
+        print(json.dumps({**inputs, **asdict(result), "weight_bytes": weights}))
     else:
         print(_human(inputs, result))
+        if weights:
+            print("weights:          " + ", ".join(
+                f"{fmt} {format_size(size)}" for fmt, size in weights.items()))
     return 0
+
+
+def _weight_bytes(path: Path) -> dict[str, int] | None:
+    """Weight bytes per --quantization format, for a Llama-family model directory."""
+    from kvcore.model.quantized import planned_weight_bytes
+
+    if not path.is_dir():
+        return None
+    try:
+        config = ModelConfig.from_dir(path)
+    except ValueError:
+        return None
+    return None if config.mla is not None else planned_weight_bytes(config, path)
 
 
 def _shape_from_args(args: argparse.Namespace) -> ModelShape:

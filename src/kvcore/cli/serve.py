@@ -41,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", action="append", metavar="NAME",
                         help="name(s) clients use in `model` (default: the model directory's)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
+    parser.add_argument("--quantization", default="auto", choices=("auto", "none", "int8", "q4"),
+                        help="weights in memory (CPU): int8, q4 or none (fp32); default auto: "
+                        "a model converted from a GGUF keeps its own quantization, else fp32")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="cuda: run every step eagerly (no CUDA graphs for decode steps)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
@@ -151,7 +154,7 @@ def _config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
     memory = parse_size(args.kv_cache_memory) if args.kv_cache_memory is not None else None
     return EngineConfig(
         model=model_dir, device=args.device, seed=args.seed, enforce_eager=args.enforce_eager,
-        async_scheduling=args.async_scheduling,
+        async_scheduling=args.async_scheduling, quantization=args.quantization,
         speculative=SpeculativeConfig.parse(args.speculative_config),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           kv_cache_memory=memory, cache_dtype=args.kv_cache_dtype,

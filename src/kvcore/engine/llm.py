@@ -17,7 +17,7 @@ Prompt = str | Sequence[int]
 
 _CACHE_FIELDS = {f.name for f in dataclasses.fields(CacheConfig)}
 _SCHEDULER_FIELDS = {f.name for f in dataclasses.fields(SchedulerConfig)}
-_ENGINE_FIELDS = {"device", "seed", "enforce_eager", "async_scheduling"}
+_ENGINE_FIELDS = {"device", "seed", "enforce_eager", "async_scheduling", "quantization"}
 
 
 def engine_config(model: str, speculative_config: SpeculativeConfig | dict[str, Any] | str

@@ -6,15 +6,20 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
+import structlog
 
 from kvcore import kernels
 from kvcore.cache import KVCacheManager
 from kvcore.cache.kv_cache import KVCache
 from kvcore.config import EngineConfig, ModelConfig, ParamError
+from kvcore.kernels import quant
 from kvcore.model import BatchInput, load_model
 from kvcore.model.half_llama import HALF_CACHE_DTYPES, HalfLlamaModel
+from kvcore.model.quantized import model_weight_bytes, resolve_quantization
 from kvcore.planner import model_bytes_per_token, num_blocks_for_memory
 from kvcore.sampling import BeamSearchParams, SamplingParams
+
+log = structlog.get_logger("kvcore.engine")
 
 CPU_KV_CACHE_MEMORY = 2 * 2**30  # the CPU default budget: 2 GiB, or less when that is plenty
 GPU_KV_CACHE_FRACTION = 0.5  # of the device memory still free after the weights
@@ -55,8 +60,13 @@ def load_engine_model(config: EngineConfig, device: str) -> tuple[EngineModel, s
     HalfDeepseekModel, always runs eagerly). A cache dtype the device cannot use is a
     ValueError raised before any weight is loaded."""
     cache_dtype = engine_cache_dtype(config.cache.cache_dtype, half_model=device == "cuda")
-    model = load_model(config.model, device)
+    weight_format = resolve_quantization(config.quantization, config.model, device)
+    model = load_model(config.model, device, weight_format=weight_format)
     if device != "cuda":
+        if weight_format != "none":
+            quant.warm_up()
+        log.info("weights loaded", quantization=weight_format, isa=quant.ISA,
+                 weight_bytes=model_weight_bytes(model))
         # the compiled CPU attention for this cache dtype, loaded (or compiled) before the
         # engine takes requests: no JIT on a request
         kernels.warm_up_cpu_kernels(cache_dtype)

@@ -232,6 +232,8 @@ def write_model_dir(gguf_path: Path, out: Path,
     _write_json(out / "tokenizer_config.json",
                 tokenizer_config(meta, cfg["max_position_embeddings"]))
     _write_json(out / "generation_config.json", generation_config(meta))
+    # the quantized blocks, for loads that keep them (kvcore.model.quantized)
+    shutil.copyfile(gguf_path, out / "model.gguf")
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path,
@@ -256,7 +258,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path,
         write_model_dir(src, tmp, progress)
         # mkdtemp makes the directory private; a model directory is as readable as any download
         os.chmod(tmp, 0o755)
-        for name in MODEL_FILES:
+        for name in (*MODEL_FILES, "model.gguf"):
             os.chmod(tmp / name, 0o644)
         try:
             os.rename(tmp, out)

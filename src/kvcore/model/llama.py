@@ -13,7 +13,8 @@ from kvcore import kernels
 from kvcore.cache.kv_cache import KVCache
 from kvcore.config import ModelConfig
 from kvcore.device import get_xp, resolve_device, to_numpy
-from kvcore.kernels import cpu
+from kvcore.kernels import cpu, quant
+from kvcore.kernels.quant import QuantizedWeight
 from kvcore.model.batch import BatchInput, InputFill
 from kvcore.model.staging import CupyStaging, HostStaging
 
@@ -79,8 +80,13 @@ class LlamaModel:
         self._cos: Any = self.xp.empty((0, c.rope_dim // 2), np.float32)
         self._sin: Any = self._cos
 
-    def _put(self, array: np.ndarray) -> Any:
-        """A contiguous float32 array on the device, detached from any memory-mapped file."""
+    def _put(self, array: Any) -> Any:
+        """A contiguous float32 array on the device, detached from any memory-mapped file; a
+        quantized weight (CPU only) as it is."""
+        if isinstance(array, QuantizedWeight | tuple):
+            if self.xp is not np:
+                raise ValueError("quantized weights run on the CPU only")
+            return array
         out = np.ascontiguousarray(array, dtype=np.float32)
         if not out.flags.writeable:  # still a read-only view of the checkpoint file
             out = out.copy()
@@ -96,13 +102,13 @@ class LlamaModel:
             o_bias = self._put(w[p + "self_attn.o_proj.bias"])
         return LayerWeights(
             input_norm=self._put(w[p + "input_layernorm.weight"]),
-            qkv=self._put(np.concatenate([w[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])),
+            qkv=self._put(_fuse([w[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])),
             qkv_bias=qkv_bias,
             o=self._put(w[p + "self_attn.o_proj.weight"]),
             o_bias=o_bias,
             post_norm=self._put(w[p + "post_attention_layernorm.weight"]),
-            gate_up=self._put(np.concatenate([w[p + "mlp.gate_proj.weight"],
-                                              w[p + "mlp.up_proj.weight"]])),
+            gate_up=self._put(_fuse([w[p + "mlp.gate_proj.weight"],
+                                     w[p + "mlp.up_proj.weight"]])),
             down=self._put(w[p + "mlp.down_proj.weight"]),
             q_norm=self._put(w[p + "self_attn.q_norm.weight"]) if c.qk_norm else None,
             k_norm=self._put(w[p + "self_attn.k_norm.weight"]) if c.qk_norm else None,
@@ -187,7 +193,7 @@ class LlamaModel:
         positions, slot_mapping = batch.positions, batch.slot_mapping
         num_tokens = batch.input_ids.shape[0]
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        h = self.embed[batch.input_ids]  # (T, hidden) residual stream
+        h = _embed(self.embed, batch.input_ids)  # (T, hidden) residual stream
         for layer_id, layer in enumerate(self.layers):
             k_cache, v_cache, k_scale, v_scale = kv_cache.layer(layer_id)
             x = kernels.rms_norm(h, layer.input_norm, c.rms_norm_eps)
@@ -231,11 +237,33 @@ class LlamaModel:
                                     k.reshape(num_tokens, c.num_kv_heads, c.head_dim)), axis=1)
 
 
+def _fuse(parts: list[Any]) -> Any:
+    """Weights stacked by rows (one GEMM for q/k/v, one for gate/up), float or quantized;
+    quantized parts of different formats (a GGUF mixing Q4_1 and Q8_0) stay a tuple, one
+    product each."""
+    if not isinstance(parts[0], QuantizedWeight):
+        return np.concatenate(parts)
+    if len({p.format for p in parts}) > 1:
+        return tuple(parts)
+    return quant.concat_rows(parts)
+
+
+def _embed(embed: Any, input_ids: Any) -> Any:
+    """(T, hidden) float32 rows of the embedding (dequantized rows of a quantized one)."""
+    if isinstance(embed, QuantizedWeight):
+        return quant.dequantize_rows(embed, input_ids)
+    return embed[input_ids]
+
+
 def _linear(x: Any, weight: Any, few_rows: int = _FEW_ROWS) -> Any:
     """x (T, in) @ weight (out, in).T -> (T, out). On the CPU a few rows (2 to few_rows) run
     faster as weight @ x.T (OpenBLAS then streams the weight as its left operand), a
     column-major result; one row, many rows and CuPy arrays (cuBLAS; the CUDA kernels want
-    row-major) as x @ W.T."""
+    row-major) as x @ W.T. A quantized weight runs the integer kernels (kernels.quant)."""
+    if isinstance(weight, QuantizedWeight):
+        return quant.linear(x, weight)
+    if isinstance(weight, tuple):
+        return np.concatenate([quant.linear(x, part) for part in weight], axis=1)
     if 1 < x.shape[0] <= few_rows and not kernels.uses_cuda_kernels(x):
         return (weight @ x.T).T
     return x @ weight.T
