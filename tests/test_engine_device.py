@@ -39,10 +39,10 @@ def fake_gpu(monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path) -> list[tupl
 
     calls: list[tuple[str, str]] = []
 
-    def load(model_dir: str, device: str = "cpu") -> LlamaModel:
+    def load(model_dir: str, device: str = "cpu", weight_format: str = "none") -> LlamaModel:
         if device == "cuda":
             calls.append((model_dir, device))
-        return load_model(model_dir, device="cpu", half=device == "cuda")
+        return load_model(model_dir, "cpu", weight_format, half=device == "cuda")
 
     monkeypatch.setattr(kvcore.device, "cuda_available", lambda: True)
     monkeypatch.setattr(setup, "load_model", load)

@@ -26,8 +26,8 @@ def model_class(config: ModelConfig, half: bool) -> type[LlamaModel]:
     return DeepseekModel if config.mla is not None else LlamaModel
 
 
-def load_model(model_dir: str | Path, device: str = "cpu", half: bool | None = None,
-               weight_format: str = "none") -> LlamaModel:
+def load_model(model_dir: str | Path, device: str = "cpu", weight_format: str = "none", *,
+               half: bool | None = None) -> LlamaModel:
     """Read config.json and the safetensors weights of an HF-style directory into the model
     class of its architecture. `half` (default: on cuda) loads the fp16 model, which on the
     CPU is its NumPy emulation. The whole checkpoint is checked against config.json before any
