@@ -18,9 +18,8 @@ from typing import Any
 import numpy as np
 
 from kvcore.kernels.parallel import run_parallel, split
+from kvcore.kernels.quant_layout import BLOCK, TILE
 
-BLOCK = 32  # weights per scale block of the q4 / q8 formats (GGUF's block size)
-TILE = 16  # weight rows per kernel tile (and the row padding)
 PAD_K = 64  # in_features are padded to a multiple of this (one VNNI step)
 
 ISA_VNNI = np.zeros(0, np.uint16)  # the kernels' `isa` argument: its dtype picks the path

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from kvcore.kernels.quant import BLOCK, TILE
+from kvcore.kernels.quant_layout import BLOCK, TILE
 from kvcore.kernels.quant_simd import dot_blocks, fsum, fzero, step
 
 
