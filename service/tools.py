@@ -43,6 +43,7 @@ class ToolRequest:
     named: str | None  # the function tool_choice names
     parallel: bool
     raw: list[dict[str, Any]]  # the request's `tools`, for a template that renders them
+    format: str = "hermes"  # the chat template's tool-call format (tool_format.FORMATS)
 
 
 def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
