@@ -19,7 +19,8 @@ _DECODER = json.JSONDecoder()
 
 
 def llama3_constraint(req: ToolRequest) -> Constraint:
-    """Calls only ("required", named), or ("auto") text that does not start with `{` or calls."""
+    """Calls only ("required", named), or ("auto") calls or text whose first non-blank is not
+    `{`."""
     tools = [t for t in req.tools if req.named is None or t.name == req.named]
     body = _strict({"anyOf": [{
         "type": "object", "properties": {"name": {"const": t.name}, "parameters": t.parameters},
@@ -28,7 +29,7 @@ def llama3_constraint(req: ToolRequest) -> Constraint:
     start = "calls | TEXT" if req.mode == "auto" else "calls"
     return Constraint("grammar", f"%llguidance {{}}\nstart: {start}\ncalls: call{repeat}\n"
                                  f"call: %json {json.dumps(body)}\n"
-                                 "TEXT: /([^{\\s][\\s\\S]*)?/\n", "tools")
+                                 "TEXT: /(\\s*[^{\\s][\\s\\S]*)?/\n", "tools")
 
 
 def parse_llama3(text: str) -> tuple[str | None, list[dict[str, Any]]]:

@@ -134,11 +134,6 @@ def structured_kind(req: Any) -> str | None:
     return None if constraint is None else str(constraint.kind)
 
 
-def native_tools(template: str | None) -> bool:
-    """Whether the chat template renders tools and calls itself (Hermes-style tags)."""
-    return template is not None and OPEN in template
-
-
 def render_messages(messages: list[dict[str, Any]], req: ToolRequest | None, native: bool
                     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """(messages, tools) for the chat template. Native: as they are, arguments as objects;

@@ -1,7 +1,8 @@
 """Llama 3.1's JSON tool calls: the format found from the template, the stream parser against the
 whole-answer parser, "auto" constraining an answer that starts with `{`, and through the official
 `openai` client against a live server with a Llama 3.1-style template: "required" (streamed and
-not) parses and validates, a multi-turn exchange with a `tool` message renders."""
+not) and a named function parse and validate, a multi-turn exchange with a `tool` message
+renders."""
 
 from __future__ import annotations
 
@@ -81,9 +82,12 @@ def test_auto_is_text_or_a_call_that_starts_with_a_brace(tiny_model_dir: Path) -
     engine = make_engine(tiny_model_dir)
     tokenizer, filler = engine.tokenizer, MaskFiller(engine.model_config.vocab_size)
     text = engine.constraints.matcher(llama3_constraint(req))
-    for token_id in tokenizer.encode("It is {sunny}"):  # free text may hold braces later
+    for token_id in tokenizer.encode("\n It is {sunny}"):  # free text may hold braces later
         assert not text.consume(token_id)
     assert tokenizer.eos_token_id in _allowed(filler, text)
+    blank = engine.constraints.matcher(llama3_constraint(req))
+    blank.consume(tokenizer.encode("\n")[0])
+    assert tokenizer.encode("{")[0] not in _allowed(filler, blank)  # a call starts the answer
     call = engine.constraints.matcher(llama3_constraint(req))
     forced = '{"name":"get_weather","parameters":{"city":"'
     ids = tokenizer.encode(forced)
@@ -120,6 +124,14 @@ def test_llama3_style_required_stream_and_multi_turn(tmp_path: Path) -> None:
         assert finish == "tool_calls" and not content.strip()
         assert [(c["name"], c["arguments"]) for c in streamed.values()] == [
             (c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+
+        named = client.chat.completions.create(**{
+            **kwargs, "parallel_tool_calls": False, "temperature": 0,
+            "tool_choice": {"type": "function", "function": {"name": "get_time"}}})
+        calls = named.choices[0].message.tool_calls
+        assert calls and len(calls) == 1 and calls[0].function.name == "get_time"
+        jsonschema.validate(json.loads(calls[0].function.arguments),
+                            TIME["function"]["parameters"])
 
         call = choice.message.tool_calls[0]
         turns: list[Any] = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
