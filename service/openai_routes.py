@@ -94,8 +94,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     try:
         body = await read_json(request, state.max_body_size, state.body_timeout)
         engine = state.ready_engine()
-        req = with_format(parse_chat(body, engine.model_config.vocab_size),
-                          engine.tokenizer.chat_template)
+        req = with_format(parse_chat(body, engine.model_config.vocab_size), engine.tokenizer)
         name = state.model_name(req.model)
         state.check_num_seqs(req.n)
         check_prompt_chars("".join(m["content"] for m in req.messages), engine.max_model_len,

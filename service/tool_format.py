@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvcore.model.tokenizer import Tokenizer
 from kvcore.sampling.constraints import Constraint
 from kvcore.service.tool_llama3 import Llama3CallStream, llama3_constraint, parse_llama3
 from kvcore.service.tool_stream import ToolCallStream
@@ -28,7 +29,8 @@ class CallStream(Protocol):
 class ToolFormat:
     name: str
     native: bool  # the template renders `tools` and `tool_calls` itself
-    constraint: Callable[[ToolRequest], Constraint]
+    # the answer's constraint; the second argument finds a special token's id in the vocabulary
+    constraint: Callable[[ToolRequest, Callable[[str], int | None]], Constraint]
     parse: Callable[[str], tuple[str | None, list[dict[str, Any]]]]
     stream: Callable[[], CallStream]
 
@@ -38,9 +40,13 @@ class ToolFormat:
         return render_messages(messages, req, self.native)
 
 
-HERMES = ToolFormat("hermes", True, tool_constraint, parse_calls, ToolCallStream)
+def _hermes_constraint(req: ToolRequest, token_id: Callable[[str], int | None]) -> Constraint:
+    return tool_constraint(req)  # its tags are text
+
+
+HERMES = ToolFormat("hermes", True, _hermes_constraint, parse_calls, ToolCallStream)
 LLAMA3_JSON = ToolFormat("llama3_json", True, llama3_constraint, parse_llama3, Llama3CallStream)
-FALLBACK = ToolFormat("fallback", False, tool_constraint, parse_calls, ToolCallStream)
+FALLBACK = ToolFormat("fallback", False, _hermes_constraint, parse_calls, ToolCallStream)
 FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, FALLBACK)}
 
 
@@ -55,11 +61,13 @@ def tool_format(template: str | None) -> ToolFormat:
     return FALLBACK
 
 
-def with_format(req: Any, template: str | None) -> Any:
-    """A chat GenerationRequest with tools, its tools and constraint in the template's format."""
+def with_format(req: Any, tokenizer: Tokenizer) -> Any:
+    """A chat GenerationRequest with tools, its tools and constraint in the format of the
+    tokenizer's chat template."""
     if req.tools is None:
         return req
-    fmt = tool_format(template)
+    fmt = tool_format(tokenizer.chat_template)
     tools = dataclasses.replace(req.tools, format=fmt.name)
+    constraint = fmt.constraint(tools, tokenizer.token_to_id)
     return dataclasses.replace(req, tools=tools,
-                               sampling={**req.sampling, "constraint": fmt.constraint(tools)})
+                               sampling={**req.sampling, "constraint": constraint})

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 from kvcore.sampling.constraints import Constraint
@@ -18,15 +19,18 @@ _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"(?:parameters|argum
 _DECODER = json.JSONDecoder()
 
 
-def llama3_constraint(req: ToolRequest) -> Constraint:
+def llama3_constraint(req: ToolRequest, token_id: Callable[[str], int | None]) -> Constraint:
     """Calls only ("required", named), or ("auto") calls or text whose first non-blank is not
-    `{`."""
+    `{`; calls may follow `<|python_tag|>` where the tokenizer has it (`token_id`: its id)."""
     tools = [t for t in req.tools if req.named is None or t.name == req.named]
     body = _strict({"anyOf": [{
         "type": "object", "properties": {"name": {"const": t.name}, "parameters": t.parameters},
         "required": ["name", "parameters"], "additionalProperties": False} for t in tools]})
     repeat = f' ({json.dumps(SEP + " ")} call)*' if req.parallel else ""
     start = "calls | TEXT" if req.mode == "auto" else "calls"
+    tag = token_id(PYTHON_TAG)
+    if tag is not None:
+        start += f" | <[{tag}]> calls"
     return Constraint("grammar", f"%llguidance {{}}\nstart: {start}\ncalls: call{repeat}\n"
                                  f"call: %json {json.dumps(body)}\n"
                                  "TEXT: /(\\s*[^{\\s][\\s\\S]*)?/\n", "tools")

@@ -15,6 +15,7 @@ import jsonschema
 import numpy as np
 import openai
 import pytest
+from tokenizers import Tokenizer as HFTokenizer
 
 from engine_helpers import make_engine
 from kvcore.model.tokenizer import Tokenizer
@@ -81,14 +82,14 @@ def test_auto_is_text_or_a_call_that_starts_with_a_brace(tiny_model_dir: Path) -
     assert req is not None
     engine = make_engine(tiny_model_dir)
     tokenizer, filler = engine.tokenizer, MaskFiller(engine.model_config.vocab_size)
-    text = engine.constraints.matcher(llama3_constraint(req))
+    text = engine.constraints.matcher(llama3_constraint(req, tokenizer.token_to_id))
     for token_id in tokenizer.encode("\n It is {sunny}"):  # free text may hold braces later
         assert not text.consume(token_id)
     assert tokenizer.eos_token_id in _allowed(filler, text)
-    blank = engine.constraints.matcher(llama3_constraint(req))
+    blank = engine.constraints.matcher(llama3_constraint(req, tokenizer.token_to_id))
     blank.consume(tokenizer.encode("\n")[0])
     assert tokenizer.encode("{")[0] not in _allowed(filler, blank)  # a call starts the answer
-    call = engine.constraints.matcher(llama3_constraint(req))
+    call = engine.constraints.matcher(llama3_constraint(req, tokenizer.token_to_id))
     forced = '{"name":"get_weather","parameters":{"city":"'
     ids = tokenizer.encode(forced)
     assert ids[0] in _allowed(filler, call)
@@ -100,6 +101,26 @@ def test_auto_is_text_or_a_call_that_starts_with_a_brace(tiny_model_dir: Path) -
     for token_id in tokenizer.encode('Rome","unit":"celsius"}'):
         assert not call.consume(token_id)
     assert _allowed(filler, call) == set(tokenizer.encode("}"))  # the call object closes
+
+
+def test_a_call_may_follow_the_python_tag(tmp_path: Path) -> None:
+    model_dir = make_tiny_model(tmp_path / "tagged", vocab_size=260)
+    vocab = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
+    vocab.add_special_tokens(["<|python_tag|>"])
+    vocab.save(str(model_dir / "tokenizer.json"))
+    req = parse_tools({"tools": [WEATHER], "tool_choice": "auto"})
+    assert req is not None
+    engine = make_engine(model_dir)
+    tokenizer, filler = engine.tokenizer, MaskFiller(engine.model_config.vocab_size)
+    tag = tokenizer.token_to_id("<|python_tag|>")
+    assert tag == 259
+    matcher = engine.constraints.matcher(llama3_constraint(req, tokenizer.token_to_id))
+    assert tag in _allowed(filler, matcher)
+    assert not matcher.consume(tag)
+    assert _allowed(filler, matcher) == set(tokenizer.encode("{"))  # a call, nothing else
+    plain = engine.constraints.matcher(llama3_constraint(req, tokenizer.token_to_id))
+    plain.consume(tokenizer.encode("A")[0])
+    assert tag not in _allowed(filler, plain)  # not inside text
 
 
 def test_llama3_style_required_stream_and_multi_turn(tmp_path: Path) -> None:
