@@ -7,7 +7,8 @@ Calls are written in the Hermes format, `<tool_call>\\n{"name": ..., "arguments"
 described in a system message asking for the same format, earlier calls written into the
 assistant turns and results as `<tool_response>` user turns. "required" and a named function
 constrain the whole answer to calls whose arguments match the function's `parameters`; "auto"
-leaves text free and constrains a call's body once `<tool_call>` starts it."""
+leaves text free and constrains a call's body once `<tool_call>` starts it. Which format a
+template gets (this one, its fallback, or Llama 3.1's JSON calls) is tool_format's choice."""
 
 from __future__ import annotations
 
