@@ -38,8 +38,8 @@ from kvcore.service.streaming import (
     msgpack_frame,
     sse_event,
 )
-from kvcore.service.tool_stream import ToolCallStream
-from kvcore.service.tools import native_tools, parse_calls, render_messages, structured_kind
+from kvcore.service.tool_format import FORMATS, tool_format, with_format
+from kvcore.service.tools import structured_kind
 
 log = structlog.get_logger("kvcore.service")
 
@@ -94,7 +94,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     try:
         body = await read_json(request, state.max_body_size, state.body_timeout)
         engine = state.ready_engine()
-        req = parse_chat(body, engine.model_config.vocab_size)
+        req = with_format(parse_chat(body, engine.model_config.vocab_size), engine.tokenizer)
         name = state.model_name(req.model)
         state.check_num_seqs(req.n)
         check_prompt_chars("".join(m["content"] for m in req.messages), engine.max_model_len,
@@ -110,8 +110,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 def _chat_job(req: GenerationRequest, tokenizer: Tokenizer, max_model_len: int,
               call_id: str) -> Job:
-    messages, tools = render_messages(req.messages, req.tools,
-                                      native_tools(tokenizer.chat_template))
+    messages, tools = tool_format(tokenizer.chat_template).render(req.messages, req.tools)
     try:
         text = tokenizer.apply_chat_template(messages,
                                              add_generation_prompt=req.add_generation_prompt,
@@ -139,7 +138,7 @@ class _Formatter:
         self.chat_echo = last["content"] if (req.echo and last and last["role"] == "assistant"
                                              ) else ""
         # tool calls: each choice's text goes through a parser (content vs delta.tool_calls)
-        self.tool_streams = ({c.index: ToolCallStream() for c in gen.choices}
+        self.tool_streams = ({c.index: FORMATS[req.tools.format].stream() for c in gen.choices}
                              if req.tools is not None else None)
 
     def _envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
@@ -211,7 +210,7 @@ class _Formatter:
             if self.req.kind == "chat":
                 entry["message"] = {"role": "assistant", "content": text}
                 if self.req.tools is not None:
-                    content, calls = parse_calls(text)
+                    content, calls = FORMATS[self.req.tools.format].parse(text)
                     entry["message"] = {"role": "assistant", "content": content}
                     if calls:
                         entry["message"]["tool_calls"] = calls

@@ -7,7 +7,8 @@ Calls are written in the Hermes format, `<tool_call>\\n{"name": ..., "arguments"
 described in a system message asking for the same format, earlier calls written into the
 assistant turns and results as `<tool_response>` user turns. "required" and a named function
 constrain the whole answer to calls whose arguments match the function's `parameters`; "auto"
-leaves text free and constrains a call's body once `<tool_call>` starts it."""
+leaves text free and constrains a call's body once `<tool_call>` starts it. Which format a
+template gets (this one, its fallback, or Llama 3.1's JSON calls) is tool_format's choice."""
 
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ class ToolRequest:
     named: str | None  # the function tool_choice names
     parallel: bool
     raw: list[dict[str, Any]]  # the request's `tools`, for a template that renders them
+    format: str = "hermes"  # the chat template's tool-call format (tool_format.FORMATS)
 
 
 def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
@@ -131,11 +133,6 @@ def structured_kind(req: Any) -> str | None:
         return f"tools_{req.tools.mode}"
     constraint = req.sampling.get("constraint")
     return None if constraint is None else str(constraint.kind)
-
-
-def native_tools(template: str | None) -> bool:
-    """Whether the chat template renders tools and calls itself (Hermes-style tags)."""
-    return template is not None and OPEN in template
 
 
 def render_messages(messages: list[dict[str, Any]], req: ToolRequest | None, native: bool
