@@ -70,7 +70,8 @@ def test_engine_on_cuda_serves_the_half_deepseek_model(tmp_path: Path,
     route_kernels_through_emulation(monkeypatch)
     monkeypatch.setattr(kvcore.device, "cuda_available", lambda: True)
     monkeypatch.setattr(setup, "load_model",
-                        lambda model_dir, device="cuda": load_model(model_dir, "cpu", half=True))
+                        lambda model_dir, device="cuda", weight_format="none":
+                        load_model(model_dir, "cpu", weight_format, half=True))
     model, cache_dtype = load_engine_model(config("cuda"), "cuda")
     assert isinstance(model, HalfDeepseekModel) and model.graphs is None
     assert cache_dtype == "fp16"
