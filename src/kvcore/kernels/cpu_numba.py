@@ -188,3 +188,21 @@ def warm_up_cpu_kernels(cache_dtype: str) -> float:
         raise ValueError(f"cache_dtype must be one of {tuple(CPU_CACHE_DTYPES)}, "
                          f"got {cache_dtype!r}")
     return warm_up((CPU_CACHE_DTYPES[cache_dtype],))
+
+
+FEW_ROWS_MAX = 16  # up to this many rows the compiled matmul beats OpenBLAS's GEMM (see below)
+
+
+def few_rows_matmul(x: np.ndarray, weight: np.ndarray) -> np.ndarray | None:
+    """x (M, in) @ weight (out, in).T for 2 <= M <= FEW_ROWS_MAX float32 rows, compiled
+    (kvcore.kernels.few_rows_numba: 2-3x faster than OpenBLAS there, measured in
+    docs/benchmarks.md), or None when numba is off or the arrays are not float32 and
+    C-contiguous (the caller multiplies them itself)."""
+    if not (2 <= x.shape[0] <= FEW_ROWS_MAX and x.dtype == np.float32
+            and weight.dtype == np.float32 and weight.flags.c_contiguous and active()):
+        return None
+    from kvcore.kernels import few_rows_numba
+
+    out = np.empty((x.shape[0], weight.shape[0]), dtype=np.float32)
+    few_rows_numba.matmul_into(np.ascontiguousarray(x), weight, out)
+    return out
