@@ -42,10 +42,14 @@ def test_ngram_drafts_what_followed_the_latest_longest_match() -> None:
 def test_suffix_drafts_from_the_tenant_only() -> None:
     p = SuffixProposer(low=1, high=4, max_tokens_per_tenant=100, max_tenants=4)
     p.finish("old", [10, 11, 12, 13, 14, 15], "tenant-a")
-    # tenant a's output continues 11 12 with 13 14 15; the sequence's own tokens cannot
-    assert p.propose("x", [3, 4, 11, 12], "tenant-a", 3) == [13, 14, 15]
-    assert p.propose("y", [3, 4, 11, 12], "tenant-b", 3) == []  # never across tenants
-    assert p.propose("z", [3, 4, 11, 12], None, 3) == []
+    # tenant a's output continues 10 11 12 with 13 14 15; the sequence's own tokens cannot
+    assert p.propose("x", [3, 10, 11, 12], "tenant-a", 3) == [13, 14, 15]
+    assert p.propose("y", [3, 10, 11, 12], "tenant-b", 3) == []  # never across tenants
+    assert p.propose("z", [3, 10, 11, 12], None, 3) == []
+    # a two-token context seen once is too weak to draft from; seen twice it drafts
+    assert p.propose("v", [3, 4, 11, 12], "tenant-a", 3) == []
+    p.finish("again", [7, 11, 12, 13], "tenant-a")
+    assert p.propose("u", [3, 4, 11, 12], "tenant-a", 3) == [13, 14, 15]
     # its own tokens win when their match is longer
     assert p.propose("w", [11, 12, 99, 1, 11, 12, 99], "tenant-a", 2) == [1, 11]
 
