@@ -221,8 +221,14 @@ def test_draft_rows_are_costed_from_step_times() -> None:
     cost.observe(3.0, 1, 0, False)  # a step that prefilled: not timed
     cost.observe(9.0, 1, 0, True)
     assert cost.base == {1: pytest.approx(0.2 * 0.8 + 0.8 * 1.0)}
-    cost.observe(10.0, 2, 2, True)  # no base for 2 sequences yet: nothing learnt
-    cost.observe(11.0, 2, 0, True)
+    cost.observe(20.0, 1, 4, True)  # 11 s: the engine idled in between, not timed
+    cost.observe(25.0, 1, 0, True)  # 4 draft rows in 5 s: more than a step each, not timed
+    assert cost.base == {1: pytest.approx(0.96)}
+    assert cost.row_cost == {1: pytest.approx(0.21)}
+    cost.observe(26.0, 1, 0, True)  # 1 s: counts
+    assert cost.base == {1: pytest.approx(0.2 * 1.0 + 0.8 * 0.96)}
+    cost.observe(27.0, 2, 2, True)  # no base for 2 sequences yet: nothing learnt
+    cost.observe(28.0, 2, 0, True)
     assert 2 not in cost.row_cost
     cost.row_cost[3] = 0.9  # a stalled machine: capped, speculation stays possible
     assert cost.threshold(3) == 0.5

@@ -23,7 +23,8 @@ MAX_BACKOFF_STEPS = 128
 DEFAULT_ROW_COST = 0.25  # a draft row / a one-row step until measured (B rows: / B)
 MAX_THRESHOLD = 0.5
 COST_WEIGHT = 0.2  # of the latest step in the measured averages
-MAX_ROW_COST = 1.0  # a sample above this (a step stalled by something else) counts as this
+MAX_ROW_COST = 1.0  # a draft row costing more than a whole step: stalled by something else
+OUTLIER = 3.0  # a step without drafts this many times the average: idle or stalled, not timed
 
 
 class SeqState:
@@ -88,7 +89,8 @@ class StepCost:
     from the time between consecutive steps (one `observe` per step, before it is scheduled):
     per batch size B, an average of the steps without drafts, and of what each draft row of
     the others added to it. Steps that prefilled (or may have: requests were waiting) do not
-    count."""
+    count, nor do outliers: the time from a batch's last step to the next one includes
+    whatever the engine did meanwhile (idle, other work)."""
 
     def __init__(self) -> None:
         self.base: dict[int, float] = {}  # B -> seconds of a step without drafts
@@ -110,13 +112,15 @@ class StepCost:
             return
         start, b, rows, _ = last
         seconds = now - start
+        old = self.base.get(b)
         if rows == 0:
-            old = self.base.get(b)
-            self.base[b] = seconds if old is None else (
-                COST_WEIGHT * seconds + (1 - COST_WEIGHT) * old)
+            if old is None:
+                self.base[b] = seconds
+            elif seconds <= OUTLIER * old:
+                self.base[b] = COST_WEIGHT * seconds + (1 - COST_WEIGHT) * old
             return
-        base = self.base.get(b)
-        if base is None or base <= 0:
+        if old is None or old <= 0:
             return
-        sample = min(max((seconds / base - 1) / rows, 0.0), MAX_ROW_COST)
-        self.row_cost[b] = COST_WEIGHT * sample + (1 - COST_WEIGHT) * self.cost(b)
+        sample = max((seconds / old - 1) / rows, 0.0)
+        if sample <= MAX_ROW_COST:
+            self.row_cost[b] = COST_WEIGHT * sample + (1 - COST_WEIGHT) * self.cost(b)
