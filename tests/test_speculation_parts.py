@@ -17,6 +17,7 @@ from kvcore.model import BatchInput
 from kvcore.request import Sequence, SequenceStatus
 from kvcore.sampling import SamplingParams
 from kvcore.speculation import SpeculativeConfig, SpeculativeConfigError, Speculator
+from kvcore.speculation.adapt import StepCost
 from kvcore.speculation.ngram import NgramProposer, continuation
 from kvcore.speculation.suffix import SuffixProposer, TenantIndex
 from scheduler_helpers import make_request, make_scheduler
@@ -41,10 +42,14 @@ def test_ngram_drafts_what_followed_the_latest_longest_match() -> None:
 def test_suffix_drafts_from_the_tenant_only() -> None:
     p = SuffixProposer(low=1, high=4, max_tokens_per_tenant=100, max_tenants=4)
     p.finish("old", [10, 11, 12, 13, 14, 15], "tenant-a")
-    # tenant a's output continues 11 12 with 13 14 15; the sequence's own tokens cannot
-    assert p.propose("x", [3, 4, 11, 12], "tenant-a", 3) == [13, 14, 15]
-    assert p.propose("y", [3, 4, 11, 12], "tenant-b", 3) == []  # never across tenants
-    assert p.propose("z", [3, 4, 11, 12], None, 3) == []
+    # tenant a's output continues 10 11 12 with 13 14 15; the sequence's own tokens cannot
+    assert p.propose("x", [3, 10, 11, 12], "tenant-a", 3) == [13, 14, 15]
+    assert p.propose("y", [3, 10, 11, 12], "tenant-b", 3) == []  # never across tenants
+    assert p.propose("z", [3, 10, 11, 12], None, 3) == []
+    # a two-token context seen once is too weak to draft from; seen twice it drafts
+    assert p.propose("v", [3, 4, 11, 12], "tenant-a", 3) == []
+    p.finish("again", [7, 11, 12, 13], "tenant-a")
+    assert p.propose("u", [3, 4, 11, 12], "tenant-a", 3) == [13, 14, 15]
     # its own tokens win when their match is longer
     assert p.propose("w", [11, 12, 99, 1, 11, 12, 99], "tenant-a", 2) == [1, 11]
 
@@ -164,37 +169,77 @@ def _decoding(seq_id: str, tokens: list[int], **params: object) -> Sequence:
     return seq
 
 
+def _verify(spec: Speculator, seq: Sequence, drafts: dict[str, list[int]],
+            accept_all: bool) -> None:
+    """Accept the step's rows: every draft token accepted, or every one rejected at once."""
+    rows = len(drafts["a"]) + 1
+    drawn = [*drafts["a"], 0] if accept_all else [0] * rows
+    list(spec.accept([seq] * rows, drawn, [None] * rows, drafts))
+
+
 def test_adaptation_shrinks_drafts_and_backs_off_after_misses() -> None:
-    spec = Speculator(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1))
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1),
+                      clock=lambda: 0.0)
     seq = _decoding("a", [1, 2, 3, 1, 2, 3, 1, 2])
-    assert spec.propose([seq]) == {"a": [3, 1]}  # 2 tokens first
     assert spec.propose([_decoding("n", [1, 2, 1], n=2)]) == {}  # forks never draft
-    missed: list[int] = []
-    for step in range(12):
+    lengths: list[int] = []
+    for _ in range(30):
         drafts = spec.propose([seq])
-        missed.append(len(drafts.get("a", [])))
-        if "a" in drafts:  # every draft rejected: the drawn token differs at once
-            list(spec.accept([seq] * (len(drafts["a"]) + 1), [0] * (len(drafts["a"]) + 1),
-                             [None] * (len(drafts["a"]) + 1), drafts))
-        del step
-    # 2 tokens, a miss: 4 steps off, back with 1 token; another miss: 8 steps off
-    assert missed == [2, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0]
+        lengths.append(len(drafts.get("a", [])))
+        if "a" in drafts:
+            _verify(spec, seq, drafts, accept_all=False)
+    # acceptance estimate 2/3 against the default threshold 0.25: 3 tokens (2/3, 4/9, 8/27
+    # are above it, 16/81 is not); rejected: 1/2, so 1 token; a second miss in a row: 8 steps
+    # off, then a one-token probe; rejected: 16 steps off, another probe
+    assert lengths == [3, 1, *[0] * 8, 1, *[0] * 16, 1, 0, 0]
     stats = spec.stats
-    assert stats.num_drafts == 2 and stats.num_draft_tokens == 3
-    assert stats.num_accepted_tokens == 0 and seq.num_draft_tokens == 3
-    grow = Speculator(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1))
+    assert stats.num_drafts == 4 and stats.num_draft_tokens == 6
+    assert stats.num_accepted_tokens == 0 and seq.num_draft_tokens == 6
+    grow = Speculator(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1),
+                      clock=lambda: 0.0)
     lengths = []
-    for _ in range(5):  # every draft accepted: one token longer each step, up to k
+    for _ in range(4):  # every draft accepted: estimate 5/6, then all 4 positions pay
         drafts = grow.propose([seq])
         lengths.append(len(drafts["a"]))
-        rows = len(drafts["a"]) + 1
-        list(grow.accept([seq] * rows, [*drafts["a"], 0], [None] * rows, drafts))
-    assert lengths == [2, 3, 4, 4, 4]
+        _verify(grow, seq, drafts, accept_all=True)
+    assert lengths == [3, 4, 4, 4]
     many = [_decoding(f"s{i}", [1, 2, 1]) for i in range(9)]  # above max_batch (8)
     assert spec.propose(many) == {}
     seq.status = SequenceStatus.FINISHED_STOPPED
     spec.propose([])
     assert "a" not in spec._states
+
+
+def test_draft_rows_are_costed_from_step_times() -> None:
+    cost = StepCost()
+    assert cost.threshold(1) == 0.25 and cost.threshold(4) == 0.25  # before any step
+    cost.observe(0.0, 1, 0, True)
+    cost.observe(1.0, 1, 4, True)  # the step without drafts took 1 s
+    assert cost.base == {1: 1.0} and cost.row_cost == {}
+    cost.observe(2.2, 1, 0, True)  # 4 draft rows added 0.2 s: 0.05 a row
+    assert cost.row_cost[1] == pytest.approx(0.2 * 0.05 + 0.8 * 0.25)
+    cost.observe(3.0, 1, 0, False)  # a step that prefilled: not timed
+    cost.observe(9.0, 1, 0, True)
+    assert cost.base == {1: pytest.approx(0.2 * 0.8 + 0.8 * 1.0)}
+    cost.observe(20.0, 1, 4, True)  # 11 s: the engine idled in between, not timed
+    cost.observe(25.0, 1, 0, True)  # 4 draft rows in 5 s: more than a step each, not timed
+    assert cost.base == {1: pytest.approx(0.96)}
+    assert cost.row_cost == {1: pytest.approx(0.21)}
+    cost.observe(26.0, 1, 0, True)  # 1 s: counts
+    assert cost.base == {1: pytest.approx(0.2 * 1.0 + 0.8 * 0.96)}
+    cost.observe(27.0, 2, 2, True)  # no base for 2 sequences yet: nothing learnt
+    cost.observe(28.0, 2, 0, True)
+    assert 2 not in cost.row_cost
+    cost.row_cost[3] = 0.9  # a stalled machine: capped, speculation stays possible
+    assert cost.threshold(3) == 0.5
+    cheap = Speculator(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1),
+                       clock=lambda: 0.0)
+    cheap.cost.row_cost[1] = 0.05  # rows cheap: all of 2/3, 4/9, 8/27, 16/81 pay
+    assert cheap.propose([_decoding("a", [1, 2, 3, 1, 2, 3, 1, 2])]) == {"a": [3, 1, 2, 3]}
+    dear = Speculator(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1),
+                      clock=lambda: 0.0)
+    dear.cost.row_cost[1] = 0.45  # only the first position pays
+    assert dear.propose([_decoding("a", [1, 2, 3, 1, 2, 3, 1, 2])]) == {"a": [3]}
 
 
 def test_generate_flag_gives_the_same_text(tiny_model_dir: Path,

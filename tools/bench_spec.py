@@ -8,7 +8,8 @@ suffix are checked against its tokens with speculation off (they must be identic
 output tokens/s, the ratio to off, the acceptance rate (accepted / drafted tokens), the mean
 accepted length (tokens a verifying step emits: 1 + accepted per draft), and p50 / p99
 inter-token latency (a step that emits n tokens of a request after a gap g counts n gaps of
-g / n).
+g / n), and what each speculating engine learnt from its step times (a step without drafts,
+and a draft row's cost relative to it, by batch size).
 
     .venv/bin/python tools/bench_spec.py [--model DIR | --like DIR] [--device cpu|cuda]
         [--num-prompts 32] [--max-tokens 128] [--streams 1,8] [--workloads grounded,chat]
@@ -84,7 +85,8 @@ def run_round(engine: Any, prompts: dict[int, str], params: Any, tally: Tally) -
         tally.num_accepted += spec.num_accepted_tokens - before[2]
 
 
-def bench(model_dir: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+def bench(model_dir: str, args: argparse.Namespace
+          ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     from kvcore.engine import Engine
     from kvcore.engine.llm import engine_config
     from kvcore.sampling import SamplingParams
@@ -114,7 +116,16 @@ def bench(model_dir: str, args: argparse.Namespace) -> list[dict[str, Any]]:
                 for method in order[r % len(order):] + order[:r % len(order)]:
                     run_round(engines[method], batch, params, tallies[method])
             rows.extend(report(workload, num_streams, tallies))
-    return rows
+    return rows, {method: step_costs(engine) for method, engine in engines.items()
+                  if engine.core.speculator is not None}
+
+
+def step_costs(engine: Any) -> dict[str, Any]:
+    """What the speculator learnt from the step times, by batch size: a step without drafts
+    (ms) and a draft row's cost relative to it."""
+    cost = engine.core.speculator.cost
+    return {"step_ms": {b: round(s * 1000, 1) for b, s in sorted(cost.base.items())},
+            "draft_row_cost": {b: round(c, 3) for b, c in sorted(cost.row_cost.items())}}
 
 
 def report(workload: str, num_streams: int, tallies: dict[str, Tally]) -> list[dict[str, Any]]:
@@ -170,11 +181,12 @@ def main() -> int:
             model_dir = str(random_model(Path(args.like), Path(tmp) / "m"))
         else:
             model_dir = str(resolve_model(args.model))
-        rows = bench(model_dir, args)
+        rows, costs = bench(model_dir, args)
     if args.json:
-        print(json.dumps({"blas": blas, "rows": rows}, indent=1))
+        print(json.dumps({"blas": blas, "rows": rows, "step_costs": costs}, indent=1))
         return 0
     print(f"BLAS: {'; '.join(blas)}")
+    print(f"learnt step costs by batch size: {json.dumps(costs)}")
     print("| workload | streams | method | output tok/s | vs off | acceptance | mean accepted "
           "len | ITL p50 ms | ITL p99 ms | identical to off |")
     print("|---|---|---|---|---|---|---|---|---|---|")

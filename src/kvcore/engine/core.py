@@ -127,7 +127,8 @@ class EngineCore:
     def _schedule(self) -> SchedulerOutput:
         speculator = self.speculator
         return self.scheduler.schedule(
-            drafts=None if speculator is None else speculator.propose(self.scheduler.running))
+            drafts=None if speculator is None else speculator.propose(
+                self.scheduler.running, len(self.scheduler.waiting)))
 
     def _forget_preempted(self, seq_ids: Iterable[str]) -> None:
         """A preempted beam recomputes its row: its policy forgets the row it had."""

@@ -1,5 +1,6 @@
 """Which CPU attention runs: the compiled numba kernel (default) or the NumPy one (reference and
-fallback); the compiled kernel's checks, its disk cache and its start-up warm-up.
+fallback); the compiled kernel's checks, its disk cache and its start-up warm-up; and the
+compiled few-rows matmul (kvcore.kernels.few_rows_numba) the CPU forward uses for 2-16 rows.
 
 numba caches compiled kernels on disk (next to the source, or under $KVCORE_HOME/numba-cache when
 the package directory is read-only), so only a machine's first start compiles; `warm_up` loads
@@ -163,7 +164,8 @@ def paged_attention(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
 
 def warm_up(cache_dtypes: tuple[np.dtype, ...] = (np.dtype(np.float32),)) -> float:
     """Load (or compile, on a machine's first start) the kernel for each cache dtype: a tiny
-    mixed batch (a prefill chunk and a decode token, a sliding window) per dtype. Returns the
+    mixed batch (a prefill chunk and a decode token, a sliding window) per dtype; and the
+    few-rows matmul. Returns the
     seconds it took; logs which attention path the CPU runs."""
     start = time.perf_counter()
     if active():
@@ -175,6 +177,7 @@ def warm_up(cache_dtypes: tuple[np.dtype, ...] = (np.dtype(np.float32),)) -> flo
             for window in (None, 2):
                 paged_attention(query, cache, cache, tables, np.array([3, 5], np.int32),
                                 np.array([0, 3, 4], np.int32), 0.3, window, 1.0, 1.0)
+        few_rows_matmul(np.ones((2, 8), np.float32), np.ones((3, 8), np.float32))
     seconds = time.perf_counter() - start
     log.info("CPU paged attention", path=path_name(), warm_up_s=round(seconds, 2))
     return seconds
@@ -188,3 +191,21 @@ def warm_up_cpu_kernels(cache_dtype: str) -> float:
         raise ValueError(f"cache_dtype must be one of {tuple(CPU_CACHE_DTYPES)}, "
                          f"got {cache_dtype!r}")
     return warm_up((CPU_CACHE_DTYPES[cache_dtype],))
+
+
+FEW_ROWS_MAX = 16  # up to this many rows the compiled matmul beats OpenBLAS's GEMM
+
+
+def few_rows_matmul(x: np.ndarray, weight: np.ndarray) -> np.ndarray | None:
+    """x (M, in) @ weight (out, in).T for 2 <= M <= FEW_ROWS_MAX float32 rows, compiled
+    (kvcore.kernels.few_rows_numba: 2-3x faster than OpenBLAS there, measured in
+    docs/benchmarks.md), or None when numba is off or the arrays are not float32 and
+    C-contiguous (the caller multiplies them itself)."""
+    if not (2 <= x.shape[0] <= FEW_ROWS_MAX and x.dtype == np.float32
+            and weight.dtype == np.float32 and weight.flags.c_contiguous and active()):
+        return None
+    from kvcore.kernels import few_rows_numba
+
+    out = np.empty((x.shape[0], weight.shape[0]), dtype=np.float32)
+    few_rows_numba.matmul_into(np.ascontiguousarray(x), weight, out)
+    return out

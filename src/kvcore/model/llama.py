@@ -14,11 +14,13 @@ from kvcore.cache.kv_cache import KVCache
 from kvcore.config import ModelConfig
 from kvcore.device import get_xp, resolve_device, to_numpy
 from kvcore.kernels import cpu, quant
+from kvcore.kernels.cpu_numba import few_rows_matmul
 from kvcore.kernels.quant import QuantizedWeight
 from kvcore.model.batch import BatchInput, InputFill
 from kvcore.model.staging import CupyStaging, HostStaging
 
-_FEW_ROWS = 64  # up to this many rows, _linear multiplies weight @ x.T (measured on this CPU)
+_FEW_ROWS = 64  # up to this many rows, _linear multiplies weight @ x.T (measured on this CPU;
+# up to cpu_numba.FEW_ROWS_MAX rows the compiled few-rows matmul instead, where numba runs)
 # the LM head's (vocab, hidden) weight: weight @ x.T pays off only for a few rows, since its
 # (vocab, rows) result is then copied to row-major (1.5x slower at 64 rows, measured)
 _FEW_ROWS_LM_HEAD = 16
@@ -265,5 +267,6 @@ def _linear(x: Any, weight: Any, few_rows: int = _FEW_ROWS) -> Any:
     if isinstance(weight, tuple):
         return np.concatenate([quant.linear(x, part) for part in weight], axis=1)
     if 1 < x.shape[0] <= few_rows and not kernels.uses_cuda_kernels(x):
-        return (weight @ x.T).T
+        out = few_rows_matmul(x, weight) if isinstance(x, np.ndarray) else None
+        return (weight @ x.T).T if out is None else out
     return x @ weight.T

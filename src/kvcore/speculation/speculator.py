@@ -10,8 +10,8 @@ seeded: speculation changes how many forward passes they take, never what they a
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -20,14 +20,9 @@ from kvcore.config_speculative import SpeculativeConfig
 from kvcore.request import Sequence as Seq
 from kvcore.request import SequenceStatus
 from kvcore.sampling import SamplingParams, SamplingRow, TokenLogprob
+from kvcore.speculation.adapt import SeqState, StepCost
 from kvcore.speculation.ngram import NgramProposer
 from kvcore.speculation.suffix import SuffixProposer
-
-EMA_WEIGHT = 0.5  # of the latest step in a sequence's accepted-tokens average
-FIRST_EMA = 1.0  # a sequence's first drafts are 2 tokens long; they grow as they get accepted
-MISSES_BEFORE_BACKOFF = 1  # steps in a row with no draft token accepted
-FIRST_BACKOFF_STEPS = 4  # then no drafts for this many steps, doubled at every further miss
-MAX_BACKOFF_STEPS = 64
 
 
 class Proposer(Protocol):
@@ -48,41 +43,14 @@ class SpecDecodeStats:
     accepted_per_pos: list[int] = field(default_factory=list)  # (k,) accepted at position i
 
 
-class _State:
-    """A sequence's adaptation: its accepted-tokens average and its backoff."""
-
-    __slots__ = ("seq", "ema", "misses", "backoff", "resume_step")
-
-    def __init__(self, seq: Seq) -> None:
-        self.seq = seq
-        self.ema = FIRST_EMA  # accepted draft tokens per verifying step, averaged
-        self.misses = 0
-        self.backoff = FIRST_BACKOFF_STEPS
-        self.resume_step = 0  # no drafts before this step
-
-    def num_draft(self, k: int) -> int:
-        """One more than it has been accepting: a run of full acceptances grows it to k."""
-        return max(1, min(k, math.ceil(self.ema) + 1))
-
-    def update(self, num_accepted: int, step: int) -> None:
-        self.ema = EMA_WEIGHT * num_accepted + (1 - EMA_WEIGHT) * self.ema
-        if num_accepted:
-            self.misses = 0
-            self.backoff = FIRST_BACKOFF_STEPS
-            return
-        self.misses += 1
-        if self.misses >= MISSES_BEFORE_BACKOFF:
-            self.resume_step = step + self.backoff + 1
-            self.backoff = min(2 * self.backoff, MAX_BACKOFF_STEPS)
-            self.misses = 0
-            self.ema = 0.0  # back with one draft token
-
-
 class Speculator:
     """Proposes drafts for the sequences that may speculate and accepts them after the step."""
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.config = config
+        self.clock = clock
+        self.cost = StepCost()
         self.k = config.num_speculative_tokens
         self.proposer: Proposer = (
             NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
@@ -90,42 +58,48 @@ class Speculator:
             SuffixProposer(config.prompt_lookup_min, config.prompt_lookup_max,
                            config.suffix_max_tokens_per_tenant, config.suffix_max_tenants))
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k)
-        self._states: dict[str, _State] = {}
+        self._states: dict[str, SeqState] = {}
         self._step = 0
 
     def active(self, num_running: int) -> bool:
         """A batch of this many running sequences speculates."""
         return num_running <= self.config.max_batch_for_speculation
 
-    def propose(self, running: Sequence[Seq]) -> dict[str, list[int]]:
-        """Drafts by sequence id for this step's decodes. Forks (n > 1), beams, constrained
-        rows, sequences with a pending token, prefills and backed-off sequences get none."""
+    def propose(self, running: Sequence[Seq], num_waiting: int = 0) -> dict[str, list[int]]:
+        """Drafts by sequence id for this step's decodes (`num_waiting`: requests waiting for
+        admission). Forks (n > 1), beams, constrained rows, sequences with a pending token,
+        prefills, backed-off sequences and those whose drafts are not worth their rows (adapt.py)
+        get none."""
         self._step += 1
         self._forget_finished()
+        decoding = [seq for seq in running if len(seq.token_ids) - seq.num_computed_tokens == 1]
+        clean = num_waiting == 0 and len(decoding) == len(running)
         if not running or not self.active(len(running)):
+            self.cost.observe(self.clock(), len(running), 0, False)
             return {}
+        threshold = self.cost.threshold(len(running))
         drafts: dict[str, list[int]] = {}
-        for seq in running:
+        for seq in decoding:
             params = seq.params
             token_ids = seq.token_ids
             if (not isinstance(params, SamplingParams) or params.n > 1
                     or params.constraint is not None  # its mask follows accepted tokens only
-                    or len(token_ids) - seq.num_computed_tokens != 1
                     or token_ids[-1] == PENDING_TOKEN_ID):
                 continue
             state = self._states.get(seq.seq_id)
             if state is None:
-                state = self._states[seq.seq_id] = _State(seq)
-            if state.resume_step > self._step:
-                continue
+                state = self._states[seq.seq_id] = SeqState(seq)
             # every draft token is followed by one more drawn token: never past the limit
             room = seq.length_limit - len(token_ids) - 1
-            num = min(state.num_draft(self.k), room)
+            if room < 1:
+                continue
+            num = min(state.num_draft(self.k, threshold, self._step), room)
             if num < 1:
                 continue
             draft = self.proposer.propose(seq.seq_id, token_ids, seq.cache_salt, num)
             if draft:
                 drafts[seq.seq_id] = draft
+        self.cost.observe(self.clock(), len(running), sum(map(len, drafts.values())), clean)
         return drafts
 
     def _forget_finished(self) -> None:
@@ -174,7 +148,7 @@ class Speculator:
         seq.num_accepted_tokens += num_accepted
         state = self._states.get(seq.seq_id)
         if state is not None:
-            state.update(num_accepted, self._step)
+            state.update(num_draft, num_accepted, self._step)
 
 
 def draft_rows(seq: Seq, draft: list[int], row: SamplingRow) -> list[SamplingRow]:
