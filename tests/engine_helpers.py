@@ -59,3 +59,11 @@ def assert_pool_empty(engine: Engine) -> None:
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
     assert not engine.scheduler.running and not engine.scheduler.waiting
     assert not engine.kv.seq_ids()
+
+
+def allowed_tokens(filler: Any, matcher: Any) -> set[int]:
+    """The token ids a constraint matcher allows next (its packed mask from `filler`, a
+    constraints.MaskFiller, unpacked)."""
+    mask = filler.fill([matcher])[0]
+    bits = np.unpackbits(mask.view(np.uint8), bitorder="little")
+    return set(np.flatnonzero(bits).tolist())

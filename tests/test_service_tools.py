@@ -6,12 +6,10 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import pytest
 
-from engine_helpers import make_engine, random_prompts, run_all
+from engine_helpers import allowed_tokens, make_engine, random_prompts, run_all
 from kvcore.sampling import SamplingParams
 from kvcore.sampling.constraints import MaskFiller
 from kvcore.service.tool_stream import ToolCallStream
@@ -76,12 +74,6 @@ def test_fallback_rendering_describes_tools_and_writes_calls_as_text() -> None:
         "city": "Rome"}
 
 
-def _allowed(filler: MaskFiller, matcher: Any) -> set[int]:
-    mask = filler.fill([matcher])[0]
-    bits = np.unpackbits(mask.view(np.uint8), bitorder="little")
-    return set(np.flatnonzero(bits).tolist())
-
-
 def test_auto_constrains_a_call_once_it_starts(tiny_model_dir: Path) -> None:
     req = parse_tools({"tools": [WEATHER], "tool_choice": "auto"})
     assert req is not None
@@ -93,12 +85,12 @@ def test_auto_constrains_a_call_once_it_starts(tiny_model_dir: Path) -> None:
         assert not matcher.consume(token_id)  # free text, then the trigger
     forced = '\n{"name": "get_weather", "arguments": {"city":"'
     for token_id in tokenizer.encode(forced):  # the call's head is forced, token by token
-        assert _allowed(filler, matcher) == {token_id}
+        assert allowed_tokens(filler, matcher) == {token_id}
         matcher.consume(token_id)
-    assert len(_allowed(filler, matcher)) > 100  # inside the city string
+    assert len(allowed_tokens(filler, matcher)) > 100  # inside the city string
     for token_id in tokenizer.encode('Rome"'):
         matcher.consume(token_id)
-    assert _allowed(filler, matcher) == set(tokenizer.encode("}"))  # no other property
+    assert allowed_tokens(filler, matcher) == set(tokenizer.encode("}"))  # no other property
     # free text alone (no trigger) is a complete answer too
     outputs = run_all(engine, random_prompts(8, 2), SamplingParams(
         max_tokens=12, temperature=1.0, seed=5, constraint=tool_constraint(req)))

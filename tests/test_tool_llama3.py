@@ -12,12 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
-import numpy as np
 import openai
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
-from engine_helpers import make_engine
+from engine_helpers import allowed_tokens, make_engine
 from kvcore.model.tokenizer import Tokenizer
 from kvcore.sampling.constraints import MaskFiller
 from kvcore.service.tool_format import FALLBACK, HERMES, LLAMA3_JSON, tool_format
@@ -71,12 +70,6 @@ def test_stream_matches_the_whole_answer(seed: int) -> None:
         '{"name": "get_time", "parameters": {"zone": 1', [])  # cut by max_tokens: content
 
 
-def _allowed(filler: MaskFiller, matcher: Any) -> set[int]:
-    mask = filler.fill([matcher])[0]
-    bits = np.unpackbits(mask.view(np.uint8), bitorder="little")
-    return set(np.flatnonzero(bits).tolist())
-
-
 def test_auto_is_text_or_a_call_that_starts_with_a_brace(tiny_model_dir: Path) -> None:
     req = parse_tools({"tools": [WEATHER], "tool_choice": "auto"})
     assert req is not None
@@ -85,22 +78,22 @@ def test_auto_is_text_or_a_call_that_starts_with_a_brace(tiny_model_dir: Path) -
     text = engine.constraints.matcher(llama3_constraint(req, tokenizer.token_to_id))
     for token_id in tokenizer.encode("\n It is {sunny}"):  # free text may hold braces later
         assert not text.consume(token_id)
-    assert tokenizer.eos_token_id in _allowed(filler, text)
+    assert tokenizer.eos_token_id in allowed_tokens(filler, text)
     blank = engine.constraints.matcher(llama3_constraint(req, tokenizer.token_to_id))
     blank.consume(tokenizer.encode("\n")[0])
-    assert tokenizer.encode("{")[0] not in _allowed(filler, blank)  # a call starts the answer
+    assert tokenizer.encode("{")[0] not in allowed_tokens(filler, blank)  # a call starts the answer
     call = engine.constraints.matcher(llama3_constraint(req, tokenizer.token_to_id))
     forced = '{"name":"get_weather","parameters":{"city":"'
     ids = tokenizer.encode(forced)
-    assert ids[0] in _allowed(filler, call)
+    assert ids[0] in allowed_tokens(filler, call)
     call.consume(ids[0])
     for token_id in ids[1:]:  # once "{" starts it, the call's head is forced
-        assert _allowed(filler, call) == {token_id}
+        assert allowed_tokens(filler, call) == {token_id}
         call.consume(token_id)
-    assert len(_allowed(filler, call)) > 100  # inside the city string
+    assert len(allowed_tokens(filler, call)) > 100  # inside the city string
     for token_id in tokenizer.encode('Rome","unit":"celsius"}'):
         assert not call.consume(token_id)
-    assert _allowed(filler, call) == set(tokenizer.encode("}"))  # the call object closes
+    assert allowed_tokens(filler, call) == set(tokenizer.encode("}"))  # the call object closes
 
 
 def test_a_call_may_follow_the_python_tag(tmp_path: Path) -> None:
@@ -115,12 +108,12 @@ def test_a_call_may_follow_the_python_tag(tmp_path: Path) -> None:
     tag = tokenizer.token_to_id("<|python_tag|>")
     assert tag == 259
     matcher = engine.constraints.matcher(llama3_constraint(req, tokenizer.token_to_id))
-    assert tag in _allowed(filler, matcher)
+    assert tag in allowed_tokens(filler, matcher)
     assert not matcher.consume(tag)
-    assert _allowed(filler, matcher) == set(tokenizer.encode("{"))  # a call, nothing else
+    assert allowed_tokens(filler, matcher) == set(tokenizer.encode("{"))  # a call, nothing else
     plain = engine.constraints.matcher(llama3_constraint(req, tokenizer.token_to_id))
     plain.consume(tokenizer.encode("A")[0])
-    assert tag not in _allowed(filler, plain)  # not inside text
+    assert tag not in allowed_tokens(filler, plain)  # not inside text
 
 
 def test_llama3_style_required_stream_and_multi_turn(tmp_path: Path) -> None:
