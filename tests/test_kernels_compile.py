@@ -150,7 +150,9 @@ def test_planner_reads_the_kernels_smem_formula_and_registers(tmp_path,
 # DeepSeek's latent shape (512 + 64): the 16-bit cache on one arch, fp8 on the other
 @pytest.mark.parametrize("variant", [("bf16", "bf16", "80"), ("f16", "fp8", "90")],
                          ids=lambda v: "-".join(v))
-def test_mla_kernel_uses_tensor_cores(variant: tuple[str, str, str]) -> None:
+def test_mla_kernel_is_a_register_tile_kernel(variant: tuple[str, str, str]) -> None:
+    from kvcore.kernels.cuda_mla import MLA_REGISTERS, mla_tile_traffic
+
     act, cache, arch = variant
     (chosen,) = [v for v in compile_check.variants((), (), ((act, cache),))
                  if v.source == "mla_attention.cu"]
@@ -158,12 +160,48 @@ def test_mla_kernel_uses_tensor_cores(variant: tuple[str, str, str]) -> None:
     assert {r.kernel for r in reports} == EXPECTED_KERNELS["mla_attention.cu"]
     report = next(r for r in reports if r.kernel == "mla_paged_attention")
     print(f"{report.variant} sm_{arch}: {report.registers} registers, {report.tensor_core_ops} "
-          f"wmma.mma, {report.vector_loads} 16-byte loads, {report.dynamic_smem} bytes of "
-          "dynamic shared memory")
-    assert report.tensor_core_ops >= 2  # S = Q K^T and O += P V
-    assert report.vector_loads >= 2  # the cache tile and the query tile
+          f"mma.sync, {report.cp_async} cp.async, {report.tile_smem_bytes} shared bytes per "
+          f"tile of {report.tile_global_bytes}, {report.dynamic_smem} bytes of dynamic shared "
+          "memory")
+    # per 32-key tile: S 36 k-steps x 2 n-tiles per warp, O 2 key steps x 8 n-tiles x 4 row
+    # blocks (each V fragment loaded once for the 4 row blocks)
+    assert report.tensor_core_ops == 36 * 2 + 2 * 8 * 4
+    assert report.cp_async > 0
+    itemsize = 1 if cache == "fp8" else 2
+    tile, shared, _ = mla_tile_traffic(512, 64, itemsize)
+    assert report.tile_global_bytes == tile
+    if itemsize == 2:  # the PTX moves exactly what the traffic model counts
+        assert report.tile_smem_bytes == shared
+    assert report.registers <= MLA_REGISTERS
     assert 48 * 1024 < report.dynamic_smem <= compile_check.SMEM_OPT_IN["80"]
     assert compile_check.problems(reports, [chosen]) == []
+
+
+def test_mla_launcher_reads_the_kernels_smem_formula(tmp_path) -> None:
+    """mla_smem_bytes is the kernel's kSmemBytes (a static_assert in the kernel's compile)."""
+    from kvcore.kernels.cuda_mla import mla_defines, mla_smem_bytes
+
+    probe = tmp_path / "smem_probe.cu"
+    for rank, rope, cache in ((512, 64, "fp8"), (960, 64, "bf16")):
+        itemsize = 1 if cache == "fp8" else 2
+        probe.write_text('#include "mla_attention.cu"\n'
+                         f"static_assert(kSmemBytes == {mla_smem_bytes(rank, rope, itemsize)},"
+                         ' "launcher and kernel disagree on shared memory");\n')
+        compile_check.compile_source(probe, "90", mla_defines(rank, rope, "bf16", cache))
+
+
+def test_mla_traffic_limit_is_checked() -> None:
+    chosen = [compile_check.Variant("mla_attention.cu")]
+    tile = dict(tensor_core_ops=136, cp_async=18, tile_global_bytes=36864,
+                variant="KVC_LORA_RANK=512 KVC_ROPE_DIM=64")
+    assert compile_check.problems([_report("mla_paged_attention", **tile,
+                                           tile_smem_bytes=32 * 14 * 1024)], chosen) == []
+    (traffic,) = compile_check.problems([_report("mla_paged_attention", **tile,
+                                                 tile_smem_bytes=32 * 14 * 1024 + 32)], chosen)
+    assert traffic.startswith("shared-memory traffic per cached key")
+    (no_cp,) = compile_check.problems([_report("mla_paged_attention", **{**tile, "cp_async": 0},
+                                               tile_smem_bytes=1024)], chosen)
+    assert no_cp.startswith("no cp.async staging")
 
 
 def _report(kernel: str, **fields: int | str) -> compile_check.KernelReport:

@@ -12,7 +12,8 @@ widths plus cp.async sizes, times the block's threads from `.maxntid`). It exits
 compile error, a spill, shared memory above the arch's opt-in limit, a decode variant of a group
 up to 8 above DECODE_REGISTER_BUDGET registers or without 16-byte loads, a tensor-core (prefill
 or MLA) variant without tensor-core instructions, or a register-tile kernel without cp.async or
-moving more than TILE_SMEM_RATIO x its tile's global bytes through shared memory per tile.
+moving more than TILE_SMEM_RATIO x its tile's global bytes through shared memory per tile
+(prefill: PREFILL_TILE_SMEM_LIMIT per 64 x 64 tile; MLA: MLA_KEY_SMEM_LIMIT per cached key).
 cuda.py loads the kernels with the same `nvrtc_options()`.
 """
 
@@ -44,10 +45,14 @@ TENSOR_CORE_KERNELS = ("paged_attention_prefill_tc", "paged_attention_decode_tc"
                        "mla_paged_attention")
 SMEM_OPT_IN = {"80": 163 * 1024, "90": 227 * 1024}  # most shared memory a block may opt in to
 # kernels that keep S, P, O in registers and stage K/V with cp.async: their limits
-REGISTER_TILE_KERNELS = ("paged_attention_decode_tc", "paged_attention_prefill_mma")
+REGISTER_TILE_KERNELS = ("paged_attention_decode_tc", "paged_attention_prefill_mma",
+                         "mla_paged_attention")
 TILE_SMEM_RATIO = 2.0  # decode: shared-memory bytes per key tile over its global (K + V) bytes
 PREFILL_TILE_SMEM_LIMIT = 150 * 1024  # prefill: shared bytes per 64 query rows x 64 keys
 PREFILL_MMA_ROWS = 128  # query rows of a paged_attention_prefill_mma block (per key tile)
+# MLA: shared-memory bytes per cached key of a 64-row block (the traffic model's 13 KB at
+# DeepSeek's 512 + 64, 16-bit cache: mostly the Q and K fragments of S)
+MLA_KEY_SMEM_LIMIT = 14 * 1024
 
 _ENTRY = re.compile(r"Compiling entry function '(\w+)' for 'sm_(\d+)'")
 _STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -104,7 +109,7 @@ def variants(head_dims: tuple[int, ...] = CHECK_HEAD_DIMS, groups: tuple[int, ..
         prefill_tc_defines,
         prefill_tc_smem_bytes,
     )
-    from kvcore.kernels.cuda_mla import mla_defines, mla_smem_bytes
+    from kvcore.kernels.cuda_mla import mla_defines, mla_key_tile, mla_smem_bytes
 
     out: list[Variant] = []
     for path in kernel_sources():
@@ -129,7 +134,9 @@ def variants(head_dims: tuple[int, ...] = CHECK_HEAD_DIMS, groups: tuple[int, ..
                             prefill_tc_smem_bytes(d))
                     for d in head_dims for act, cache in dtypes if act != "f32"]
         elif path.name == "mla_attention.cu":
-            out += [Variant(path.name, mla_defines(r, dr, act, cache), 0, mla_smem_bytes(r, dr))
+            out += [Variant(path.name, mla_defines(r, dr, act, cache), 0,
+                            mla_smem_bytes(r, dr, _ITEMSIZE[cache]),
+                            mla_key_tile(r + dr) * (r + dr) * _ITEMSIZE[cache])
                     for r, dr in mla_shapes for act, cache in dtypes if act != "f32"]
         else:
             out.append(Variant(path.name))
@@ -239,7 +246,13 @@ def problems(reports: list[KernelReport], chosen: list[Variant]) -> list[str]:
         if r.kernel in REGISTER_TILE_KERNELS:
             if r.cp_async == 0:
                 found.append(f"no cp.async staging: {where}")
-            if r.kernel == "paged_attention_prefill_mma":
+            if r.kernel == "mla_paged_attention":
+                per_key = r.tile_smem_bytes // _mla_tile_keys(r.variant)
+                if per_key == 0 or per_key > MLA_KEY_SMEM_LIMIT:
+                    found.append(f"shared-memory traffic per cached key: {where} moves "
+                                 f"{per_key} bytes (at most {MLA_KEY_SMEM_LIMIT}; 0 = no tile "
+                                 "loop found)")
+            elif r.kernel == "paged_attention_prefill_mma":
                 per_64 = r.tile_smem_bytes * 64 // PREFILL_MMA_ROWS
                 if per_64 == 0 or per_64 > PREFILL_TILE_SMEM_LIMIT:
                     found.append(f"shared-memory traffic per 64 x 64 tile: {where} moves "
@@ -254,6 +267,15 @@ def problems(reports: list[KernelReport], chosen: list[Variant]) -> list[str]:
             found.append(f"shared memory over the sm_{r.arch} limit: {where} needs "
                          f"{r.static_smem + r.dynamic_smem} bytes")
     return found
+
+
+def _mla_tile_keys(variant: str) -> int:
+    """Keys per tile of an MLA variant, from its -D options (the kernel's default shape when
+    they are absent)."""
+    from kvcore.kernels.cuda_mla import mla_key_tile
+
+    value = dict(d.split("=", 1) for d in variant.split() if "=" in d)
+    return mla_key_tile(int(value.get("KVC_LORA_RANK", 512)) + int(value.get("KVC_ROPE_DIM", 64)))
 
 
 def main(argv: list[str] | None = None) -> int:

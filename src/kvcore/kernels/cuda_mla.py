@@ -17,12 +17,15 @@ from kvcore.kernels.cuda_launch import (
     suffix_of,
     upload_seq_metadata,
 )
-from kvcore.kernels.cuda_occupancy import MAX_PARTITIONS, SM_SMEM_BYTES, decode_partitions
+from kvcore.kernels.cuda_occupancy import MAX_PARTITIONS, blocks_per_sm, decode_partitions
 
 _CTYPES = {"f16": "__half", "bf16": "__nv_bfloat16", "fp8": "__nv_fp8_e4m3"}
-MLA_THREADS = 128
-MLA_ROWS = 32  # (position, head) query rows per block
+MLA_THREADS = 256
+MLA_ROWS = 64  # (position, head) query rows per block
 MLA_WIDTH_LIMIT = 1024  # kv_lora_rank + rope dim the kernel's tiles are written for
+# registers per thread of mla_paged_attention (ptxas: 211-220 at 512 + 64 on sm_80 / sm_90): 1
+# block of 8 warps per SM, as shared memory allows; the planner reads it, a compile test bounds it
+MLA_REGISTERS = 224
 
 
 def mla_defines(kv_lora_rank: int, rope_dim: int, suffix: str,
@@ -33,17 +36,23 @@ def mla_defines(kv_lora_rank: int, rope_dim: int, suffix: str,
 
 
 def mla_key_tile(width: int) -> int:
-    """Keys per tile: 64, or 32 for rows wider than 320 (DeepSeek's 576) so the tiles fit."""
-    return 32 if width > 320 else 64
+    """Keys per staged tile: 32, or 16 for rows wider than DeepSeek's 576 (so the tiles fit)."""
+    return 16 if width > 576 else 32
 
 
-def mla_smem_bytes(kv_lora_rank: int, rope_dim: int) -> int:
-    """mla_attention.cu's kSmemBytes: Q and K tiles (16-bit, rows padded by 8), scores (fp32,
-    +4), probabilities (16-bit, +8), output (fp32, +4)."""
+def mla_smem_bytes(kv_lora_rank: int, rope_dim: int, cache_itemsize: int = 2) -> int:
+    """mla_attention.cu's kSmemBytes: the Q rows (16-bit), two buffers of raw cache tiles,
+    P (16-bit), all rows padded by 16 bytes, and 3 fp32 row statistics."""
     width = kv_lora_rank + rope_dim
     rows, keys = MLA_ROWS, mla_key_tile(width)
-    return (2 * (rows + keys) * (width + 8) + 4 * rows * (keys + 4) + 2 * rows * (keys + 8)
-            + 4 * rows * (kv_lora_rank + 4))
+    return (rows * (2 * width + 16) + 2 * keys * (cache_itemsize * width + 16)
+            + rows * (2 * keys + 16) + 3 * rows * 4)
+
+
+def mla_blocks_per_sm(kv_lora_rank: int, rope_dim: int, cache_itemsize: int) -> int:
+    """Resident MLA blocks per SM (sm_90) from the kernel's registers and kSmemBytes."""
+    return blocks_per_sm(MLA_THREADS, MLA_REGISTERS,
+                         mla_smem_bytes(kv_lora_rank, rope_dim, cache_itemsize))
 
 
 def plan_mla_attention(backend: Backend, query: Any, cache: Any, block_tables: Any,
@@ -104,8 +113,7 @@ def plan_mla_attention(backend: Backend, query: Any, cache: Any, block_tables: A
     if num_partitions is not None:
         parts = num_partitions
     elif decode_span > 0 and num_decode != 0:
-        # resident blocks per SM: shared memory bounds the MLA kernel (1 at 512 + 64)
-        resident = max(1, SM_SMEM_BYTES // (mla_smem_bytes(kv_lora_rank, rope_dim) + 1024))
+        resident = max(1, mla_blocks_per_sm(kv_lora_rank, rope_dim, cache.dtype.itemsize))
         parts = decode_partitions((num_decode or num_seqs) * head_tiles,
                                   -(-decode_span // block_size), block_size, backend.num_sms,
                                   resident)
@@ -116,13 +124,15 @@ def plan_mla_attention(backend: Backend, query: Any, cache: Any, block_tables: A
     max_logits = xp.empty(stats_shape, np.float32)  # (S, H, P)
     exp_sums = xp.empty(stats_shape, np.float32)
     defines = mla_defines(kv_lora_rank, rope_dim, suffix, cache_suffix)
-    ints = (num_heads, block_size, max_blocks, parts)
+    # power-of-two block sizes: the kernel reads the block table with shifts (-1: division)
+    shift = block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1
+    ints = (num_heads, block_size, shift, max_blocks, parts)
     launches = [Launch(
         backend.function("mla_attention.cu", "mla_paged_attention", defines),
         (-(-max_q_len * num_heads // MLA_ROWS), num_seqs, parts), (MLA_THREADS,),
         (out, query, cache, block_tables, context_lens, query_start_loc, tmp_out, max_logits,
          exp_sums, *(np.int32(v) for v in ints), np.float32(scale), np.float32(kv_scale)),
-        mla_smem_bytes(kv_lora_rank, rope_dim))]
+        mla_smem_bytes(kv_lora_rank, rope_dim, cache.dtype.itemsize))]
     if parts > 1:
         launches.append(Launch(
             backend.function("mla_attention.cu", "mla_reduce", defines),
@@ -131,3 +141,18 @@ def plan_mla_attention(backend: Backend, query: Any, cache: Any, block_tables: A
              np.int32(parts)),
             4 * (parts + 1)))
     return out, launches
+
+
+def mla_tile_traffic(kv_lora_rank: int, rope_dim: int,
+                     cache_itemsize: int = 2) -> tuple[int, int, int]:
+    """The traffic model of one key tile of one 64-row block: (global bytes, shared-memory
+    bytes, FLOPs). Shared: the tile in by cp.async; Q and K fragments of S (each of the 8 warps
+    reads its row block's Q and its key half of K); P written once and read by every warp; V
+    (the tile's latent columns) read once; the row maxima, rescale factors and their reads."""
+    width = kv_lora_rank + rope_dim
+    keys, rows, warps = mla_key_tile(width), MLA_ROWS, MLA_THREADS // 32
+    tile = keys * width * cache_itemsize
+    fragments = warps * 16 * width * 2 + warps * keys // 2 * width * cache_itemsize
+    softmax = rows * keys * 2 * (1 + warps) + (3 * 2 + 8) * 4 * MLA_THREADS
+    values = keys * kv_lora_rank * cache_itemsize
+    return tile, tile + fragments + softmax + values, 2 * rows * keys * (width + kv_lora_rank)

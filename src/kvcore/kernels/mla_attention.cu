@@ -10,27 +10,33 @@
 //
 // One compiled variant per (kv_lora_rank, rope dim, activation dtype, cache dtype):
 // KVC_LORA_RANK, KVC_ROPE_DIM, KVC_SCALAR, KVC_CACHE are -D options. grid (row tiles, num_seqs,
-// partitions), 128 threads (4 warps). A sequence's rows are its (position, head) pairs in the
-// query's own order (row g = position g / H, head g % H: contiguous in memory), kRows = 32 per
-// block; a decode sequence has H rows. Key tiles of kKT keys (64; 32 when a row is wider than
-// 320) are gathered through the block table with 16-byte loads, dequantized (fp8) while staged;
-// keys past the block's span are zero-filled (free slots may hold NaN). S = Q K^T by
-// nvcuda::wmma (m16n16k16, fp32 accumulate): warp w computes row tile w % 2 against key tiles
-// w / 2, w / 2 + 2; the online softmax runs in fp32 with four threads per row (scale, causal
-// mask, running max and sum in registers), P is written back as fp16 / bf16, then O += P V by
-// wmma, V being the staged tile's first kv_lora_rank columns, on an fp32 O tile in shared memory
-// (rescaled by the running max's change before each tile; warp w owns O's column tiles w, w + 4,
-// ...). Shared memory is above 48 KB for every useful shape: the launcher opts in (144.5 KB at
-// DeepSeek's 512 + 64).
+// partitions), 256 threads (8 warps). A sequence's rows are its (position, head) pairs in the
+// query's own order (row g = position g / H, head g % H: contiguous in memory), kRows = 64 per
+// block (4 row blocks of 16): a decode sequence of 64 heads is one block, of 128 two.
+//
+// Q (64 rows) is staged once; latent tiles of kKT keys (32; 16 for rows wider than 576) are
+// staged raw (fp8 stays 1 byte) by cp.async 16-byte copies through the block table into two
+// buffers, the next tile in flight while the current one computes; the copies zero-fill keys
+// past the span (free slots may hold NaN). Per tile, with PTX mma.sync m16n8k16 (fp32
+// accumulate, fragment layouts as ptx_ops.cuh states them):
+//   S: warp w computes row block w % 4 against key half w / 4 (S in registers, Q and K
+//      fragments from shared memory), masks and scales it, and the two key halves of a row
+//      exchange their maxima through shared memory;
+//   P: exp(S - m) rounded to the activation type, written once to shared memory (every warp
+//      needs all of P), with each row's rescale factor alpha;
+//   O: warp w owns latent columns [w kR / 8, (w + 1) kR / 8) of O for all 64 rows, in
+//      registers across tiles (128 fp32 at kR = 512); it rescales them by alpha only when some
+//      row's max grew (a warp vote), then O += P V with each V fragment loaded once (the latent
+//      columns of the same staged tile: K and V are one copy).
+// Shared rows are padded by 16 bytes, so fragment loads of 8 rows x 4 lanes hit distinct banks.
+// The dynamic shared memory is kSmemBytes (151.75 KB at DeepSeek's 512 + 64, 16-bit cache).
 //
 // Split-KV (num_partitions > 1) applies to one-token sequences: blockIdx.z is a run of whole KV
 // blocks, and each block writes its normalized partial output, max logit and exp-sum for
 // mla_reduce (split_kv_reduce.cuh). Prefill chunks always run whole, in partition 0.
-#include <mma.h>
-
 #include "common.cuh"
+#include "mma_tile.cuh"  // mma.sync / cp.async through <ptx_ops.cuh> (the kernel dir is on the path)
 #include "split_kv_reduce.cuh"
-#include "tc_stage.cuh"
 
 #ifndef KVC_LORA_RANK
 #define KVC_LORA_RANK 512
@@ -45,34 +51,36 @@
 #define KVC_CACHE __half
 #endif
 
-#define KVC_MLA_THREADS 128
-
-namespace wmma = nvcuda::wmma;
+#define KVC_MLA_THREADS 256
 
 constexpr int kR = KVC_LORA_RANK;
 constexpr int kW = KVC_LORA_RANK + KVC_ROPE_DIM;  // one cached row: latent, then rope key
-constexpr int kRows = 32;                          // query rows per block
-constexpr int kKT = kW > 320 ? 32 : 64;            // keys per tile
-constexpr int kLdQ = kW + 8;                       // padded leading dimensions (elements): rows
-constexpr int kLdS = kKT + 4;                      // start on different banks, every fragment
-constexpr int kLdP = kKT + 8;                      // pointer stays 32-byte aligned
-constexpr int kLdO = kR + 4;
-constexpr int kTPR = KVC_MLA_THREADS / kRows;      // softmax threads per row (4)
-constexpr int kCols = kKT / kTPR;                  // scores per softmax thread and tile
-constexpr int kWarps = KVC_MLA_THREADS / KVC_WARP;
+constexpr int kRows = 64;                          // query rows per block
+constexpr int kRB = kRows / 16;                    // row blocks (4)
+constexpr int kWarps = KVC_MLA_THREADS / KVC_WARP; // 8
+constexpr int kKT = kW > 576 ? 16 : 32;            // keys per staged tile
+constexpr int kSN = kKT / 2 / 8;                   // S n-tiles per warp (its key half)
+constexpr int kON = (kR / 8 + kWarps - 1) / kWarps;  // O n-tiles (8 columns) per warp
+constexpr int kRowBytes = kW * (int)sizeof(KVC_CACHE);
+constexpr int kPitch = kRowBytes + 16;             // padded shared rows
+constexpr int kQPitch = kW * 2 + 16;
+constexpr int kPPitch = kKT * 2 + 16;
+constexpr int kChunks = kRowBytes / 16;
+// staging: up to 8 threads per row, each a run of consecutive 16-byte chunks
+constexpr int kStageLanes = kChunks % 8 == 0 ? 8 : kChunks % 4 == 0 ? 4 : kChunks % 2 == 0 ? 2 : 1;
+constexpr int kStageRun = kChunks / kStageLanes;
+constexpr int kTileBytes = kKT * kPitch;
+// Byte offsets of the shared-memory regions: Q, two tile buffers, P, row statistics
+constexpr int kOffTile = kRows * kQPitch;
+constexpr int kOffP = kOffTile + 2 * kTileBytes;
+constexpr int kOffStats = kOffP + kRows * kPPitch;  // (2, kRows) maxima / sums, (kRows) alpha
+constexpr int kSmemBytes = kOffStats + 3 * kRows * 4;
 static_assert(kR % 16 == 0 && KVC_ROPE_DIM % 16 == 0 && kW <= 1024,
               "kv_lora_rank and the rope dim: multiples of 16");
-static_assert(kRows == 32 && kWarps == 4, "the warp layout below assumes 2 row tiles, 4 warps");
-
-// Byte offsets of the shared-memory regions (all multiples of 32 bytes).
-constexpr int kOffK = kRows * kLdQ * 2;
-constexpr int kOffS = kOffK + kKT * kLdQ * 2;
-constexpr int kOffP = kOffS + kRows * kLdS * 4;
-constexpr int kOffO = kOffP + kRows * kLdP * 2;
-constexpr int kSmemBytes = kOffO + kRows * kLdO * 4;
+static_assert(kWarps == 2 * kRB && kSN >= 1, "the warp layout: 4 row blocks x 2 key halves");
 
 template <typename scalar_t, typename cache_t>
-__device__ void mla_tile(
+__device__ void mla_block(
     scalar_t* __restrict__ out,               // (T, H, kR)
     const scalar_t* __restrict__ query,       // (T, H, kW)
     const cache_t* __restrict__ cache,        // (num_blocks, block_size, 1, kW)
@@ -82,8 +90,8 @@ __device__ void mla_tile(
     float* __restrict__ tmp_out,              // (S, H, P, kR) decode partials, P > 1
     float* __restrict__ max_logits,           // (S, H, P)
     float* __restrict__ exp_sums,             // (S, H, P)
-    int num_heads, int block_size, int max_blocks, int num_partitions, float scale,
-    float v_scale, unsigned char* smem) {
+    int num_heads, int block_size, int block_shift, int max_blocks, int num_partitions,
+    float scale, float v_scale, unsigned char* smem) {
   const int seq = blockIdx.y, part = blockIdx.z;
   const int q_start = query_start_loc[seq];
   const int q_len = query_start_loc[seq + 1] - q_start;
@@ -93,28 +101,6 @@ __device__ void mla_tile(
   if (q_len < 1 || row0 >= num_rows || (!split && part > 0)) return;
   const int rows = min(kRows, num_rows - row0);
   const int first_pos = context_lens[seq] - q_len;  // position of the sequence's first query
-  const int tid = threadIdx.x, warp = tid / KVC_WARP;
-
-  scalar_t* q_s = reinterpret_cast<scalar_t*>(smem);          // (kRows, kLdQ)
-  scalar_t* k_s = reinterpret_cast<scalar_t*>(smem + kOffK);  // (kKT, kLdQ): K, and V = :kR
-  float* s_s = reinterpret_cast<float*>(smem + kOffS);        // (kRows, kLdS) scores
-  scalar_t* p_s = reinterpret_cast<scalar_t*>(smem + kOffP);  // (kRows, kLdP) probabilities
-  float* o_s = reinterpret_cast<float*>(smem + kOffO);        // (kRows, kLdO) unnormalized out
-
-  constexpr int kQChunks = kW / 8;  // 16-byte chunks of a 16-bit row
-  const scalar_t* q_src = query + ((long long)q_start * num_heads + row0) * kW;
-  for (int i = tid; i < kRows * kQChunks; i += KVC_MLA_THREADS) {
-    const int r = i / kQChunks, c = i % kQChunks;
-    scalar_t* dst = q_s + r * kLdQ + c * 8;
-    if (r < rows) {
-      stage8(q_src + (long long)r * kW + c * 8, dst);
-    } else {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) dst[e] = from_float<scalar_t>(0.0f);
-    }
-  }
-  for (int i = tid; i < kRows * kR; i += KVC_MLA_THREADS) o_s[(i / kR) * kLdO + i % kR] = 0.0f;
-
   // the block's keys: up to its last row's position; a decode partition, a run of whole blocks
   int k_begin = 0;
   int k_end = first_pos + (row0 + rows - 1) / num_heads + 1;
@@ -124,146 +110,243 @@ __device__ void mla_tile(
     k_begin = min(k_end, part * per_part * block_size);
     k_end = min(k_end, (part + 1) * per_part * block_size);
   }
-  // softmax state of row `row`: four consecutive lanes share it, each taking every fourth key
-  const int row = tid / kTPR, quarter = tid % kTPR;
-  const bool row_valid = row < rows;
-  const int q_pos = first_pos + (row0 + row) / num_heads;
-  float m = kvc_neg_inf(), l = 0.0f;
+  const int num_tiles = (k_end - k_begin + kKT - 1) / kKT;
+
+  const int tid = threadIdx.x, lane = tid % KVC_WARP, warp = tid / KVC_WARP;
+  const int g = lane >> 2, t = lane & 3;  // the fragment coordinates of this lane
+  const int srb = warp % kRB, half = warp / kRB;  // S: the warp's row block and key half
+  const int skey0 = half * (kKT / 2);
+  unsigned char* q_s = smem;  // (kRows, kQPitch) 16-bit activations
+  unsigned char* p_s = smem + kOffP;  // (kRows, kPPitch) probabilities
+  float* stats = reinterpret_cast<float*>(smem + kOffStats);  // (2, kRows): max, later sum
+  float* alpha_s = stats + 2 * kRows;                          // (kRows)
+
+  // Q rows (zero past the block's rows), in the same cp.async group as the first tile
+  const unsigned char* q_src = reinterpret_cast<const unsigned char*>(
+      query + ((long long)q_start * num_heads + row0) * kW);
+  for (int i = tid; i < kRows * (kW / 8); i += KVC_MLA_THREADS) {
+    const int r = i / (kW / 8), c = i % (kW / 8);
+    cp_async16_zfill(q_s + r * kQPitch + c * 16, q_src + (r < rows ? r * kW * 2 + c * 16 : 0),
+                     r < rows);
+  }
   const int* table = block_tables + (long long)seq * max_blocks;
+  const unsigned char* base = reinterpret_cast<const unsigned char*>(cache);
+  auto stage = [&](int k0, int b) {  // keys [k0, k0 + kKT) into buffer b
+    stage_row_tile<kKT, KVC_MLA_THREADS, kRowBytes, kPitch, kStageRun>(
+        smem + kOffTile + b * kTileBytes, base, table, block_size, block_shift, k0, k_end, tid);
+  };
+  if (num_tiles > 0) stage(k_begin, 0);
+  cp_async_commit();
 
-  for (int kb = k_begin; kb < k_end; kb += kKT) {
-    __syncthreads();  // the previous tile's K and P are no longer read (and Q / O are staged)
-    constexpr int kCE = StageChunk<cache_t>::kElems;
-    constexpr int kCacheChunks = kW / kCE;  // 16-byte chunks of a cache row
-    constexpr int kRounds = (kKT * kCacheChunks + KVC_MLA_THREADS - 1) / KVC_MLA_THREADS;
-    // 6 rounds unrolled: 6 x 16-byte loads in flight per thread (18 rounds at 512 + 64 fully
-    // unrolled take bf16 to 254 registers)
-#pragma unroll 6
-    for (int round = 0; round < kRounds; ++round) {
-      const int i = tid + round * KVC_MLA_THREADS;
-      if (kKT * kCacheChunks % KVC_MLA_THREADS != 0 && i >= kKT * kCacheChunks) break;
-      const int t = i / kCacheChunks, c = i % kCacheChunks, pos = kb + t;
-      scalar_t* dst = k_s + t * kLdQ + c * kCE;
-      if (pos < k_end) {
-        const long long slot = (long long)table[pos / block_size] * block_size + pos % block_size;
-        stage_chunk(cache + slot * kW + c * kCE, dst);
-      } else {  // past the span: zeros, never the slot's contents (0 x NaN would poison P V)
+  // S rows of this lane: srb * 16 + g and + 8; positions of invalid rows see no key
+  int q_pos[2];
+  float m[2] = {kvc_neg_inf(), kvc_neg_inf()}, l[2] = {0.0f, 0.0f};
 #pragma unroll
-        for (int e = 0; e < kCE; ++e) dst[e] = from_float<scalar_t>(0.0f);
-      }
-    }
-#ifndef KVC_BREAK_SYNC  // the tests' mutant: warps read the tile before it is staged
-    __syncthreads();
+  for (int r = 0; r < 2; ++r) {
+    const int row = srb * 16 + g + 8 * r;
+    q_pos[r] = row < rows ? first_pos + (row0 + row) / num_heads : -1;
+  }
+  float o[kRB][kON][4];
+#pragma unroll
+  for (int rb = 0; rb < kRB; ++rb)
+#pragma unroll
+    for (int n = 0; n < kON; ++n) o[rb][n][0] = o[rb][n][1] = o[rb][n][2] = o[rb][n][3] = 0.0f;
+
+  for (int it = 0; it < num_tiles; ++it) {
+#ifndef KVC_BREAK_WAIT  // the tests' mutant: the tile is read before its copies complete
+    cp_async_wait<0>();
 #endif
+#ifndef KVC_BREAK_SYNC  // the tests' mutant: no barrier between the buffer swaps
+    __syncthreads();  // every thread's copies of tile it landed; tile it - 1 is no longer read
+#endif
+    if (it + 1 < num_tiles) stage(k_begin + (it + 1) * kKT, (it + 1) & 1);  // next in flight
+    cp_async_commit();
+    const unsigned char* kv = smem + kOffTile + (it & 1) * kTileBytes;
+    const int tile0 = k_begin + it * kKT;
 
-    {  // S (32 x kKT) = Q K^T: K staged as (keys, kW) row-major is K^T column-major
-      constexpr int kTiles = kKT / 32;  // key tiles per warp
-      const int rt = warp % 2;
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[kTiles];
+    // S (16 rows x kKT / 2 keys) = Q K^T: K rows are B's columns, two elements per .b32
+    float s[kSN][4];
 #pragma unroll
-      for (int j = 0; j < kTiles; ++j) wmma::fill_fragment(acc[j], 0.0f);
-      for (int k0 = 0; k0 < kW; k0 += 16) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, scalar_t, wmma::row_major> qa;
-        wmma::load_matrix_sync(qa, q_s + rt * 16 * kLdQ + k0, kLdQ);
+    for (int j = 0; j < kSN; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+    const unsigned char* q0 = q_s + (srb * 16 + g) * kQPitch;
 #pragma unroll
-        for (int j = 0; j < kTiles; ++j) {
-          wmma::fragment<wmma::matrix_b, 16, 16, 16, scalar_t, wmma::col_major> kf;
-          wmma::load_matrix_sync(kf, k_s + (warp / 2 + 2 * j) * 16 * kLdQ + k0, kLdQ);
-          wmma::mma_sync(acc[j], qa, kf, acc[j]);
+    for (int kk = 0; kk < kW / 16; ++kk) {
+      const int c = kk * 16 + 2 * t;
+      const unsigned qa[4] = {pair_at<scalar_t>(q0, c, query),
+                              pair_at<scalar_t>(q0 + 8 * kQPitch, c, query),
+                              pair_at<scalar_t>(q0, c + 8, query),
+                              pair_at<scalar_t>(q0 + 8 * kQPitch, c + 8, query)};
+#pragma unroll
+      for (int j = 0; j < kSN; ++j) {
+        const unsigned char* krow = kv + (skey0 + j * 8 + g) * kPitch;
+        const unsigned kf[2] = {pair_at<scalar_t>(krow, c, cache),
+                                pair_at<scalar_t>(krow, c + 8, cache)};
+        mma_m16n8k16<scalar_t>(s[j], qa, kf);
+      }
+    }
+    // element e of n-tile j: row g + 8 (e >> 1), key skey0 + 8 j + 2 t + (e & 1)
+    float mx[2] = {kvc_neg_inf(), kvc_neg_inf()};
+#pragma unroll
+    for (int j = 0; j < kSN; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = tile0 + skey0 + j * 8 + 2 * t + (e & 1);
+        const bool valid = key < k_end && key <= q_pos[e >> 1];
+        s[j][e] = valid ? s[j][e] * scale : kvc_neg_inf();
+        mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(KVC_FULL_MASK, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(KVC_FULL_MASK, mx[r], 2));
+      if (t == 0) stats[half * kRows + srb * 16 + g + 8 * r] = mx[r];
+    }
+    __syncthreads();  // both key halves' maxima
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = srb * 16 + g + 8 * r;
+      const float m_new = fmaxf(m[r], fmaxf(mx[r], stats[(1 - half) * kRows + row]));
+      // 1 exactly when the max did not grow (so the vote below can skip the rescale)
+      const float a = m_new == m[r] ? 1.0f : m[r] == kvc_neg_inf() ? 0.0f : __expf(m[r] - m_new);
+      l[r] *= a;
+      m[r] = m_new;
+      if (half == 0 && t == 0) alpha_s[row] = a;
+    }
+    // P rounded to the activation type (l sums it as rounded, as P V does), to shared memory
+#pragma unroll
+    for (int j = 0; j < kSN; ++j) {
+      scalar_t p[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        p[e] = from_float<scalar_t>(s[j][e] == kvc_neg_inf() ? 0.0f
+                                                               : __expf(s[j][e] - m[e >> 1]));
+        l[e >> 1] += to_float(p[e]);
+      }
+      unsigned char* prow = p_s + (srb * 16 + g) * kPPitch + (skey0 + j * 8 + 2 * t) * 2;
+      *reinterpret_cast<unsigned*>(prow) = pack2(p[0], p[1]);
+      *reinterpret_cast<unsigned*>(prow + 8 * kPPitch) = pack2(p[2], p[3]);
+    }
+    __syncthreads();  // P and alpha of every row
+
+    // O (64 rows x the warp's columns): rescale only when some row's max grew (warp vote)
+    float alpha[kRB][2];
+    bool grew = false;
+#pragma unroll
+    for (int rb = 0; rb < kRB; ++rb) {
+      alpha[rb][0] = alpha_s[rb * 16 + g];
+      alpha[rb][1] = alpha_s[rb * 16 + g + 8];
+      grew |= alpha[rb][0] != 1.0f || alpha[rb][1] != 1.0f;
+    }
+    if (__any_sync(KVC_FULL_MASK, grew)) {
+#pragma unroll
+      for (int rb = 0; rb < kRB; ++rb) {
+#pragma unroll
+        for (int n = 0; n < kON; ++n) {
+          o[rb][n][0] *= alpha[rb][0];
+          o[rb][n][1] *= alpha[rb][0];
+          o[rb][n][2] *= alpha[rb][1];
+          o[rb][n][3] *= alpha[rb][1];
         }
       }
-#pragma unroll
-      for (int j = 0; j < kTiles; ++j) {
-        wmma::store_matrix_sync(s_s + rt * 16 * kLdS + (warp / 2 + 2 * j) * 16, acc[j], kLdS,
-                                wmma::mem_row_major);
-      }
     }
-    __syncthreads();
-
-    // online softmax of this thread's quarter of its row, in fp32
-    const float* srow = s_s + row * kLdS;
-    scalar_t* prow = p_s + row * kLdP;
-    float tile_max = kvc_neg_inf();
+    // O += P V: P's A fragments for the 4 row blocks, then each V fragment once for all four
 #pragma unroll
-    for (int j = 0; j < kCols; ++j) {
-      const int k_pos = kb + quarter + kTPR * j;
-      if (row_valid && k_pos < k_end && k_pos <= q_pos) {
-        tile_max = fmaxf(tile_max, srow[quarter + kTPR * j] * scale);
+    for (int ks = 0; ks < kKT / 16; ++ks) {
+      unsigned pa[kRB][4];
+#pragma unroll
+      for (int rb = 0; rb < kRB; ++rb) {
+        const unsigned char* p0 = p_s + (rb * 16 + g) * kPPitch;
+        const int c = ks * 16 + 2 * t;
+        pa[rb][0] = pair_at<scalar_t>(p0, c, query);
+        pa[rb][1] = pair_at<scalar_t>(p0 + 8 * kPPitch, c, query);
+        pa[rb][2] = pair_at<scalar_t>(p0, c + 8, query);
+        pa[rb][3] = pair_at<scalar_t>(p0 + 8 * kPPitch, c + 8, query);
+#ifdef KVC_BREAK_FRAGMENT  // the tests' mutant: rows g + 8 and keys 8-15 trade places
+        const unsigned swap = pa[rb][1];
+        pa[rb][1] = pa[rb][2];
+        pa[rb][2] = swap;
+#endif
       }
-    }
-    tile_max = fmaxf(tile_max, __shfl_xor_sync(KVC_FULL_MASK, tile_max, 1));
-    tile_max = fmaxf(tile_max, __shfl_xor_sync(KVC_FULL_MASK, tile_max, 2));
-    const float m_new = fmaxf(m, tile_max);
-    const float alpha = m == kvc_neg_inf() ? 0.0f : __expf(m - m_new);
-    float sum = 0.0f;
+      const unsigned char* v0 = kv + (ks * 16 + 2 * t) * kPitch;
 #pragma unroll
-    for (int j = 0; j < kCols; ++j) {
-      const int c = quarter + kTPR * j, k_pos = kb + c;
-      const bool allowed = row_valid && k_pos < k_end && k_pos <= q_pos;
-      const float p = allowed ? __expf(srow[c] * scale - m_new) : 0.0f;
-      // P V sums the probabilities as rounded to the activation type: so does l
-      const scalar_t p16 = from_float<scalar_t>(p);
-      prow[c] = p16;
-      sum += to_float(p16);
-    }
-    l = l * alpha + sum;  // this thread's keys; the row's four parts are added at the end
-    m = m_new;
-    for (int d = quarter; d < kR; d += kTPR) o_s[row * kLdO + d] *= alpha;
-    __syncthreads();
-
-    // O (32 x kR) += P V, V = the tile's latent columns (keys, kR) row-major
+      for (int n = 0; n < kON; ++n) {
+        const int nt = warp * kON + n;
+        if (kR % (8 * kWarps) != 0 && nt >= kR / 8) break;
+        const int col = nt * 8 + g;
+        const unsigned vf[2] = {
+            (unsigned)elem_at<scalar_t>(v0, col, cache) |
+                ((unsigned)elem_at<scalar_t>(v0 + kPitch, col, cache) << 16),
+            (unsigned)elem_at<scalar_t>(v0 + 8 * kPitch, col, cache) |
+                ((unsigned)elem_at<scalar_t>(v0 + 9 * kPitch, col, cache) << 16)};
 #pragma unroll
-    for (int rt = 0; rt < 2; ++rt) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, scalar_t, wmma::row_major> pa[kKT / 16];
-#pragma unroll
-      for (int kk = 0; kk < kKT / 16; ++kk) {
-        wmma::load_matrix_sync(pa[kk], p_s + rt * 16 * kLdP + kk * 16, kLdP);
-      }
-      for (int ct = warp; ct < kR / 16; ct += kWarps) {
-        float* o_tile = o_s + rt * 16 * kLdO + ct * 16;
-        wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-        wmma::load_matrix_sync(acc, o_tile, kLdO, wmma::mem_row_major);
-#pragma unroll
-        for (int kk = 0; kk < kKT / 16; ++kk) {
-          wmma::fragment<wmma::matrix_b, 16, 16, 16, scalar_t, wmma::row_major> vf;
-          wmma::load_matrix_sync(vf, k_s + kk * 16 * kLdQ + ct * 16, kLdQ);
-          wmma::mma_sync(acc, pa[kk], vf, acc);
-        }
-        wmma::store_matrix_sync(o_tile, acc, kLdO, wmma::mem_row_major);
+        for (int rb = 0; rb < kRB; ++rb) mma_m16n8k16<scalar_t>(o[rb][n], pa[rb], vf);
       }
     }
   }
+  cp_async_wait<0>();  // (nothing is left in flight but under the tests' mutants)
 
-  l += __shfl_xor_sync(KVC_FULL_MASK, l, 1);
-  l += __shfl_xor_sync(KVC_FULL_MASK, l, 2);
-  __syncthreads();  // every warp's last O tile is stored
-  if (!row_valid) return;
-  // l = 0 only for an empty decode partition: zeros and a zero weight for the reduction
-  const float inv = l > 0.0f ? v_scale / l : 0.0f;
-  const float* orow = o_s + row * kLdO;
-  if (split) {  // one-token sequence: row = head
-    const long long idx = ((long long)seq * num_heads + row0 + row) * num_partitions + part;
-    for (int d = quarter; d < kR; d += kTPR) tmp_out[idx * kR + d] = orow[d] * inv;
-    if (quarter == 0) {
-      max_logits[idx] = m;
-      exp_sums[idx] = l;
-    }
-    return;
+  // each row's sum: 4 lanes, then the two key halves through shared memory
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(KVC_FULL_MASK, l[r], 1);
+    l[r] += __shfl_xor_sync(KVC_FULL_MASK, l[r], 2);
   }
-  scalar_t* dst = out + ((long long)q_start * num_heads + row0 + row) * kR;
-  for (int d = quarter; d < kR; d += kTPR) dst[d] = from_float<scalar_t>(orow[d] * inv);
+  __syncthreads();  // the last tile's statistics are read
+  if (t == 0) {
+    stats[half * kRows + srb * 16 + g] = l[0];
+    stats[half * kRows + srb * 16 + g + 8] = l[1];
+  }
+  __syncthreads();
+  if (split && half == 0 && t == 0) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = srb * 16 + g + 8 * r;
+      if (row >= rows) continue;
+      const long long idx = ((long long)seq * num_heads + row0 + row) * num_partitions + part;
+      max_logits[idx] = m[r];
+      exp_sums[idx] = stats[row] + stats[kRows + row];
+    }
+  }
+#pragma unroll
+  for (int rb = 0; rb < kRB; ++rb) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = rb * 16 + g + 8 * r;
+      if (row >= rows) continue;
+      const float sum = stats[row] + stats[kRows + row];
+      // l = 0 only for an empty decode partition: zeros and a zero weight for the reduction
+      const float inv = sum > 0.0f ? v_scale / sum : 0.0f;
+      const long long head_row = (long long)q_start * num_heads + row0 + row;
+#pragma unroll
+      for (int n = 0; n < kON; ++n) {
+        const int nt = warp * kON + n;
+        if (kR % (8 * kWarps) != 0 && nt >= kR / 8) break;
+        const int col = nt * 8 + 2 * t;
+        if (split) {
+          const long long idx = ((long long)seq * num_heads + row0 + row) * num_partitions + part;
+          tmp_out[idx * kR + col] = o[rb][n][2 * r] * inv;
+          tmp_out[idx * kR + col + 1] = o[rb][n][2 * r + 1] * inv;
+        } else {
+          *reinterpret_cast<unsigned*>(out + head_row * kR + col) =
+              pack2(from_float<scalar_t>(o[rb][n][2 * r] * inv),
+                    from_float<scalar_t>(o[rb][n][2 * r + 1] * inv));
+        }
+      }
+    }
+  }
 }
 
 extern "C" __global__ void __launch_bounds__(KVC_MLA_THREADS, 1) mla_paged_attention(
     KVC_SCALAR* out, const KVC_SCALAR* query, const KVC_CACHE* cache, const int* block_tables,
     const int* context_lens, const int* query_start_loc, float* tmp_out, float* max_logits,
-    float* exp_sums, int num_heads, int block_size, int max_blocks, int num_partitions,
-    float scale, float kv_scale) {
+    float* exp_sums, int num_heads, int block_size, int block_shift, int max_blocks,
+    int num_partitions, float scale, float kv_scale) {
   extern __shared__ __align__(128) unsigned char kvc_mla_smem[];
-  mla_tile<KVC_SCALAR, KVC_CACHE>(out, query, cache, block_tables, context_lens, query_start_loc,
-                                  tmp_out, max_logits, exp_sums, num_heads, block_size,
-                                  max_blocks, num_partitions, scale * kv_scale, kv_scale,
-                                  kvc_mla_smem);
+  mla_block<KVC_SCALAR, KVC_CACHE>(out, query, cache, block_tables, context_lens,
+                                   query_start_loc, tmp_out, max_logits, exp_sums, num_heads,
+                                   block_size, block_shift, max_blocks, num_partitions,
+                                   scale * kv_scale, kv_scale, kvc_mla_smem);
 }
 
 // grid (H, S), 128 threads, 4 (P + 1) bytes of shared memory: merges the partitions of the

@@ -70,3 +70,36 @@ __device__ __forceinline__ void stage_kv_tile(unsigned char* k_s, unsigned char*
     }
   }
 }
+
+// Stages keys [k0, k0 + kKeys) of a single-tensor cache (MLA: the cached row is both K and V)
+// into dst (rows of kPitch bytes) with 16-byte cp.async copies, a thread taking a run of kRun
+// chunks of one row; keys at or past k_hi are zero-filled (nothing is read). The block table is
+// read with shifts when block_shift >= 0, else by division (one key per thread and round).
+template <int kKeys, int kThreads, int kRowBytes, int kPitch, int kRun>
+__device__ __forceinline__ void stage_row_tile(unsigned char* dst, const unsigned char* base,
+                                               const int* table, int block_size,
+                                               int block_shift, int k0, int k_hi, int tid) {
+  constexpr int kLanes = kRowBytes / 16 / kRun;  // threads per row
+  static_assert(kLanes * kRun * 16 == kRowBytes, "a row is whole runs of 16-byte chunks");
+  constexpr int kRounds = (kKeys * kLanes + kThreads - 1) / kThreads;
+#pragma unroll
+  for (int round = 0; round < kRounds; ++round) {
+    const int i = tid + round * kThreads;
+    if (kKeys * kLanes % kThreads != 0 && i >= kKeys * kLanes) break;
+    const int key = i / kLanes, c0 = (i % kLanes) * kRun;  // constants: shifts or mul-shifts
+    const int pos = k0 + key;
+    const bool valid = pos < k_hi;
+    long long slot = 0;
+    if (valid) {
+      slot = block_shift >= 0
+                 ? ((long long)table[pos >> block_shift] << block_shift) +
+                       (pos & ((1 << block_shift) - 1))
+                 : (long long)table[pos / block_size] * block_size + pos % block_size;
+    }
+    const unsigned char* src = base + slot * kRowBytes + c0 * 16;
+#pragma unroll
+    for (int c = 0; c < kRun; ++c) {
+      cp_async16_zfill(dst + key * kPitch + (c0 + c) * 16, src + c * 16, valid);
+    }
+  }
+}

@@ -1,0 +1,89 @@
+"""The register-tile MLA kernel (mla_attention.cu: 64 query rows per block, cp.async double
+buffering, mma.sync with S / O in registers, O split by latent columns over 8 warps), emulated
+on the CPU, against the float64 oracle: the head counts of DeepSeek-V2-Lite / V3 (16, 64, 128)
+and ones that cut the 64-row tiles, contexts crossing key tiles and partitions, fp16 / bf16 /
+fp8 caches, rows wider than 576 (16-key tiles), block sizes that are not powers of two; and the
+mutants the emulator must catch (a missing cp.async wait, a missing barrier between buffer
+swaps, a wrong fragment index)."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+from kvcore.kernels.cuda_mla import mla_key_tile
+from kvcore.kernels.cuda_ops import CudaOps
+
+pytest.importorskip("cupy", reason="cupy's CCCL headers provide <nv/target> for cuda_fp16.h")
+if shutil.which("g++") is None:
+    pytest.skip("the emulation harness needs g++", allow_module_level=True)
+
+from cuda_emu import EmuBackend  # noqa: E402
+from kernel_problems import BF16, mla_f64, mla_problem  # noqa: E402
+
+TOL = {np.dtype(np.float16): 2e-3, BF16: 1.6e-2}
+
+
+def run(problem: dict, num_partitions: int | None = None, defines: tuple[str, ...] = (),
+        seed: int = 0) -> np.ndarray:
+    backend = EmuBackend(defines, order_seed=seed, num_sms=8)
+    return CudaOps(backend).mla_paged_attention(**problem, num_partitions=num_partitions)
+
+
+def close(out: np.ndarray, problem: dict) -> bool:
+    tol = TOL[out.dtype]
+    return bool(np.allclose(out.astype(np.float32), mla_f64(problem), rtol=tol, atol=tol))
+
+
+CASES = [
+    # (H, kv_lora_rank, rope dim, block_size, context_lens, q_lens, dtypes, num_partitions)
+    (128, 512, 64, 16, [97, 33], [1, 1], "bf16", None),     # V3: 2 row tiles, 4 and 2 key tiles
+    (128, 512, 64, 16, [200], [1], "f16-fp8", 3),           # V3, fp8, split across partitions
+    (64, 512, 64, 64, [65, 64, 1], [1, 1, 1], "f16", 2),    # one row tile; tile / block edges
+    (16, 512, 64, 16, [40, 9], [1, 9], "bf16-fp8", None),   # V2-Lite's heads: a partial row tile
+    (16, 960, 64, 8, [37, 20], [1, 3], "f16", 2),           # width 1024: 16-key tiles
+    (48, 128, 64, 12, [61, 30], [1, 4], "f16", 2),          # block size 12: the table by division
+    (20, 96, 32, 8, [45, 19], [7, 19], "bf16", None),       # prefill: tiles cut positions' heads
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"H{c[0]}r{c[1]}p{c[2]}b{c[3]}-{c[6]}")
+def test_matches_the_float64_oracle(case: tuple) -> None:
+    heads, rank, rope, bs, ctx, q_lens, dtypes, parts = case
+    rng = np.random.default_rng()
+    kv_scale = 0.05 if dtypes.endswith("fp8") else 1.0
+    problem = mla_problem(rng, ctx, q_lens, heads, rank, rope, bs, dtypes, kv_scale)
+    out = run(problem, parts)
+    assert out.dtype == problem["query"].dtype and out.shape == mla_f64(problem).shape
+    tol = TOL[out.dtype]
+    np.testing.assert_allclose(out.astype(np.float32), mla_f64(problem), rtol=tol, atol=tol)
+
+
+def test_key_tiles() -> None:
+    assert mla_key_tile(576) == 32 and mla_key_tile(592) == 16 and mla_key_tile(80) == 32
+
+
+@pytest.fixture(scope="module")
+def mutant_problem() -> dict:
+    """Two decode rows over several key tiles and a prefill chunk beside them."""
+    rng = np.random.default_rng(7)
+    return mla_problem(rng, [70, 45, 23], [1, 1, 7], 16, 64, 16, 8, "f16")
+
+
+def test_the_mutants_problem_passes_unchanged(mutant_problem: dict) -> None:
+    assert close(run(mutant_problem, 2), mutant_problem)
+
+
+@pytest.mark.parametrize("mutant", ["KVC_BREAK_WAIT", "KVC_BREAK_SYNC", "KVC_BREAK_FRAGMENT"])
+def test_mutants_fail(mutant_problem: dict, mutant: str) -> None:
+    """A tile read before its cp.async wait (NaN until the copy completes), a buffer re-staged
+    without the barrier between swaps, P's A fragment with rows g + 8 and keys 8-15 swapped:
+    each gives wrong numbers (or a launch the emulator rejects)."""
+    try:
+        broken = run(mutant_problem, 2, (mutant,), seed=3)
+    except RuntimeError as exc:  # the emulator refused the launch: caught too (not a build)
+        assert "g++ failed" not in str(exc)
+        return
+    assert not close(broken, mutant_problem)
