@@ -63,6 +63,7 @@ def test_matches_the_float64_oracle(case: tuple) -> None:
 
 def test_key_tiles() -> None:
     assert mla_key_tile(576) == 32 and mla_key_tile(592) == 16 and mla_key_tile(80) == 32
+    assert mla_key_tile(576, 1) == 64 and mla_key_tile(1024, 1) == 16
 
 
 @pytest.fixture(scope="module")

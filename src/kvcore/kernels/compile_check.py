@@ -136,7 +136,8 @@ def variants(head_dims: tuple[int, ...] = CHECK_HEAD_DIMS, groups: tuple[int, ..
         elif path.name == "mla_attention.cu":
             out += [Variant(path.name, mla_defines(r, dr, act, cache), 0,
                             mla_smem_bytes(r, dr, _ITEMSIZE[cache]),
-                            mla_key_tile(r + dr) * (r + dr) * _ITEMSIZE[cache])
+                            mla_key_tile(r + dr, _ITEMSIZE[cache]) * (r + dr)
+                            * _ITEMSIZE[cache])
                     for r, dr in mla_shapes for act, cache in dtypes if act != "f32"]
         else:
             out.append(Variant(path.name))
@@ -275,7 +276,8 @@ def _mla_tile_keys(variant: str) -> int:
     from kvcore.kernels.cuda_mla import mla_key_tile
 
     value = dict(d.split("=", 1) for d in variant.split() if "=" in d)
-    return mla_key_tile(int(value.get("KVC_LORA_RANK", 512)) + int(value.get("KVC_ROPE_DIM", 64)))
+    width = int(value.get("KVC_LORA_RANK", 512)) + int(value.get("KVC_ROPE_DIM", 64))
+    return mla_key_tile(width, 1 if "fp8" in value.get("KVC_CACHE", "") else 2)
 
 
 def main(argv: list[str] | None = None) -> int:

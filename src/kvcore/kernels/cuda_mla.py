@@ -35,16 +35,17 @@ def mla_defines(kv_lora_rank: int, rope_dim: int, suffix: str,
             f"KVC_SCALAR={_CTYPES[suffix]}", f"KVC_CACHE={_CTYPES[cache_suffix]}")
 
 
-def mla_key_tile(width: int) -> int:
-    """Keys per staged tile: 32, or 16 for rows wider than DeepSeek's 576 (so the tiles fit)."""
-    return 16 if width > 576 else 32
+def mla_key_tile(width: int, cache_itemsize: int = 2) -> int:
+    """Keys per staged tile: 32, 64 for an fp8 cache, 16 for rows wider than DeepSeek's 576 (so
+    the tiles fit)."""
+    return 16 if width > 576 else 64 if cache_itemsize == 1 else 32
 
 
 def mla_smem_bytes(kv_lora_rank: int, rope_dim: int, cache_itemsize: int = 2) -> int:
     """mla_attention.cu's kSmemBytes: the Q rows (16-bit), two buffers of raw cache tiles,
     P (16-bit), all rows padded by 16 bytes, and 3 fp32 row statistics."""
     width = kv_lora_rank + rope_dim
-    rows, keys = MLA_ROWS, mla_key_tile(width)
+    rows, keys = MLA_ROWS, mla_key_tile(width, cache_itemsize)
     return (rows * (2 * width + 16) + 2 * keys * (cache_itemsize * width + 16)
             + rows * (2 * keys + 16) + 3 * rows * 4)
 
@@ -150,7 +151,7 @@ def mla_tile_traffic(kv_lora_rank: int, rope_dim: int,
     reads its row block's Q and its key half of K); P written once and read by every warp; V
     (the tile's latent columns) read once; the row maxima, rescale factors and their reads."""
     width = kv_lora_rank + rope_dim
-    keys, rows, warps = mla_key_tile(width), MLA_ROWS, MLA_THREADS // 32
+    keys, rows, warps = mla_key_tile(width, cache_itemsize), MLA_ROWS, MLA_THREADS // 32
     tile = keys * width * cache_itemsize
     fragments = warps * 16 * width * 2 + warps * keys // 2 * width * cache_itemsize
     softmax = rows * keys * 2 * (1 + warps) + (3 * 2 + 8) * 4 * MLA_THREADS

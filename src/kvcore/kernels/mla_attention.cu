@@ -14,7 +14,7 @@
 // query's own order (row g = position g / H, head g % H: contiguous in memory), kRows = 64 per
 // block (4 row blocks of 16): a decode sequence of 64 heads is one block, of 128 two.
 //
-// Q (64 rows) is staged once; latent tiles of kKT keys (32; 16 for rows wider than 576) are
+// Q (64 rows) is staged once; latent tiles of kKT keys (32, 64 for fp8; 16 past 576 wide) are
 // staged raw (fp8 stays 1 byte) by cp.async 16-byte copies through the block table into two
 // buffers, the next tile in flight while the current one computes; the copies zero-fill keys
 // past the span (free slots may hold NaN). Per tile, with PTX mma.sync m16n8k16 (fp32
@@ -58,7 +58,9 @@ constexpr int kW = KVC_LORA_RANK + KVC_ROPE_DIM;  // one cached row: latent, the
 constexpr int kRows = 64;                          // query rows per block
 constexpr int kRB = kRows / 16;                    // row blocks (4)
 constexpr int kWarps = KVC_MLA_THREADS / KVC_WARP; // 8
-constexpr int kKT = kW > 576 ? 16 : 32;            // keys per staged tile
+// keys per staged tile: 32, 64 for an fp8 cache (half the bytes: Q's reads per key halve),
+// 16 for rows wider than DeepSeek's 576
+constexpr int kKT = kW > 576 ? 16 : sizeof(KVC_CACHE) == 1 ? 64 : 32;
 constexpr int kSN = kKT / 2 / 8;                   // S n-tiles per warp (its key half)
 constexpr int kON = (kR / 8 + kWarps - 1) / kWarps;  // O n-tiles (8 columns) per warp
 constexpr int kRowBytes = kW * (int)sizeof(KVC_CACHE);
