@@ -155,7 +155,7 @@ def test_mla_kernel_is_a_register_tile_kernel(variant: tuple[str, str, str]) -> 
 
     act, cache, arch = variant
     (chosen,) = [v for v in compile_check.variants((), (), ((act, cache),))
-                 if v.source == "mla_attention.cu"]
+                 if v.source == "mla_attention.cu" and arch in v.archs]
     reports = compile_check.check_variants([chosen], (arch,))
     assert {r.kernel for r in reports} == EXPECTED_KERNELS["mla_attention.cu"]
     report = next(r for r in reports if r.kernel == "mla_paged_attention")
@@ -163,18 +163,19 @@ def test_mla_kernel_is_a_register_tile_kernel(variant: tuple[str, str, str]) -> 
           f"mma.sync, {report.cp_async} cp.async, {report.tile_smem_bytes} shared bytes per "
           f"tile of {report.tile_global_bytes}, {report.dynamic_smem} bytes of dynamic shared "
           "memory")
-    # per tile (32 keys, 64 with fp8): S 36 k-steps x keys / 16 n-tiles per warp, O keys / 16
-    # key steps x 8 n-tiles x 4 row blocks (each V fragment loaded once for the 4 row blocks)
+    # per tile (64 keys; 32 for a 16-bit cache on sm_80): S 36 k-steps x keys / 16 n-tiles per
+    # warp, O keys / 16 key steps x 8 n-tiles x 4 row blocks (each V fragment loaded once)
     itemsize = 1 if cache == "fp8" else 2
-    steps = (64 if itemsize == 1 else 32) // 16
-    assert report.tensor_core_ops == 36 * steps + steps * 8 * 4
+    keys = 32 if (itemsize, arch) == (2, "80") else 64
+    assert report.variant.endswith(f"KVC_MLA_KEYS={keys}")
+    assert report.tensor_core_ops == 36 * keys // 16 + keys // 16 * 8 * 4
     assert report.cp_async > 0
-    tile, shared, _ = mla_tile_traffic(512, 64, itemsize)
+    tile, shared, _ = mla_tile_traffic(512, 64, itemsize, keys)
     assert report.tile_global_bytes == tile
     if itemsize == 2:  # the PTX moves exactly what the traffic model counts
         assert report.tile_smem_bytes == shared
     assert report.registers <= MLA_REGISTERS
-    assert 48 * 1024 < report.dynamic_smem <= compile_check.SMEM_OPT_IN["80"]
+    assert 48 * 1024 < report.dynamic_smem <= compile_check.SMEM_OPT_IN[arch]
     assert compile_check.problems(reports, [chosen]) == []
 
 
@@ -183,12 +184,15 @@ def test_mla_launcher_reads_the_kernels_smem_formula(tmp_path) -> None:
     from kvcore.kernels.cuda_mla import mla_defines, mla_smem_bytes
 
     probe = tmp_path / "smem_probe.cu"
-    for rank, rope, cache in ((512, 64, "fp8"), (960, 64, "bf16")):
+    for rank, rope, cache, keys in ((512, 64, "fp8", 64), (512, 64, "bf16", 64),
+                                    (512, 64, "f16", 32), (960, 64, "bf16", 16)):
         itemsize = 1 if cache == "fp8" else 2
+        smem = mla_smem_bytes(rank, rope, itemsize, keys)
         probe.write_text('#include "mla_attention.cu"\n'
-                         f"static_assert(kSmemBytes == {mla_smem_bytes(rank, rope, itemsize)},"
+                         f"static_assert(kSmemBytes == {smem},"
                          ' "launcher and kernel disagree on shared memory");\n')
-        compile_check.compile_source(probe, "90", mla_defines(rank, rope, "bf16", cache))
+        act = "bf16" if cache == "fp8" else cache
+        compile_check.compile_source(probe, "90", mla_defines(rank, rope, act, cache, keys))
 
 
 def test_mla_traffic_limit_is_checked() -> None:

@@ -122,12 +122,13 @@ def test_arguments_are_checked() -> None:
 
 
 def test_shared_memory_of_deepseek_shape() -> None:
-    """DeepSeek-V2/V3's 512 + 64: 64 query rows, two buffers of 32-key tiles, 151.75 KB with a
-    16-bit cache (sm_80 allows 163 KB per block), 156.75 KB with fp8's 64-key tiles; wider rows:
-    16-key tiles."""
-    assert mla_smem_bytes(512, 64) == 155392
+    """DeepSeek-V2/V3's 512 + 64: 64 query rows and two buffers of key tiles: 64-key tiles of a
+    16-bit cache need swizzled (unpadded) rows to fit sm_90's 227 KB (225.75 KB), sm_80 takes
+    32-key tiles (151.75 KB of its 163 KB); fp8's 64-key tiles fit both (156.75 KB)."""
+    assert mla_smem_bytes(512, 64) == 64 * 1152 + 2 * 64 * 1152 + 64 * 144 + 768 == 231168
+    assert mla_smem_bytes(512, 64, 2, 32) == 155392
     assert mla_smem_bytes(512, 64, 1) == 64 * 1168 + 2 * 64 * 592 + 64 * 144 + 768 == 160512
-    assert mla_smem_bytes(64, 16) == 64 * 176 + 2 * 32 * 176 + 64 * 80 + 3 * 64 * 4
+    assert mla_smem_bytes(64, 16) == 64 * 176 + 2 * 64 * 176 + 64 * 144 + 3 * 64 * 4
     assert mla_smem_bytes(960, 64) == 64 * 2064 + 2 * 16 * 2064 + 64 * 48 + 3 * 64 * 4
 
 

@@ -26,9 +26,12 @@ from kernel_problems import BF16, mla_f64, mla_problem  # noqa: E402
 TOL = {np.dtype(np.float16): 2e-3, BF16: 1.6e-2}
 
 
+SM80_OPT_IN = 163 * 1024
+
+
 def run(problem: dict, num_partitions: int | None = None, defines: tuple[str, ...] = (),
-        seed: int = 0) -> np.ndarray:
-    backend = EmuBackend(defines, order_seed=seed, num_sms=8)
+        seed: int = 0, smem_opt_in: int = 227 * 1024) -> np.ndarray:
+    backend = EmuBackend(defines, order_seed=seed, num_sms=8, smem_opt_in=smem_opt_in)
     return CudaOps(backend).mla_paged_attention(**problem, num_partitions=num_partitions)
 
 
@@ -37,33 +40,38 @@ def close(out: np.ndarray, problem: dict) -> bool:
     return bool(np.allclose(out.astype(np.float32), mla_f64(problem), rtol=tol, atol=tol))
 
 
+SM90 = 227 * 1024
 CASES = [
-    # (H, kv_lora_rank, rope dim, block_size, context_lens, q_lens, dtypes, num_partitions)
-    (128, 512, 64, 16, [97, 33], [1, 1], "bf16", None),     # V3: 2 row tiles, 4 and 2 key tiles
-    (128, 512, 64, 16, [200], [1], "f16-fp8", 3),           # V3, fp8, split across partitions
-    (64, 512, 64, 64, [65, 64, 1], [1, 1, 1], "f16", 2),    # one row tile; tile / block edges
-    (16, 512, 64, 16, [40, 9], [1, 9], "bf16-fp8", None),   # V2-Lite's heads: a partial row tile
-    (16, 960, 64, 8, [37, 20], [1, 3], "f16", 2),           # width 1024: 16-key tiles
-    (48, 128, 64, 12, [61, 30], [1, 4], "f16", 2),          # block size 12: the table by division
-    (20, 96, 32, 8, [45, 19], [7, 19], "bf16", None),       # prefill: tiles cut positions' heads
+    # (H, kv_lora_rank, rope dim, block_size, context_lens, q_lens, dtypes, num_partitions,
+    #  the device's shared-memory opt-in: sm_90 takes 64-key tiles at 576 wide, sm_80 32)
+    (128, 512, 64, 16, [97, 33], [1, 1], "bf16", None, SM90),     # V3: 2 row tiles, swizzled
+    (128, 512, 64, 16, [97, 33], [1, 1], "f16", 2, SM80_OPT_IN),  # V3 on sm_80: 32-key tiles
+    (128, 512, 64, 16, [200], [1], "f16-fp8", 3, SM90),           # V3, fp8, split partitions
+    (64, 512, 64, 64, [65, 64, 1], [1, 1, 1], "f16", 2, SM90),    # one row tile; tile edges
+    (16, 512, 64, 16, [40, 9], [1, 9], "bf16-fp8", None, SM80_OPT_IN),  # V2-Lite: partial tile
+    (16, 960, 64, 8, [37, 20], [1, 3], "f16", 2, SM90),           # width 1024: 16-key tiles
+    (48, 128, 64, 12, [61, 30], [1, 4], "f16", 2, SM90),          # block size 12: division
+    (20, 96, 32, 8, [45, 19], [7, 19], "bf16", None, SM90),       # prefill: tiles cut positions
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"H{c[0]}r{c[1]}p{c[2]}b{c[3]}-{c[6]}")
+@pytest.mark.parametrize("case", CASES,
+                         ids=lambda c: f"H{c[0]}r{c[1]}p{c[2]}b{c[3]}-{c[6]}-{c[8] // 1024}K")
 def test_matches_the_float64_oracle(case: tuple) -> None:
-    heads, rank, rope, bs, ctx, q_lens, dtypes, parts = case
+    heads, rank, rope, bs, ctx, q_lens, dtypes, parts, opt_in = case
     rng = np.random.default_rng()
     kv_scale = 0.05 if dtypes.endswith("fp8") else 1.0
     problem = mla_problem(rng, ctx, q_lens, heads, rank, rope, bs, dtypes, kv_scale)
-    out = run(problem, parts)
+    out = run(problem, parts, smem_opt_in=opt_in)
     assert out.dtype == problem["query"].dtype and out.shape == mla_f64(problem).shape
     tol = TOL[out.dtype]
     np.testing.assert_allclose(out.astype(np.float32), mla_f64(problem), rtol=tol, atol=tol)
 
 
 def test_key_tiles() -> None:
-    assert mla_key_tile(576) == 32 and mla_key_tile(592) == 16 and mla_key_tile(80) == 32
-    assert mla_key_tile(576, 1) == 64 and mla_key_tile(1024, 1) == 16
+    assert mla_key_tile(576) == 64 and mla_key_tile(576, 2, SM80_OPT_IN) == 32
+    assert mla_key_tile(576, 1, SM80_OPT_IN) == 64 and mla_key_tile(592) == 16
+    assert mla_key_tile(80, 2, SM80_OPT_IN) == 64 and mla_key_tile(1024, 1) == 16
 
 
 @pytest.fixture(scope="module")

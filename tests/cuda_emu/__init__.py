@@ -279,10 +279,12 @@ class EmuBackend:
 
     xp = _PoisonedNumpy()
 
-    def __init__(self, defines: Sequence[str] = (), order_seed: int = 0, num_sms: int = 8) -> None:
+    def __init__(self, defines: Sequence[str] = (), order_seed: int = 0, num_sms: int = 8,
+                 smem_opt_in: int = SM90_SMEM_OPT_IN) -> None:
         self.defines = tuple(defines)
         self.order_seed = order_seed
         self.num_sms = num_sms  # a small device, so that split-KV partitions show up in tests
+        self.smem_opt_in = smem_opt_in  # what a block may opt in to (sm_80: 163 KB)
         self._modules: dict[tuple[str, tuple[str, ...]], EmuModule] = {}
 
     def function(self, source: str, name: str, defines: tuple[str, ...] = ()) -> EmuKernel:
@@ -292,7 +294,7 @@ class EmuBackend:
                                                                 (*self.defines, *defines))
         module.order_seed = self.order_seed
         kernel = module.get_function(name)
-        kernel.max_dynamic_shared_size_bytes = SM90_SMEM_OPT_IN  # opted in, as CupyBackend
+        kernel.max_dynamic_shared_size_bytes = self.smem_opt_in  # opted in, as CupyBackend
         return kernel
 
     def pointer_array(self, arrays: Sequence[np.ndarray]) -> PointerArray:

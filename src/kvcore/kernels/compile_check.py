@@ -86,6 +86,7 @@ class Variant:
     group: int = 0  # decode: the GQA group the variant serves (its register budget depends on it)
     dynamic_smem: int = 0
     tile_global_bytes: int = 0  # register-tile kernels: K + V bytes of one key tile
+    archs: tuple[str, ...] = ARCHS  # the archs the variant is built for (MLA: per tile size)
 
 
 def kernel_sources() -> list[Path]:
@@ -109,7 +110,6 @@ def variants(head_dims: tuple[int, ...] = CHECK_HEAD_DIMS, groups: tuple[int, ..
         prefill_tc_defines,
         prefill_tc_smem_bytes,
     )
-    from kvcore.kernels.cuda_mla import mla_defines, mla_key_tile, mla_smem_bytes
 
     out: list[Variant] = []
     for path in kernel_sources():
@@ -134,14 +134,28 @@ def variants(head_dims: tuple[int, ...] = CHECK_HEAD_DIMS, groups: tuple[int, ..
                             prefill_tc_smem_bytes(d))
                     for d in head_dims for act, cache in dtypes if act != "f32"]
         elif path.name == "mla_attention.cu":
-            out += [Variant(path.name, mla_defines(r, dr, act, cache), 0,
-                            mla_smem_bytes(r, dr, _ITEMSIZE[cache]),
-                            mla_key_tile(r + dr, _ITEMSIZE[cache]) * (r + dr)
-                            * _ITEMSIZE[cache])
-                    for r, dr in mla_shapes for act, cache in dtypes if act != "f32"]
+            for r, dr in mla_shapes:
+                for act, cache in dtypes:
+                    if act != "f32":
+                        out += _mla_variants(path.name, r, dr, act, cache)
         else:
             out.append(Variant(path.name))
     return out
+
+
+def _mla_variants(source: str, rank: int, rope: int, act: str, cache: str) -> list[Variant]:
+    """One MLA variant per key-tile size the launcher picks on the checked archs (64 keys on
+    sm_90, 32 on sm_80 at DeepSeek's shape with a 16-bit cache), each built for its archs."""
+    from kvcore.kernels.cuda_mla import mla_defines, mla_key_tile, mla_smem_bytes
+
+    width, itemsize = rank + rope, _ITEMSIZE[cache]
+    by_keys: dict[int, tuple[str, ...]] = {}
+    for arch in ARCHS:
+        keys = mla_key_tile(width, itemsize, SMEM_OPT_IN[arch])
+        by_keys[keys] = (*by_keys.get(keys, ()), arch)
+    return [Variant(source, mla_defines(rank, rope, act, cache, keys), 0,
+                    mla_smem_bytes(rank, rope, itemsize, keys), keys * width * itemsize, archs)
+            for keys, archs in by_keys.items()]
 
 
 def cuda_include_dirs() -> list[str]:
@@ -217,7 +231,7 @@ def parse_ptxas_log(source: str, log: str) -> list[KernelReport]:
 
 
 def check_variants(chosen: list[Variant], archs: tuple[str, ...] = ARCHS) -> list[KernelReport]:
-    reports = [r for v in chosen for arch in archs
+    reports = [r for v in chosen for arch in archs if arch in v.archs
                for r in compile_source(KERNEL_DIR / v.source, arch, v.defines, v.dynamic_smem,
                                        v.tile_global_bytes)]
     if not reports:
@@ -271,13 +285,10 @@ def problems(reports: list[KernelReport], chosen: list[Variant]) -> list[str]:
 
 
 def _mla_tile_keys(variant: str) -> int:
-    """Keys per tile of an MLA variant, from its -D options (the kernel's default shape when
-    they are absent)."""
-    from kvcore.kernels.cuda_mla import mla_key_tile
-
+    """Keys per tile of an MLA variant, from its -D options (the kernel's default shape and tile
+    when they are absent)."""
     value = dict(d.split("=", 1) for d in variant.split() if "=" in d)
-    width = int(value.get("KVC_LORA_RANK", 512)) + int(value.get("KVC_ROPE_DIM", 64))
-    return mla_key_tile(width, 1 if "fp8" in value.get("KVC_CACHE", "") else 2)
+    return int(value.get("KVC_MLA_KEYS", 32))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,9 @@ from kvcore.kernels.cuda_launch import (
 )
 from kvcore.kernels.cuda_occupancy import MAX_PARTITIONS, blocks_per_sm, decode_partitions
 
+SM80_SMEM_OPT_IN = 163 * 1024  # the most dynamic shared memory a block may opt in to
+SM90_SMEM_OPT_IN = 227 * 1024
+
 _CTYPES = {"f16": "__half", "bf16": "__nv_bfloat16", "fp8": "__nv_fp8_e4m3"}
 MLA_THREADS = 256
 MLA_ROWS = 64  # (position, head) query rows per block
@@ -28,32 +31,43 @@ MLA_WIDTH_LIMIT = 1024  # kv_lora_rank + rope dim the kernel's tiles are written
 MLA_REGISTERS = 224
 
 
-def mla_defines(kv_lora_rank: int, rope_dim: int, suffix: str,
-                cache_suffix: str) -> tuple[str, ...]:
-    """The -D options selecting the MLA kernel's compiled variant."""
+def mla_defines(kv_lora_rank: int, rope_dim: int, suffix: str, cache_suffix: str,
+                keys: int) -> tuple[str, ...]:
+    """The -D options selecting the MLA kernel's compiled variant (`keys` per staged tile)."""
     return (f"KVC_LORA_RANK={kv_lora_rank}", f"KVC_ROPE_DIM={rope_dim}",
-            f"KVC_SCALAR={_CTYPES[suffix]}", f"KVC_CACHE={_CTYPES[cache_suffix]}")
+            f"KVC_SCALAR={_CTYPES[suffix]}", f"KVC_CACHE={_CTYPES[cache_suffix]}",
+            f"KVC_MLA_KEYS={keys}")
 
 
-def mla_key_tile(width: int, cache_itemsize: int = 2) -> int:
-    """Keys per staged tile: 32, 64 for an fp8 cache, 16 for rows wider than DeepSeek's 576 (so
-    the tiles fit)."""
-    return 16 if width > 576 else 64 if cache_itemsize == 1 else 32
+def _smem(width: int, cache_itemsize: int, keys: int) -> int:
+    # rows padded by 16 bytes; Q and the tiles swizzled instead (no padding) for 64-key tiles
+    # of a 16-bit cache with rows of whole 128-byte groups (SmemRows)
+    pad = 0 if keys == 64 and cache_itemsize == 2 and width % 64 == 0 else 16
+    return (MLA_ROWS * (2 * width + pad) + 2 * keys * (cache_itemsize * width + pad)
+            + MLA_ROWS * (2 * keys + 16) + 3 * MLA_ROWS * 4)
 
 
-def mla_smem_bytes(kv_lora_rank: int, rope_dim: int, cache_itemsize: int = 2) -> int:
+def mla_key_tile(width: int, cache_itemsize: int = 2, smem_opt_in: int = SM90_SMEM_OPT_IN
+                 ) -> int:
+    """Keys per staged tile: 64 where two buffers of them fit the device's opt-in shared memory
+    (sm_90 at DeepSeek's 576, fp8 also on sm_80), else 32; 16 for rows wider than 576."""
+    if width > 576:
+        return 16
+    return 64 if _smem(width, cache_itemsize, 64) <= smem_opt_in else 32
+
+
+def mla_smem_bytes(kv_lora_rank: int, rope_dim: int, cache_itemsize: int = 2,
+                   keys: int | None = None) -> int:
     """mla_attention.cu's kSmemBytes: the Q rows (16-bit), two buffers of raw cache tiles,
-    P (16-bit), all rows padded by 16 bytes, and 3 fp32 row statistics."""
+    P (16-bit), and 3 fp32 row statistics; `keys` per tile (default: mla_key_tile's on sm_90)."""
     width = kv_lora_rank + rope_dim
-    rows, keys = MLA_ROWS, mla_key_tile(width, cache_itemsize)
-    return (rows * (2 * width + 16) + 2 * keys * (cache_itemsize * width + 16)
-            + rows * (2 * keys + 16) + 3 * rows * 4)
+    return _smem(width, cache_itemsize, keys or mla_key_tile(width, cache_itemsize))
 
 
-def mla_blocks_per_sm(kv_lora_rank: int, rope_dim: int, cache_itemsize: int) -> int:
+def mla_blocks_per_sm(kv_lora_rank: int, rope_dim: int, cache_itemsize: int, keys: int) -> int:
     """Resident MLA blocks per SM (sm_90) from the kernel's registers and kSmemBytes."""
     return blocks_per_sm(MLA_THREADS, MLA_REGISTERS,
-                         mla_smem_bytes(kv_lora_rank, rope_dim, cache_itemsize))
+                         mla_smem_bytes(kv_lora_rank, rope_dim, cache_itemsize, keys))
 
 
 def plan_mla_attention(backend: Backend, query: Any, cache: Any, block_tables: Any,
@@ -111,10 +125,12 @@ def plan_mla_attention(backend: Backend, query: Any, cache: Any, block_tables: A
     block_tables, context_lens, query_start_loc = upload_seq_metadata(
         xp, block_tables, context_lens, query_start_loc, num_seqs)
     head_tiles = -(-num_heads // MLA_ROWS)
+    itemsize = cache.dtype.itemsize
+    keys = mla_key_tile(width, itemsize, getattr(backend, "smem_opt_in", SM80_SMEM_OPT_IN))
     if num_partitions is not None:
         parts = num_partitions
     elif decode_span > 0 and num_decode != 0:
-        resident = max(1, mla_blocks_per_sm(kv_lora_rank, rope_dim, cache.dtype.itemsize))
+        resident = max(1, mla_blocks_per_sm(kv_lora_rank, rope_dim, itemsize, keys))
         parts = decode_partitions((num_decode or num_seqs) * head_tiles,
                                   -(-decode_span // block_size), block_size, backend.num_sms,
                                   resident)
@@ -124,7 +140,7 @@ def plan_mla_attention(backend: Backend, query: Any, cache: Any, block_tables: A
     tmp_out = xp.empty((*stats_shape, kv_lora_rank), np.float32)  # (S, H, P, r) partials
     max_logits = xp.empty(stats_shape, np.float32)  # (S, H, P)
     exp_sums = xp.empty(stats_shape, np.float32)
-    defines = mla_defines(kv_lora_rank, rope_dim, suffix, cache_suffix)
+    defines = mla_defines(kv_lora_rank, rope_dim, suffix, cache_suffix, keys)
     # power-of-two block sizes: the kernel reads the block table with shifts (-1: division)
     shift = block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1
     ints = (num_heads, block_size, shift, max_blocks, parts)
@@ -133,7 +149,7 @@ def plan_mla_attention(backend: Backend, query: Any, cache: Any, block_tables: A
         (-(-max_q_len * num_heads // MLA_ROWS), num_seqs, parts), (MLA_THREADS,),
         (out, query, cache, block_tables, context_lens, query_start_loc, tmp_out, max_logits,
          exp_sums, *(np.int32(v) for v in ints), np.float32(scale), np.float32(kv_scale)),
-        mla_smem_bytes(kv_lora_rank, rope_dim, cache.dtype.itemsize))]
+        mla_smem_bytes(kv_lora_rank, rope_dim, itemsize, keys))]
     if parts > 1:
         launches.append(Launch(
             backend.function("mla_attention.cu", "mla_reduce", defines),
@@ -144,14 +160,15 @@ def plan_mla_attention(backend: Backend, query: Any, cache: Any, block_tables: A
     return out, launches
 
 
-def mla_tile_traffic(kv_lora_rank: int, rope_dim: int,
-                     cache_itemsize: int = 2) -> tuple[int, int, int]:
+def mla_tile_traffic(kv_lora_rank: int, rope_dim: int, cache_itemsize: int = 2,
+                     keys: int | None = None) -> tuple[int, int, int]:
     """The traffic model of one key tile of one 64-row block: (global bytes, shared-memory
     bytes, FLOPs). Shared: the tile in by cp.async; Q and K fragments of S (each of the 8 warps
     reads its row block's Q and its key half of K); P written once and read by every warp; V
     (the tile's latent columns) read once; the row maxima, rescale factors and their reads."""
     width = kv_lora_rank + rope_dim
-    keys, rows, warps = mla_key_tile(width, cache_itemsize), MLA_ROWS, MLA_THREADS // 32
+    keys = keys or mla_key_tile(width, cache_itemsize)
+    rows, warps = MLA_ROWS, MLA_THREADS // 32
     tile = keys * width * cache_itemsize
     fragments = warps * 16 * width * 2 + warps * keys // 2 * width * cache_itemsize
     softmax = rows * keys * 2 * (1 + warps) + (3 * 2 + 8) * 4 * MLA_THREADS

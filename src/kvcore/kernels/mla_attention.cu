@@ -14,7 +14,7 @@
 // query's own order (row g = position g / H, head g % H: contiguous in memory), kRows = 64 per
 // block (4 row blocks of 16): a decode sequence of 64 heads is one block, of 128 two.
 //
-// Q (64 rows) is staged once; latent tiles of kKT keys (32, 64 for fp8; 16 past 576 wide) are
+// Q (64 rows) is staged once; latent tiles of kKT keys (KVC_MLA_KEYS: 64, 32, or 16) are
 // staged raw (fp8 stays 1 byte) by cp.async 16-byte copies through the block table into two
 // buffers, the next tile in flight while the current one computes; the copies zero-fill keys
 // past the span (free slots may hold NaN). Per tile, with PTX mma.sync m16n8k16 (fp32
@@ -28,8 +28,10 @@
 //      registers across tiles (128 fp32 at kR = 512); it rescales them by alpha only when some
 //      row's max grew (a warp vote), then O += P V with each V fragment loaded once (the latent
 //      columns of the same staged tile: K and V are one copy).
-// Shared rows are padded by 16 bytes, so fragment loads of 8 rows x 4 lanes hit distinct banks.
-// The dynamic shared memory is kSmemBytes (151.75 KB at DeepSeek's 512 + 64, 16-bit cache).
+// Shared rows of whole 128-byte groups are XOR-swizzled by 16-byte chunk, others padded by 16
+// bytes (SmemRows), so fragment loads of 8 rows x 4 lanes hit distinct banks. The dynamic
+// shared memory is kSmemBytes: at DeepSeek's 512 + 64 with a 16-bit cache 224.75 KB with 64-key
+// tiles (sm_90) or 149.75 KB with 32-key tiles (sm_80), 154.75 KB with fp8's 64-key tiles.
 //
 // Split-KV (num_partitions > 1) applies to one-token sequences: blockIdx.z is a run of whole KV
 // blocks, and each block writes its normalized partial output, max logit and exp-sum for
@@ -58,28 +60,47 @@ constexpr int kW = KVC_LORA_RANK + KVC_ROPE_DIM;  // one cached row: latent, the
 constexpr int kRows = 64;                          // query rows per block
 constexpr int kRB = kRows / 16;                    // row blocks (4)
 constexpr int kWarps = KVC_MLA_THREADS / KVC_WARP; // 8
-// keys per staged tile: 32, 64 for an fp8 cache (half the bytes: Q's reads per key halve),
-// 16 for rows wider than DeepSeek's 576
-constexpr int kKT = kW > 576 ? 16 : sizeof(KVC_CACHE) == 1 ? 64 : 32;
+// keys per staged tile (KVC_MLA_KEYS, chosen by the launcher): 64 where the tiles fit the
+// device's shared memory (Q's fragment reads per key halve), else 32; 16 past 576 wide
+#ifndef KVC_MLA_KEYS
+#define KVC_MLA_KEYS (kW > 576 ? 16 : sizeof(KVC_CACHE) == 1 ? 64 : 32)
+#endif
+constexpr int kKT = KVC_MLA_KEYS;
 constexpr int kSN = kKT / 2 / 8;                   // S n-tiles per warp (its key half)
 constexpr int kON = (kR / 8 + kWarps - 1) / kWarps;  // O n-tiles (8 columns) per warp
 constexpr int kRowBytes = kW * (int)sizeof(KVC_CACHE);
-constexpr int kPitch = kRowBytes + 16;             // padded shared rows
-constexpr int kQPitch = kW * 2 + 16;
-constexpr int kPPitch = kKT * 2 + 16;
+// shared rows: padded; swizzled for Q and the tiles where 64-key tiles of a 16-bit cache must
+// fit sm_90's 227 KB (DeepSeek's 576: 224.75 KB, 3.5 KB of padding would not fit)
+constexpr bool kSwizzle = kKT == 64 && sizeof(KVC_CACHE) == 2 && kW % 64 == 0;
+using TileRows = SmemRows<kRowBytes, kSwizzle>;
+using QRows = SmemRows<kW * 2, kSwizzle>;
+using PRows = SmemRows<kKT * 2, false>;
 constexpr int kChunks = kRowBytes / 16;
 // staging: up to 8 threads per row, each a run of consecutive 16-byte chunks
 constexpr int kStageLanes = kChunks % 8 == 0 ? 8 : kChunks % 4 == 0 ? 4 : kChunks % 2 == 0 ? 2 : 1;
 constexpr int kStageRun = kChunks / kStageLanes;
-constexpr int kTileBytes = kKT * kPitch;
+constexpr int kTileBytes = kKT * TileRows::kPitch;
 // Byte offsets of the shared-memory regions: Q, two tile buffers, P, row statistics
-constexpr int kOffTile = kRows * kQPitch;
+constexpr int kOffTile = kRows * QRows::kPitch;
 constexpr int kOffP = kOffTile + 2 * kTileBytes;
-constexpr int kOffStats = kOffP + kRows * kPPitch;  // (2, kRows) maxima / sums, (kRows) alpha
+constexpr int kOffStats = kOffP + kRows * PRows::kPitch;  // (2, kRows) maxima / sums, (kRows) alpha
 constexpr int kSmemBytes = kOffStats + 3 * kRows * 4;
 static_assert(kR % 16 == 0 && KVC_ROPE_DIM % 16 == 0 && kW <= 1024,
               "kv_lora_rank and the rope dim: multiples of 16");
-static_assert(kWarps == 2 * kRB && kSN >= 1, "the warp layout: 4 row blocks x 2 key halves");
+static_assert(kWarps == 2 * kRB && (kKT == 16 || kKT == 32 || kKT == 64),
+              "the warp layout: 4 row blocks x 2 key halves of 8, 16 or 32 keys");
+
+// Two activation values at (even) element col of row r of a laid-out shared tile, and one.
+template <class Rows, typename scalar_t, typename elem_t>
+__device__ __forceinline__ unsigned pair_in(const unsigned char* tile, int r, int col,
+                                            const elem_t* tag) {
+  return pair_at<scalar_t>(tile + Rows::at(r, col * (int)sizeof(elem_t)), 0, tag);
+}
+template <class Rows, typename scalar_t, typename elem_t>
+__device__ __forceinline__ unsigned elem_in(const unsigned char* tile, int r, int col,
+                                            const elem_t* tag) {
+  return elem_at<scalar_t>(tile + Rows::at(r, col * (int)sizeof(elem_t)), 0, tag);
+}
 
 template <typename scalar_t, typename cache_t>
 __device__ void mla_block(
@@ -118,8 +139,8 @@ __device__ void mla_block(
   const int g = lane >> 2, t = lane & 3;  // the fragment coordinates of this lane
   const int srb = warp % kRB, half = warp / kRB;  // S: the warp's row block and key half
   const int skey0 = half * (kKT / 2);
-  unsigned char* q_s = smem;  // (kRows, kQPitch) 16-bit activations
-  unsigned char* p_s = smem + kOffP;  // (kRows, kPPitch) probabilities
+  unsigned char* q_s = smem;  // (kRows, QRows) 16-bit activations
+  unsigned char* p_s = smem + kOffP;  // (kRows, PRows) probabilities
   float* stats = reinterpret_cast<float*>(smem + kOffStats);  // (2, kRows): max, later sum
   float* alpha_s = stats + 2 * kRows;                          // (kRows)
 
@@ -128,13 +149,13 @@ __device__ void mla_block(
       query + ((long long)q_start * num_heads + row0) * kW);
   for (int i = tid; i < kRows * (kW / 8); i += KVC_MLA_THREADS) {
     const int r = i / (kW / 8), c = i % (kW / 8);
-    cp_async16_zfill(q_s + r * kQPitch + c * 16, q_src + (r < rows ? r * kW * 2 + c * 16 : 0),
+    cp_async16_zfill(q_s + QRows::at(r, c * 16), q_src + (r < rows ? r * kW * 2 + c * 16 : 0),
                      r < rows);
   }
   const int* table = block_tables + (long long)seq * max_blocks;
   const unsigned char* base = reinterpret_cast<const unsigned char*>(cache);
   auto stage = [&](int k0, int b) {  // keys [k0, k0 + kKT) into buffer b
-    stage_row_tile<kKT, KVC_MLA_THREADS, kRowBytes, kPitch, kStageRun>(
+    stage_row_tile<kKT, KVC_MLA_THREADS, kRowBytes, TileRows, kStageRun>(
         smem + kOffTile + b * kTileBytes, base, table, block_size, block_shift, k0, k_end, tid);
   };
   if (num_tiles > 0) stage(k_begin, 0);
@@ -170,19 +191,19 @@ __device__ void mla_block(
     float s[kSN][4];
 #pragma unroll
     for (int j = 0; j < kSN; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-    const unsigned char* q0 = q_s + (srb * 16 + g) * kQPitch;
+    const int q_row = srb * 16 + g;
 #pragma unroll
     for (int kk = 0; kk < kW / 16; ++kk) {
       const int c = kk * 16 + 2 * t;
-      const unsigned qa[4] = {pair_at<scalar_t>(q0, c, query),
-                              pair_at<scalar_t>(q0 + 8 * kQPitch, c, query),
-                              pair_at<scalar_t>(q0, c + 8, query),
-                              pair_at<scalar_t>(q0 + 8 * kQPitch, c + 8, query)};
+      const unsigned qa[4] = {pair_in<QRows, scalar_t>(q_s, q_row, c, query),
+                              pair_in<QRows, scalar_t>(q_s, q_row + 8, c, query),
+                              pair_in<QRows, scalar_t>(q_s, q_row, c + 8, query),
+                              pair_in<QRows, scalar_t>(q_s, q_row + 8, c + 8, query)};
 #pragma unroll
       for (int j = 0; j < kSN; ++j) {
-        const unsigned char* krow = kv + (skey0 + j * 8 + g) * kPitch;
-        const unsigned kf[2] = {pair_at<scalar_t>(krow, c, cache),
-                                pair_at<scalar_t>(krow, c + 8, cache)};
+        const int key = skey0 + j * 8 + g;
+        const unsigned kf[2] = {pair_in<TileRows, scalar_t>(kv, key, c, cache),
+                                pair_in<TileRows, scalar_t>(kv, key, c + 8, cache)};
         mma_m16n8k16<scalar_t>(s[j], qa, kf);
       }
     }
@@ -225,9 +246,9 @@ __device__ void mla_block(
                                                                : __expf(s[j][e] - m[e >> 1]));
         l[e >> 1] += to_float(p[e]);
       }
-      unsigned char* prow = p_s + (srb * 16 + g) * kPPitch + (skey0 + j * 8 + 2 * t) * 2;
-      *reinterpret_cast<unsigned*>(prow) = pack2(p[0], p[1]);
-      *reinterpret_cast<unsigned*>(prow + 8 * kPPitch) = pack2(p[2], p[3]);
+      const int pcol = (skey0 + j * 8 + 2 * t) * 2;
+      *reinterpret_cast<unsigned*>(p_s + PRows::at(srb * 16 + g, pcol)) = pack2(p[0], p[1]);
+      *reinterpret_cast<unsigned*>(p_s + PRows::at(srb * 16 + g + 8, pcol)) = pack2(p[2], p[3]);
     }
     __syncthreads();  // P and alpha of every row
 
@@ -258,29 +279,28 @@ __device__ void mla_block(
       unsigned pa[kRB][4];
 #pragma unroll
       for (int rb = 0; rb < kRB; ++rb) {
-        const unsigned char* p0 = p_s + (rb * 16 + g) * kPPitch;
-        const int c = ks * 16 + 2 * t;
-        pa[rb][0] = pair_at<scalar_t>(p0, c, query);
-        pa[rb][1] = pair_at<scalar_t>(p0 + 8 * kPPitch, c, query);
-        pa[rb][2] = pair_at<scalar_t>(p0, c + 8, query);
-        pa[rb][3] = pair_at<scalar_t>(p0 + 8 * kPPitch, c + 8, query);
+        const int r0 = rb * 16 + g, c = ks * 16 + 2 * t;
+        pa[rb][0] = pair_in<PRows, scalar_t>(p_s, r0, c, query);
+        pa[rb][1] = pair_in<PRows, scalar_t>(p_s, r0 + 8, c, query);
+        pa[rb][2] = pair_in<PRows, scalar_t>(p_s, r0, c + 8, query);
+        pa[rb][3] = pair_in<PRows, scalar_t>(p_s, r0 + 8, c + 8, query);
 #ifdef KVC_BREAK_FRAGMENT  // the tests' mutant: rows g + 8 and keys 8-15 trade places
         const unsigned swap = pa[rb][1];
         pa[rb][1] = pa[rb][2];
         pa[rb][2] = swap;
 #endif
       }
-      const unsigned char* v0 = kv + (ks * 16 + 2 * t) * kPitch;
+      const int v0 = ks * 16 + 2 * t;  // B rows (keys) v0, v0 + 1, v0 + 8, v0 + 9
 #pragma unroll
       for (int n = 0; n < kON; ++n) {
         const int nt = warp * kON + n;
         if (kR % (8 * kWarps) != 0 && nt >= kR / 8) break;
         const int col = nt * 8 + g;
         const unsigned vf[2] = {
-            (unsigned)elem_at<scalar_t>(v0, col, cache) |
-                ((unsigned)elem_at<scalar_t>(v0 + kPitch, col, cache) << 16),
-            (unsigned)elem_at<scalar_t>(v0 + 8 * kPitch, col, cache) |
-                ((unsigned)elem_at<scalar_t>(v0 + 9 * kPitch, col, cache) << 16)};
+            elem_in<TileRows, scalar_t>(kv, v0, col, cache) |
+                (elem_in<TileRows, scalar_t>(kv, v0 + 1, col, cache) << 16),
+            elem_in<TileRows, scalar_t>(kv, v0 + 8, col, cache) |
+                (elem_in<TileRows, scalar_t>(kv, v0 + 9, col, cache) << 16)};
 #pragma unroll
         for (int rb = 0; rb < kRB; ++rb) mma_m16n8k16<scalar_t>(o[rb][n], pa[rb], vf);
       }

@@ -71,11 +71,25 @@ __device__ __forceinline__ void stage_kv_tile(unsigned char* k_s, unsigned char*
   }
 }
 
+// Shared-memory rows of kBytes bytes for fragment loads: padded by 16 bytes, or (kSwizzle,
+// rows of whole 128-byte groups) XOR-swizzled by 16-byte chunk within each 128-byte group
+// (chunk ^ (row & 7), no padding: for tiles that must fit); either way a fragment load of 8
+// rows x 4 lanes hits distinct banks.
+template <int kBytes, bool kSwizzle>
+struct SmemRows {
+  static_assert(!kSwizzle || kBytes % 128 == 0, "swizzled rows are whole 128-byte groups");
+  static constexpr int kPitch = kSwizzle ? kBytes : kBytes + 16;
+  __device__ __forceinline__ static int at(int row, int byte) {
+    return row * kPitch + (kSwizzle ? byte ^ ((row & 7) << 4) : byte);
+  }
+};
+
 // Stages keys [k0, k0 + kKeys) of a single-tensor cache (MLA: the cached row is both K and V)
-// into dst (rows of kPitch bytes) with 16-byte cp.async copies, a thread taking a run of kRun
-// chunks of one row; keys at or past k_hi are zero-filled (nothing is read). The block table is
-// read with shifts when block_shift >= 0, else by division (one key per thread and round).
-template <int kKeys, int kThreads, int kRowBytes, int kPitch, int kRun>
+// into dst (rows laid out by Rows = SmemRows<kRowBytes>) with 16-byte cp.async copies, a thread
+// taking a run of kRun chunks of one row; keys at or past k_hi are zero-filled (nothing is
+// read). The block table is read with shifts when block_shift >= 0, else by division (one key
+// per thread and round).
+template <int kKeys, int kThreads, int kRowBytes, class Rows, int kRun>
 __device__ __forceinline__ void stage_row_tile(unsigned char* dst, const unsigned char* base,
                                                const int* table, int block_size,
                                                int block_shift, int k0, int k_hi, int tid) {
@@ -99,7 +113,7 @@ __device__ __forceinline__ void stage_row_tile(unsigned char* dst, const unsigne
     const unsigned char* src = base + slot * kRowBytes + c0 * 16;
 #pragma unroll
     for (int c = 0; c < kRun; ++c) {
-      cp_async16_zfill(dst + key * kPitch + (c0 + c) * 16, src + c * 16, valid);
+      cp_async16_zfill(dst + Rows::at(key, (c0 + c) * 16), src + c * 16, valid);
     }
   }
 }
