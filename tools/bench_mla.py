@@ -5,9 +5,11 @@ by every head) with V2-Lite's 16 query heads and V2 / V3's 128, batch {1, 16, 64
 {512, 4096, 16384}, fp16 and fp8 latent caches, block size 16, blocks scattered over the pool.
 Bandwidth = latent bytes the kernel must read / median kernel time (CUDA events), beside a
 device-to-device copy measured in the same run (bytes read + written / time); TFLOP/s counts
-2 x H x (576 + 512) per cached token (scores and P V). Before a case is timed, two of its
-sequences are checked against a float64 NumPy oracle: a wrong kernel exits 1 unmeasured.
-Prints a markdown table; exits 2 at once without a GPU.
+2 x H x (576 + 512) per cached token (scores and P V). "% of bound": the case's roofline from
+the same run's measurements, max(latent bytes / copy rate, FLOP / cuBLAS fp16 GEMM rate),
+over its time (docs/gpu-performance.md estimates it for batch 64 x 4k). Before a case is
+timed, two of its sequences are checked against a float64 NumPy oracle: a wrong kernel exits
+1 unmeasured. Prints a markdown table; exits 2 at once without a GPU.
 
     python tools/bench_mla.py [--quick] [--iters 20]
 """
@@ -36,7 +38,7 @@ from kvcore.device import cuda_available  # noqa: E402
 
 RANK, ROPE, BLOCK_SIZE = 512, 64, 16
 WIDTH = RANK + ROPE
-HEADS = (16, 128)  # DeepSeek-V2-Lite, DeepSeek-V2 / V3
+HEADS = (16, 64, 128)  # DeepSeek-V2-Lite, 64, DeepSeek-V2 / V3
 BATCHES = (1, 16, 64)
 CONTEXTS = (512, 4096, 16384)
 FP8_SCALE = 0.05
@@ -96,6 +98,14 @@ def decode_case(cp: Any, heads: int, batch: int, context: int, fp8: bool,
     return ms, gbs, tokens * heads * 2 * (WIDTH + RANK) / ms / 1e9
 
 
+def gemm_tflops(cp: Any, iters: int, n: int = 8192) -> float:
+    """TFLOP/s of an n x n x n fp16 matmul (cuBLAS, tensor cores, fp32 accumulation)."""
+    a = cp.random.standard_normal((n, n), dtype=cp.float32).astype(cp.float16)
+    b = cp.random.standard_normal((n, n), dtype=cp.float32).astype(cp.float16)
+    ms = time_ms(cp, lambda: a @ b, iters)
+    return 2 * n ** 3 / ms / 1e9
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=20)
@@ -109,20 +119,23 @@ def main(argv: list[str] | None = None) -> int:
 
     props = cp.cuda.runtime.getDeviceProperties(0)
     copy_gbs = copy_bandwidth(cp, args.iters)
+    peak = gemm_tflops(cp, args.iters)
+    cp.get_default_memory_pool().free_all_blocks()
     print(f"device: {props['name'].decode()}; device-to-device copy: {copy_gbs:.0f} GB/s "
-          "(read + write)\n")
+          f"(read + write); cuBLAS fp16 GEMM 8192^3: {peak:.0f} TFLOP/s\n")
     print("| MLA decode (512 + 64) | heads | batch | context | time (us) | latent GB/s | "
-          "% of copy | TFLOP/s |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          "% of copy | TFLOP/s | % of bound |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     try:
         for fp8 in (False, True):
             for heads in HEADS:
                 for batch in (64,) if args.quick else BATCHES:
                     for context in (4096,) if args.quick else CONTEXTS:
                         ms, gbs, tflops = decode_case(cp, heads, batch, context, fp8, args.iters)
+                        bound = max(gbs / copy_gbs, tflops / peak)  # bound time / time
                         print(f"| {'fp8' if fp8 else 'fp16'} | {heads} | {batch} | {context} | "
                               f"{ms * 1e3:.1f} | {gbs:.0f} | {100 * gbs / copy_gbs:.0f}% | "
-                              f"{tflops:.0f} |", flush=True)
+                              f"{tflops:.0f} | {100 * bound:.0f}% |", flush=True)
                         cp.get_default_memory_pool().free_all_blocks()
     except WrongOutput as exc:
         print(f"bench_mla: {exc}; not timed", file=sys.stderr)

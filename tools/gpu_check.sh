@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The one prepared script for a GPU machine (an offline H200): the GPU tests, the MLA kernel
-# and model, the kernel benchmark table, the xp sampler on NumPy vs CuPy (noise bit for bit,
+# (v3: 16 / 64 / 128 heads at 512 + 64 vs the float64 oracle, its key tile sized to the device)
+# and model, the MLA decode table (% of the measured copy / cuBLAS roofline), the kernel
+# benchmark table, the xp sampler on NumPy vs CuPy (noise bit for bit,
 # token agreement on fp32 and fp16 logits), then the engine end to end (tools/gpu_e2e.py:
 # decode tok/s at batch 1, 64, 256, device-busy fraction, greedy tokens vs the CPU engine),
 # and speculative decoding off / ngram / suffix at batch 1 and 64 (tools/bench_spec.py: tokens
@@ -47,7 +49,7 @@ status=0
 echo "== pytest -m gpu"
 timeout 120 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gpu.py \
     tests/test_cuda_graph_gpu.py tests/test_sampling_xp_gpu.py || status=1
-echo "== MLA (DeepSeek): the kernel at 512 + 64 vs the float64 oracle, a tiny model GPU vs CPU"
+echo "== MLA v3 (DeepSeek): the kernel at 512 + 64 vs the float64 oracle, its key tile, a tiny model GPU vs CPU, decode vs the roofline"
 timeout 60 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_mla_gpu.py || status=1
 timeout 45 "$PY" tools/bench_mla.py --quick --iters 10 || status=1
 echo "== tools/bench_kernels.py"
