@@ -192,8 +192,9 @@ __device__ void mla_block(
 #pragma unroll
     for (int j = 0; j < kSN; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
     const int q_row = srb * 16 + g;
+    // a row block wholly past the block's rows (16 heads: 3 of 4) has no scores to compute
 #pragma unroll
-    for (int kk = 0; kk < kW / 16; ++kk) {
+    for (int kk = 0; kk < (srb * 16 < rows ? kW / 16 : 0); ++kk) {
       const int c = kk * 16 + 2 * t;
       const unsigned qa[4] = {pair_in<QRows, scalar_t>(q_s, q_row, c, query),
                               pair_in<QRows, scalar_t>(q_s, q_row + 8, c, query),
@@ -302,7 +303,9 @@ __device__ void mla_block(
             elem_in<TileRows, scalar_t>(kv, v0 + 8, col, cache) |
                 (elem_in<TileRows, scalar_t>(kv, v0 + 9, col, cache) << 16)};
 #pragma unroll
-        for (int rb = 0; rb < kRB; ++rb) mma_m16n8k16<scalar_t>(o[rb][n], pa[rb], vf);
+        for (int rb = 0; rb < kRB; ++rb) {
+          if (rb * 16 < rows) mma_m16n8k16<scalar_t>(o[rb][n], pa[rb], vf);  // block-uniform
+        }
       }
     }
   }
