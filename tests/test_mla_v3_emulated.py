@@ -4,7 +4,7 @@ on the CPU, against the float64 oracle: the head counts of DeepSeek-V2-Lite / V3
 and ones that cut the 64-row tiles, contexts crossing key tiles and partitions, fp16 / bf16 /
 fp8 caches, rows wider than 576 (16-key tiles), block sizes that are not powers of two; and the
 mutants the emulator must catch (a missing cp.async wait, a missing barrier between buffer
-swaps, a wrong fragment index)."""
+swaps, a wrong fragment index, a rescale vote that never rescales)."""
 
 from __future__ import annotations
 
@@ -96,3 +96,11 @@ def test_mutants_fail(mutant_problem: dict, mutant: str) -> None:
         assert "g++ failed" not in str(exc)
         return
     assert not close(broken, mutant_problem)
+
+
+def test_rescale_vote_mutant_fails() -> None:
+    """Whole sequences over 3-4 key tiles (one partition), so running maxima grow after the
+    first tile: the kernel passes, and the mutant whose vote never rescales O does not."""
+    problem = mla_problem(np.random.default_rng(11), [200, 130], [1, 5], 16, 64, 16, 8, "f16")
+    assert close(run(problem, 1), problem)
+    assert not close(run(problem, 1, ("KVC_BREAK_VOTE",)), problem)
