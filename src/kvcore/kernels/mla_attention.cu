@@ -28,10 +28,10 @@
 //      registers across tiles (128 fp32 at kR = 512); it rescales them by alpha only when some
 //      row's max grew (a warp vote), then O += P V with each V fragment loaded once (the latent
 //      columns of the same staged tile: K and V are one copy).
-// Shared rows of whole 128-byte groups are XOR-swizzled by 16-byte chunk, others padded by 16
-// bytes (SmemRows), so fragment loads of 8 rows x 4 lanes hit distinct banks. The dynamic
-// shared memory is kSmemBytes: at DeepSeek's 512 + 64 with a 16-bit cache 224.75 KB with 64-key
-// tiles (sm_90) or 149.75 KB with 32-key tiles (sm_80), 154.75 KB with fp8's 64-key tiles.
+// Shared rows are padded by 16 bytes, or XOR-swizzled by 16-byte chunk for the 64-key tiles of a
+// 16-bit cache (SmemRows), so fragment loads of 8 rows x 4 lanes hit distinct banks. The dynamic
+// shared memory is kSmemBytes: at DeepSeek's 512 + 64 with a 16-bit cache 225.75 KB with 64-key
+// tiles (sm_90) or 151.75 KB with 32-key tiles (sm_80), 156.75 KB with fp8's 64-key tiles.
 //
 // Split-KV (num_partitions > 1) applies to one-token sequences: blockIdx.z is a run of whole KV
 // blocks, and each block writes its normalized partial output, max logit and exp-sum for
@@ -70,7 +70,7 @@ constexpr int kSN = kKT / 2 / 8;                   // S n-tiles per warp (its ke
 constexpr int kON = (kR / 8 + kWarps - 1) / kWarps;  // O n-tiles (8 columns) per warp
 constexpr int kRowBytes = kW * (int)sizeof(KVC_CACHE);
 // shared rows: padded; swizzled for Q and the tiles where 64-key tiles of a 16-bit cache must
-// fit sm_90's 227 KB (DeepSeek's 576: 224.75 KB, 3.5 KB of padding would not fit)
+// fit sm_90's 227 KB (DeepSeek's 576: 225.75 KB; padded rows, 228.75 KB, would not)
 constexpr bool kSwizzle = kKT == 64 && sizeof(KVC_CACHE) == 2 && kW % 64 == 0;
 using TileRows = SmemRows<kRowBytes, kSwizzle>;
 using QRows = SmemRows<kW * 2, kSwizzle>;
