@@ -78,6 +78,16 @@ def reshape_and_cache(key: Any, value: Any, k_cache: Any, v_cache: Any, slot_map
     ops().reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
+def reshape_and_cache_int4(key: Any, value: Any, k_window: Any, v_window: Any,
+                           window_slot: Any, slot_mapping: Any) -> None:
+    ops().reshape_and_cache_int4(key, value, k_window, v_window, window_slot, slot_mapping)
+
+
+def seal_blocks(k_caches: list[Any], v_caches: list[Any], k_windows: list[Any],
+                v_windows: list[Any], pairs: Any, group: int) -> None:
+    ops().seal_blocks(k_caches, v_caches, k_windows, v_windows, pairs, group)
+
+
 def paged_attention(query: Any, k_cache: Any, v_cache: Any, block_tables: Any, context_lens: Any,
                     query_start_loc: Any, scale: float, sliding_window: int | None = None,
                     k_scale: float = 1.0, v_scale: float = 1.0) -> Any:

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from kvcore.kernels.cuda_attention import plan_paged_attention
+from kvcore.kernels.cuda_int4 import int4_write_launch, seal_launch
 from kvcore.kernels.cuda_launch import (
     Backend,
     cache_suffix_of,
@@ -59,6 +60,22 @@ class CudaOps:
         kernel((num_tokens,), (128,), (key, value, k_cache, v_cache, slot_mapping,
                                        np.int32(num_kv_heads * head_dim), np.float32(k_scale),
                                        np.float32(v_scale)))
+
+    def reshape_and_cache_int4(self, key: Any, value: Any, k_window: Any, v_window: Any,
+                               window_slot: Any, slot_mapping: Any) -> None:
+        """An int4 cache's write: the rows into their blocks' fp16 window slots."""
+        launch = int4_write_launch(self.backend, key, value, k_window, v_window, window_slot,
+                                   slot_mapping)
+        if launch is not None:
+            launch()
+
+    def seal_blocks(self, k_caches: list[Any], v_caches: list[Any], k_windows: list[Any],
+                    v_windows: list[Any], pairs: Any, group: int) -> None:
+        """Quantize window slot pairs[m][1] into int4 block pairs[m][0] in every layer."""
+        launch = seal_launch(self.backend, k_caches, v_caches, k_windows, v_windows, pairs,
+                             group)
+        if launch is not None:
+            launch()
 
     def copy_blocks(self, k_caches: list[Any], v_caches: list[Any], block_mapping: Any) -> None:
         mapping = np.asarray(self.backend.to_host(block_mapping))
