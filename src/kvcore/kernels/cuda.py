@@ -95,6 +95,15 @@ def paged_attention(query: Any, k_cache: Any, v_cache: Any, block_tables: Any, c
                                  query_start_loc, scale, sliding_window, k_scale, v_scale)
 
 
+def paged_attention_int4(query: Any, k_cache: Any, v_cache: Any, k_window: Any, v_window: Any,
+                         window_slot: Any, block_tables: Any, context_lens: Any,
+                         query_start_loc: Any, scale: float, sliding_window: int | None,
+                         group: int) -> Any:
+    return ops().paged_attention_int4(query, k_cache, v_cache, k_window, v_window, window_slot,
+                                      block_tables, context_lens, query_start_loc, scale,
+                                      sliding_window, group)
+
+
 def mla_paged_attention(query: Any, cache: Any, block_tables: Any, context_lens: Any,
                         query_start_loc: Any, kv_lora_rank: int, scale: float,
                         kv_scale: float = 1.0) -> Any:

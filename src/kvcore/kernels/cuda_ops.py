@@ -14,6 +14,7 @@ import numpy as np
 
 from kvcore.kernels.cuda_attention import plan_paged_attention
 from kvcore.kernels.cuda_int4 import int4_write_launch, seal_launch
+from kvcore.kernels.cuda_int4_attention import plan_int4_attention
 from kvcore.kernels.cuda_launch import (
     Backend,
     cache_suffix_of,
@@ -116,6 +117,21 @@ class CudaOps:
             self.backend, query, k_cache, v_cache, block_tables, context_lens, query_start_loc,
             scale, sliding_window, k_scale, v_scale, num_partitions=num_partitions,
             host_metadata=host_metadata)
+        for launch in launches:
+            launch()
+        return out
+
+    def paged_attention_int4(self, query: Any, k_cache: Any, v_cache: Any, k_window: Any,
+                             v_window: Any, window_slot: Any, block_tables: Any,
+                             context_lens: Any, query_start_loc: Any, scale: float,
+                             sliding_window: int | None, group: int, *,
+                             num_partitions: int | None = None,
+                             host_metadata: bool | None = None) -> Any:
+        """paged_attention over an int4 cache (sealed int4 rows + fp16 window): (T, H, D)."""
+        out, launches = plan_int4_attention(
+            self.backend, query, k_cache, v_cache, k_window, v_window, window_slot,
+            block_tables, context_lens, query_start_loc, scale, sliding_window, group,
+            num_partitions=num_partitions, host_metadata=host_metadata)
         for launch in launches:
             launch()
         return out
