@@ -68,6 +68,7 @@ struct Int4Tile {
   static_assert(kGroup % 8 == 0 && kD % kGroup == 0, "value groups of whole 8-channel chunks");
   static_assert(kNib % 16 == 0 && kChunks >= kNib / 16 + 2 * kVWords,
                 "a key's packed copies fit in its chunk items");
+  static_assert(kThreads % kChunks == 0, "a thread unpacks one chunk of every key it takes");
 
   Int4Cache cache;
   int heads, shift, kvh;
@@ -125,12 +126,16 @@ struct Int4Tile {
 
   // After the tile's copies landed (wait + barrier): the sealed keys' rows of k_s / v_s as
   // activations; with bf16 activations, the window rows converted in place. Each (key, chunk)
-  // item is read and written by one thread.
+  // item is read and written by one thread; a thread's chunk is the same for all its keys, so
+  // it holds the K scales and zeros of its 8 channels while its keys stay in one block.
   template <typename scalar_t>
   __device__ __forceinline__ void dequant(unsigned char* k_s, unsigned char* v_s,
                                           const unsigned char* raw, int k0, int tid) const {
+    const int c = tid % kChunks;
+    int held = -1;  // the block (within the tile) whose K params k_scale / k_zero hold
+    uint4 k_scale = {}, k_zero = {};
     for (int i = tid; i < kKeys * kChunks; i += kThreads) {
-      const int key = i / kChunks, c = i % kChunks;
+      const int key = i / kChunks;
       unsigned char* k_dst = k_s + key * kPitch + c * 16;
       unsigned char* v_dst = v_s + key * kPitch + c * 16;
       if (!raw[kFlags + key]) {
@@ -139,10 +144,16 @@ struct Int4Tile {
         continue;
       }
       const int pos = k0 + key, p = pos & ((1 << shift) - 1);
-      const __half* k_par = reinterpret_cast<const __half*>(
-          raw + kKPar + ((pos >> shift) - (k0 >> shift)) * 4 * kD) + c * 8;
-      dequant8<scalar_t>(*reinterpret_cast<const unsigned*>(raw + key * kNib + c * 4), k_par,
-                         k_par + kD, 1, k_dst);
+      const int block = (pos >> shift) - (k0 >> shift);
+      if (block != held) {
+        const unsigned char* k_par = raw + kKPar + block * 4 * kD + c * 16;
+        k_scale = *reinterpret_cast<const uint4*>(k_par);
+        k_zero = *reinterpret_cast<const uint4*>(k_par + 2 * kD);
+        held = block;
+      }
+      dequant8<scalar_t>(*reinterpret_cast<const unsigned*>(raw + key * kNib + c * 4),
+                         reinterpret_cast<const __half*>(&k_scale),
+                         reinterpret_cast<const __half*>(&k_zero), 1, k_dst);
       // the key's V params start at the half (p * heads + kvh) * kN of the words copied
       const int half = kN == 1 ? (p * heads + kvh) & 1 : 0;
       const __half* v_par = reinterpret_cast<const __half*>(raw + kVPar + key * 2 * kVWords * 4) +
