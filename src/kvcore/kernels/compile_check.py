@@ -1,7 +1,8 @@
 """Static evidence for the CUDA kernels, without a GPU: NVRTC compiles every kernel variant.
 
 `python -m kvcore.kernels.compile_check [--json]` compiles each .cu source (each decode variant:
-head_dim x GQA group x activation/cache dtype; the MLA kernel per latent shape x dtype) to a
+head_dim x GQA group x activation/cache dtype, the cache dtype "int4" selecting the KVC_INT4
+variants of the register-tile kernels; the MLA kernel per latent shape x dtype) to a
 cubin for sm_80 and sm_90 through CuPy's NVRTC with CuPy's own options, and reports per
 kernel: registers, stack, spill bytes, static shared memory (ptxas' verbose log), the dynamic
 shared memory the launcher asks for, and facts read from the PTX of the same compile: 16-byte
@@ -32,12 +33,15 @@ from kvcore.kernels.ptx_facts import PtxFacts, ptx_facts
 
 KERNEL_DIR = Path(__file__).resolve().parent
 _ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2, "fp8": 1}
+INT4 = "int4"  # the cache "dtype" of the int4 variants (KVC_INT4, register-tile kernels only)
+INT4_CHECK_GROUP = 32  # value channels per scale the int4 variants compile for
 ARCHS = ("80", "90")
 DECODE_REGISTER_BUDGET = 96  # sm_90, groups up to 8: 5 blocks of 4 warps (2.5 of 8) per SM
 # decode variants compiled by the check: the head_dims and groups of common models
 CHECK_HEAD_DIMS = (64, 128, 256)
 CHECK_GROUPS = (1, 2, 3, 4, 8, 16)
-CHECK_DTYPES = (("f16", "f16"), ("bf16", "bf16"), ("f16", "fp8"), ("f32", "f32"))
+CHECK_DTYPES = (("f16", "f16"), ("bf16", "bf16"), ("f16", "fp8"), ("f32", "f32"),
+                ("f16", INT4))
 # MLA variants: (kv_lora_rank, qk_rope_head_dim) of DeepSeek-V2, V2-Lite and V3 (all 512 + 64)
 CHECK_MLA_SHAPES = ((512, 64),)
 TENSOR_CORE_KERNELS = ("paged_attention_prefill_tc", "paged_attention_decode_tc",
@@ -48,6 +52,7 @@ REGISTER_TILE_KERNELS = ("paged_attention_decode_tc", "paged_attention_prefill_m
 TILE_SMEM_RATIO = 2.0  # decode: shared-memory bytes per key tile over its global (K + V) bytes
 PREFILL_TILE_SMEM_LIMIT = 150 * 1024  # prefill: shared bytes per 64 query rows x 64 keys
 PREFILL_MMA_ROWS = 128  # query rows of a paged_attention_prefill_mma block (per key tile)
+
 
 _ENTRY = re.compile(r"Compiling entry function '(\w+)' for 'sm_(\d+)'")
 _STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -104,8 +109,19 @@ def variants(head_dims: tuple[int, ...] = CHECK_HEAD_DIMS, groups: tuple[int, ..
         prefill_tc_defines,
         prefill_tc_smem_bytes,
     )
+    from kvcore.kernels.cuda_int4_attention import (
+        INT4_HEAD_DIMS,
+        int4_decode_smem_bytes,
+        int4_defines,
+        int4_tile_global_bytes,
+        int4_tiles_bytes,
+    )
     from kvcore.kernels.cuda_mla import mla_defines, mla_smem_bytes
 
+    int4_acts = [act for act, cache in dtypes if cache == INT4 and act != "f32"]
+    int4_dims = [d for d in head_dims if d in INT4_HEAD_DIMS]
+    dtypes = tuple((act, cache) for act, cache in dtypes if cache != INT4)
+    grp = INT4_CHECK_GROUP
     out: list[Variant] = []
     for path in kernel_sources():
         if path.name == "paged_attention_decode.cu":
@@ -118,12 +134,19 @@ def variants(head_dims: tuple[int, ...] = CHECK_HEAD_DIMS, groups: tuple[int, ..
                             2 * DECODE_TC_KEYS * d * _ITEMSIZE[cache])
                     for d in head_dims for g in groups for act, cache in dtypes
                     if act != "f32" and g >= TC_DECODE_MIN_GROUP]
+            # an int4 cache takes this kernel for every group
+            out += [Variant(path.name, int4_defines(d, act, grp, g), g,
+                            int4_decode_smem_bytes(d, grp), int4_tile_global_bytes(d, grp))
+                    for d in int4_dims for g in groups for act in int4_acts]
         elif path.name == "paged_attention_prefill_mma.cu":
             out += [Variant(path.name, prefill_tc_defines(d, act, cache), 0,
                             prefill_mma_smem_bytes(d, _ITEMSIZE[cache]),
                             2 * DECODE_TC_KEYS * d * _ITEMSIZE[cache])
                     for d in head_dims for act, cache in dtypes
                     if act != "f32" and d <= PREFILL_MMA_MAX_HEAD_DIM]
+            out += [Variant(path.name, int4_defines(d, act, grp, None), 0,
+                            int4_tiles_bytes(d, grp), int4_tile_global_bytes(d, grp))
+                    for d in int4_dims for act in int4_acts if d <= PREFILL_MMA_MAX_HEAD_DIM]
         elif path.name == "paged_attention_prefill_tc.cu":
             out += [Variant(path.name, prefill_tc_defines(d, act, cache), 0,
                             prefill_tc_smem_bytes(d))
@@ -239,7 +262,12 @@ def problems(reports: list[KernelReport], chosen: list[Variant]) -> list[str]:
         if r.kernel in REGISTER_TILE_KERNELS:
             if r.cp_async == 0:
                 found.append(f"no cp.async staging: {where}")
-            if r.kernel == "paged_attention_prefill_mma":
+            if "KVC_INT4" in r.variant:
+                # the staging and unpack loops are rolled: the static count takes one pass of
+                # each per thread, not a tile's traffic (docs/gpu-performance.md counts it)
+                if r.tile_smem_bytes == 0:
+                    found.append(f"no key-tile loop found: {where}")
+            elif r.kernel == "paged_attention_prefill_mma":
                 per_64 = r.tile_smem_bytes * 64 // PREFILL_MMA_ROWS
                 if per_64 == 0 or per_64 > PREFILL_TILE_SMEM_LIMIT:
                     found.append(f"shared-memory traffic per 64 x 64 tile: {where} moves "

@@ -4,8 +4,8 @@ blocks, chosen per block by window_slot; layout: cuda_int4).
 Decode rows run paged_attention_decode_tc.cu and prefill chunks paged_attention_prefill_mma.cu,
 both compiled with KVC_INT4: they stage the packed rows by cp.async (about a quarter of the fp16
 bytes) and unpack them in registers into their 16-bit tiles (int4_stage.cuh). Every GQA group
-takes the register-tile decode kernel; fp16 / bf16 activations, head_dim 64 to 256 (prefill up
-to 128), power-of-two block sizes from 8 on.
+takes the register-tile decode kernel; fp16 / bf16 activations, head_dim 64 or 128, power-of-two
+block sizes from 8 on.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import numpy as np
 
 from kvcore.kernels.cuda_attention import (
     DECODE_TC_KEYS,
-    DECODE_TC_REGISTERS,
     DECODE_TC_THREADS,
     MAX_GROUP,
     PREFILL_MMA_MAX_HEAD_DIM,
@@ -35,8 +34,11 @@ from kvcore.kernels.cuda_launch import (
 )
 from kvcore.kernels.cuda_occupancy import MAX_PARTITIONS, blocks_per_sm, decode_partitions
 
-INT4_HEAD_DIMS = (64, 128, 256)
+INT4_HEAD_DIMS = (64, 128)  # 256 would need 186 KB of shared memory: over sm_80's 163
 _CTYPES = {"f16": "__half", "bf16": "__nv_bfloat16"}
+# sm_90 registers per thread of the KVC_INT4 decode variants by head_dim: upper bounds of what
+# compile_check reports for GQA groups 1 to 32 (a compile test holds them to it)
+INT4_DECODE_REGISTERS = {64: 160, 128: 168}
 
 
 def int4_raw_bytes(head_dim: int, group: int) -> int:
@@ -46,6 +48,14 @@ def int4_raw_bytes(head_dim: int, group: int) -> int:
     words = n // 2 if n >= 2 else 1
     flags = 2 * keys * nib + keys * 2 * words * 4 + (keys // INT4_MIN_BLOCK_SIZE + 1) * 4 * head_dim
     return -(-(flags + keys) // 16) * 16
+
+
+def int4_tile_global_bytes(head_dim: int, group: int, block_size: int = 16) -> int:
+    """Global bytes one 64-key tile of sealed blocks stages (block-aligned): K and V nibbles,
+    each key's V scales and zeros, each block's K scales and zeros (2 x head_dim halves)."""
+    keys, n = DECODE_TC_KEYS, head_dim // group
+    words = n // 2 if n >= 2 else 1  # 4-byte copies: one group's scale comes with a neighbour
+    return keys * head_dim + keys * 2 * words * 4 + keys // block_size * 4 * head_dim
 
 
 def int4_tiles_bytes(head_dim: int, group: int) -> int:
@@ -131,8 +141,7 @@ def plan_int4_attention(backend: Backend, query: Any, k_cache: Any, v_cache: Any
         span_blocks = -(-decode_span // block_size) + (1 if window else 0)
         smem = int4_decode_smem_bytes(head_dim, group)
         if num_partitions is None:
-            resident = blocks_per_sm(DECODE_TC_THREADS,
-                                     DECODE_TC_REGISTERS.get((head_dim, 2), 255), smem)
+            resident = blocks_per_sm(DECODE_TC_THREADS, INT4_DECODE_REGISTERS[head_dim], smem)
             parts = decode_partitions((num_decode or num_seqs) * num_kv_heads, span_blocks,
                                       block_size, backend.num_sms, resident)
         else:

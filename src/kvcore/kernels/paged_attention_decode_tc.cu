@@ -21,6 +21,9 @@
 // (two row blocks read K/V twice). At the end the key slices of a row block merge through shared
 // memory in a fixed order; with several partitions a block writes its normalized partial output,
 // max logit and exp-sum for paged_attention_reduce.
+// With -DKVC_INT4 (and KVC_INT4_GROUP) the cache is kvcore.cache.int4's: sealed int4 rows and fp16
+// window rows chosen per block by window_slot, staged packed and unpacked into the same 16-bit
+// tiles by int4_stage.cuh (every other variant compiles as before).
 #include "common.cuh"
 #include "mma_tile.cuh"  // mma.sync / cp.async through <ptx_ops.cuh> (the kernel dir is on the path)
 

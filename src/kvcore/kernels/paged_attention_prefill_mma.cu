@@ -13,6 +13,9 @@
 // two buffers through the block table (mma_tile.cuh), the next tile in flight while the current
 // one is computed; the copies zero-fill keys past the span. A warp skips the tiles wholly after
 // its last query position (causal). Sequences with a single query token are left to decode.
+// With -DKVC_INT4 (and KVC_INT4_GROUP) the cache is kvcore.cache.int4's: sealed int4 rows and fp16
+// window rows chosen per block by window_slot, staged packed and unpacked into the same 16-bit
+// tiles by int4_stage.cuh (every other variant compiles as before).
 #include "common.cuh"
 #include "mma_tile.cuh"  // mma.sync / cp.async through <ptx_ops.cuh> (the kernel dir is on the path)
 
