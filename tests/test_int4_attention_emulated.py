@@ -6,10 +6,13 @@ and partitions, block sizes 16 and 32, head_dim 64 and 128."""
 from __future__ import annotations
 
 import shutil
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytest
 
+from kvcore.cache import int4
 from kvcore.kernels.cuda_ops import CudaOps
 
 pytest.importorskip("cupy", reason="cupy's CCCL headers provide <nv/target> for cuda_fp16.h")
@@ -106,3 +109,43 @@ def test_int4_attention_checks_arguments() -> None:
                                           .astype(np.int64)), sliding_window=None)
     with pytest.raises(ValueError, match="v_cache must be uint8"):
         ops().paged_attention_int4(**dict(kwargs, group=64), sliding_window=None)
+
+
+@dataclass(frozen=True, slots=True)
+class Layer:
+    """The fields of the engine's int4 layer (kernels.int4_kv.Int4Layer) the CUDA path reads."""
+
+    rows: Any
+    window: Any
+    window_slot: Any
+    is_key: bool
+    group: int
+
+
+def test_engine_seam_takes_int4_layers() -> None:
+    """paged_attention / reshape_and_cache given int4 layers, and the per-layer seal, as
+    kvcore.kernels dispatches them to kvcore.kernels.cuda."""
+    rng = np.random.default_rng()
+    kwargs, dense = int4_problem(rng, [100, 35], [1, 1], 8, 2, 64, 16, "f16", 32)
+    k = Layer(kwargs["k_cache"], kwargs["k_window"], kwargs["window_slot"], True, 32)
+    v = Layer(kwargs["v_cache"], kwargs["v_window"], kwargs["window_slot"], False, 32)
+    meta = {name: kwargs[name] for name in ("block_tables", "context_lens", "query_start_loc")}
+    out = ops().paged_attention(kwargs["query"], k, v, **meta, scale=kwargs["scale"])
+    np.testing.assert_allclose(out.astype(np.float32), int4_f64(dense), rtol=3e-3, atol=3e-3)
+    # the write: sequence 1's token 35 lands in its third block's window slot
+    block = int(kwargs["block_tables"][1, 2])
+    slot = int(kwargs["window_slot"][block])
+    assert slot >= 0  # a partial block stays in the window
+    key, value = (rng.standard_normal((1, 2, 64)).astype(np.float16) for _ in range(2))
+    ops().reshape_and_cache(key, value, k, v, np.array([block * 16 + 3], np.int64))
+    assert np.array_equal(k.window[slot, 3], key[0]) and np.array_equal(v.window[slot, 3],
+                                                                          value[0])
+    # the seal of that slot into the block's rows, one layer
+    k.window[slot], v.window[slot] = (rng.standard_normal((16, 2, 64)).astype(np.float16)
+                                      for _ in range(2))
+    ops().seal_int4_blocks(k.window, v.window, k.rows, v.rows, np.array([block]),
+                           np.array([slot]), 32)
+    assert k.rows[block].tobytes() == int4.quantize_key_block(k.window[slot]).tobytes()
+    assert v.rows[block].tobytes() == int4.quantize_value_block(v.window[slot], 32).tobytes()
+    with pytest.raises(ValueError, match="no k_scale"):
+        ops().paged_attention(kwargs["query"], k, v, **meta, scale=kwargs["scale"], k_scale=2.0)

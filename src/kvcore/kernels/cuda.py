@@ -88,6 +88,11 @@ def seal_blocks(k_caches: list[Any], v_caches: list[Any], k_windows: list[Any],
     ops().seal_blocks(k_caches, v_caches, k_windows, v_windows, pairs, group)
 
 
+def seal_int4_blocks(k_window: Any, v_window: Any, k_rows: Any, v_rows: Any, block_ids: Any,
+                     slots: Any, group: int) -> None:
+    ops().seal_int4_blocks(k_window, v_window, k_rows, v_rows, block_ids, slots, group)
+
+
 def paged_attention(query: Any, k_cache: Any, v_cache: Any, block_tables: Any, context_lens: Any,
                     query_start_loc: Any, scale: float, sliding_window: int | None = None,
                     k_scale: float = 1.0, v_scale: float = 1.0) -> Any:

@@ -10,7 +10,7 @@ holding the block's fp16 tokens.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -23,6 +23,17 @@ from kvcore.kernels.cuda_launch import (
 )
 
 INT4_MIN_BLOCK_SIZE = 8  # the attention kernels stage the K params of 64 / 8 + 1 blocks per tile
+
+
+@runtime_checkable
+class Int4LayerLike(Protocol):
+    """K or V of one int4 cache layer as the engine hands it to the kernels (the CPU path's
+    kernels.int4_kv.Int4Layer): sealed rows, the fp16 window, the shared window_slot table."""
+
+    rows: Any  # (num_blocks, row bytes) uint8
+    window: Any  # (num_slots, block_size, Hkv, head_dim) float16
+    window_slot: Any  # (num_blocks,) int32
+    group: int  # value channels per scale
 
 
 def key_row_bytes(block_size: int, heads: int, head_dim: int) -> int:
