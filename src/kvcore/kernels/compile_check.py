@@ -109,19 +109,9 @@ def variants(head_dims: tuple[int, ...] = CHECK_HEAD_DIMS, groups: tuple[int, ..
         prefill_tc_defines,
         prefill_tc_smem_bytes,
     )
-    from kvcore.kernels.cuda_int4_attention import (
-        INT4_HEAD_DIMS,
-        int4_decode_smem_bytes,
-        int4_defines,
-        int4_tile_global_bytes,
-        int4_tiles_bytes,
-    )
     from kvcore.kernels.cuda_mla import mla_defines, mla_smem_bytes
 
-    int4_acts = [act for act, cache in dtypes if cache == INT4 and act != "f32"]
-    int4_dims = [d for d in head_dims if d in INT4_HEAD_DIMS]
-    dtypes = tuple((act, cache) for act, cache in dtypes if cache != INT4)
-    grp = INT4_CHECK_GROUP
+    asked, dtypes = dtypes, tuple((act, cache) for act, cache in dtypes if cache != INT4)
     out: list[Variant] = []
     for path in kernel_sources():
         if path.name == "paged_attention_decode.cu":
@@ -134,19 +124,14 @@ def variants(head_dims: tuple[int, ...] = CHECK_HEAD_DIMS, groups: tuple[int, ..
                             2 * DECODE_TC_KEYS * d * _ITEMSIZE[cache])
                     for d in head_dims for g in groups for act, cache in dtypes
                     if act != "f32" and g >= TC_DECODE_MIN_GROUP]
-            # an int4 cache takes this kernel for every group
-            out += [Variant(path.name, int4_defines(d, act, grp, g), g,
-                            int4_decode_smem_bytes(d, grp), int4_tile_global_bytes(d, grp))
-                    for d in int4_dims for g in groups for act in int4_acts]
+            out += int4_variants(path.name, head_dims, groups, asked)
         elif path.name == "paged_attention_prefill_mma.cu":
             out += [Variant(path.name, prefill_tc_defines(d, act, cache), 0,
                             prefill_mma_smem_bytes(d, _ITEMSIZE[cache]),
                             2 * DECODE_TC_KEYS * d * _ITEMSIZE[cache])
                     for d in head_dims for act, cache in dtypes
                     if act != "f32" and d <= PREFILL_MMA_MAX_HEAD_DIM]
-            out += [Variant(path.name, int4_defines(d, act, grp, None), 0,
-                            int4_tiles_bytes(d, grp), int4_tile_global_bytes(d, grp))
-                    for d in int4_dims for act in int4_acts if d <= PREFILL_MMA_MAX_HEAD_DIM]
+            out += int4_variants(path.name, head_dims, groups, asked)
         elif path.name == "paged_attention_prefill_tc.cu":
             out += [Variant(path.name, prefill_tc_defines(d, act, cache), 0,
                             prefill_tc_smem_bytes(d))
@@ -157,6 +142,29 @@ def variants(head_dims: tuple[int, ...] = CHECK_HEAD_DIMS, groups: tuple[int, ..
         else:
             out.append(Variant(path.name))
     return out
+
+
+def int4_variants(source: str, head_dims: tuple[int, ...], groups: tuple[int, ...],
+                  dtypes: tuple[tuple[str, str], ...]) -> list[Variant]:
+    """The KVC_INT4 variants of a register-tile kernel for the activations paired with "int4"
+    in `dtypes`: decode per (head_dim, group) (an int4 cache takes it for every group), prefill
+    per head_dim."""
+    from kvcore.kernels.cuda_int4_attention import (
+        INT4_HEAD_DIMS,
+        int4_decode_smem_bytes,
+        int4_defines,
+        int4_tile_global_bytes,
+        int4_tiles_bytes,
+    )
+
+    acts = [act for act, cache in dtypes if cache == INT4 and act != "f32"]
+    dims, grp = [d for d in head_dims if d in INT4_HEAD_DIMS], INT4_CHECK_GROUP
+    if source == "paged_attention_decode_tc.cu":
+        return [Variant(source, int4_defines(d, act, grp, g), g, int4_decode_smem_bytes(d, grp),
+                        int4_tile_global_bytes(d, grp))
+                for d in dims for g in groups for act in acts]
+    return [Variant(source, int4_defines(d, act, grp, None), 0, int4_tiles_bytes(d, grp),
+                    int4_tile_global_bytes(d, grp)) for d in dims for act in acts]
 
 
 def cuda_include_dirs() -> list[str]:
