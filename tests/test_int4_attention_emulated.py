@@ -29,11 +29,11 @@ def ops(defines: tuple[str, ...] = (), seed: int = 0, num_sms: int = 8) -> CudaO
     return CudaOps(EmuBackend(defines, order_seed=seed, num_sms=num_sms))
 
 
-def check(case: tuple, q_lens: list[int] | None = None) -> None:
+def check(case: tuple, q_lens: list[int] | None = None, sealed_share: float = 0.7) -> None:
     heads, kv_heads, dim, bs, ctx, act, group, parts, window = case
     rng = np.random.default_rng()
     kwargs, dense = int4_problem(rng, ctx, q_lens or [1] * len(ctx), heads, kv_heads, dim, bs,
-                                 act, group)
+                                 act, group, sealed_share)
     out = ops().paged_attention_int4(**kwargs, sliding_window=window, num_partitions=parts)
     want = int4_f64(dense, window)
     assert out.dtype == kwargs["query"].dtype and out.shape == want.shape
@@ -54,6 +54,12 @@ DECODE_CASES = [
                          ids=lambda c: f"H{c[0]}kv{c[1]}D{c[2]}bs{c[3]}-{c[5]}-g{c[6]}")
 def test_int4_decode(case: tuple) -> None:
     check(case)
+
+
+def test_int4_decode_tile_over_nine_blocks() -> None:
+    """Block size 8 and a window start 7 keys into a block: the first 64-key tile touches 9
+    blocks, every full one sealed (the most key scales a tile stages)."""
+    check((8, 2, 64, 8, [300, 90], "f16", 32, 1, 101), sealed_share=1.0)
 
 
 PREFILL_CASES = [
@@ -109,6 +115,9 @@ def test_int4_attention_checks_arguments() -> None:
                                           .astype(np.int64)), sliding_window=None)
     with pytest.raises(ValueError, match="v_cache must be uint8"):
         ops().paged_attention_int4(**dict(kwargs, group=64), sliding_window=None)
+    small, _ = int4_problem(rng, [40], [1], 4, 2, 64, 4, "f16", 32)
+    with pytest.raises(ValueError, match="power of two >= 8"):
+        ops().paged_attention_int4(**small, sliding_window=None)
 
 
 @dataclass(frozen=True, slots=True)
