@@ -22,6 +22,8 @@ EXPECTED_KERNELS = {
     "paged_attention_prefill_mma.cu": {"paged_attention_prefill_mma"},
     "layers.cu": {"rms_norm_f16", "rope_f16", "silu_and_mul_bf16"},
     "mla_attention.cu": {"mla_paged_attention", "mla_reduce"},
+    "int4_cache.cu": {"reshape_and_cache_int4_f16", "reshape_and_cache_int4_bf16",
+                      "seal_blocks_int4"},
 }
 
 

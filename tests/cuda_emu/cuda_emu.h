@@ -137,6 +137,8 @@ inline float __fdividef(float x, float y) { return x / y; }
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 inline float __frsqrt_rn(float x) { return 1.0f / sqrtf(x); }
 inline float __saturatef(float x) { return x < 0.0f ? 0.0f : (x > 1.0f ? 1.0f : x); }
+inline float __fmul_rn(float x, float y) { return x * y; }  // IEEE, never contracted
+inline float __fadd_rn(float x, float y) { return x + y; }
 inline float __int_as_float(int x) { float f; memcpy(&f, &x, sizeof f); return f; }
 inline float __uint_as_float(unsigned x) { float f; memcpy(&f, &x, sizeof f); return f; }
 inline int __float_as_int(float f) { int x; memcpy(&x, &f, sizeof x); return x; }

@@ -73,6 +73,9 @@ inline void cp_async16(void* smem, const void* gmem) { emu::cp_async(smem, gmem,
 inline void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
   emu::cp_async(smem, valid ? gmem : nullptr, 16);  // null: zeros, the source is not read
 }
+inline void cp_async4_zfill(void* smem, const void* gmem, bool valid) {
+  emu::cp_async(smem, valid ? gmem : nullptr, 4);
+}
 inline void cp_async_commit() { emu::cp_async_commit(); }
 template <int N>
 void cp_async_wait() {

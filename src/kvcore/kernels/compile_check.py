@@ -1,7 +1,8 @@
 """Static evidence for the CUDA kernels, without a GPU: NVRTC compiles every kernel variant.
 
 `python -m kvcore.kernels.compile_check [--json]` compiles each .cu source (each decode variant:
-head_dim x GQA group x activation/cache dtype; the MLA kernel per latent shape x dtype) to a
+head_dim x GQA group x activation/cache dtype, the cache dtype "int4" selecting the KVC_INT4
+variants of the register-tile kernels; the MLA kernel per latent shape x dtype) to a
 cubin for sm_80 and sm_90 through CuPy's NVRTC with CuPy's own options, and reports per
 kernel: registers, stack, spill bytes, static shared memory (ptxas' verbose log), the dynamic
 shared memory the launcher asks for, and facts read from the PTX of the same compile: 16-byte
@@ -33,12 +34,15 @@ from kvcore.kernels.ptx_facts import PtxFacts, ptx_facts
 
 KERNEL_DIR = Path(__file__).resolve().parent
 _ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2, "fp8": 1}
+INT4 = "int4"  # the cache "dtype" of the int4 variants (KVC_INT4, register-tile kernels only)
+INT4_CHECK_GROUP = 32  # value channels per scale the int4 variants compile for
 ARCHS = ("80", "90")
 DECODE_REGISTER_BUDGET = 96  # sm_90, groups up to 8: 5 blocks of 4 warps (2.5 of 8) per SM
 # decode variants compiled by the check: the head_dims and groups of common models
 CHECK_HEAD_DIMS = (64, 128, 256)
 CHECK_GROUPS = (1, 2, 3, 4, 8, 16)
-CHECK_DTYPES = (("f16", "f16"), ("bf16", "bf16"), ("f16", "fp8"), ("f32", "f32"))
+CHECK_DTYPES = (("f16", "f16"), ("bf16", "bf16"), ("f16", "fp8"), ("f32", "f32"),
+                ("f16", INT4))
 # MLA variants: (kv_lora_rank, qk_rope_head_dim) of DeepSeek-V2, V2-Lite and V3 (all 512 + 64)
 CHECK_MLA_SHAPES = ((512, 64),)
 TENSOR_CORE_KERNELS = ("paged_attention_prefill_tc", "paged_attention_decode_tc",
@@ -53,6 +57,7 @@ PREFILL_MMA_ROWS = 128  # query rows of a paged_attention_prefill_mma block (per
 # MLA: shared-memory bytes per cached key of a 64-row block (the traffic model's 13 KB at
 # DeepSeek's 512 + 64, 16-bit cache: mostly the Q and K fragments of S)
 MLA_KEY_SMEM_LIMIT = 14 * 1024
+
 
 _ENTRY = re.compile(r"Compiling entry function '(\w+)' for 'sm_(\d+)'")
 _STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -111,6 +116,7 @@ def variants(head_dims: tuple[int, ...] = CHECK_HEAD_DIMS, groups: tuple[int, ..
         prefill_tc_smem_bytes,
     )
 
+    asked, dtypes = dtypes, tuple((act, cache) for act, cache in dtypes if cache != INT4)
     out: list[Variant] = []
     for path in kernel_sources():
         if path.name == "paged_attention_decode.cu":
@@ -123,12 +129,14 @@ def variants(head_dims: tuple[int, ...] = CHECK_HEAD_DIMS, groups: tuple[int, ..
                             2 * DECODE_TC_KEYS * d * _ITEMSIZE[cache])
                     for d in head_dims for g in groups for act, cache in dtypes
                     if act != "f32" and g >= TC_DECODE_MIN_GROUP]
+            out += int4_variants(path.name, head_dims, groups, asked)
         elif path.name == "paged_attention_prefill_mma.cu":
             out += [Variant(path.name, prefill_tc_defines(d, act, cache), 0,
                             prefill_mma_smem_bytes(d, _ITEMSIZE[cache]),
                             2 * DECODE_TC_KEYS * d * _ITEMSIZE[cache])
                     for d in head_dims for act, cache in dtypes
                     if act != "f32" and d <= PREFILL_MMA_MAX_HEAD_DIM]
+            out += int4_variants(path.name, head_dims, groups, asked)
         elif path.name == "paged_attention_prefill_tc.cu":
             out += [Variant(path.name, prefill_tc_defines(d, act, cache), 0,
                             prefill_tc_smem_bytes(d))
@@ -156,6 +164,29 @@ def _mla_variants(source: str, rank: int, rope: int, act: str, cache: str) -> li
     return [Variant(source, mla_defines(rank, rope, act, cache, keys), 0,
                     mla_smem_bytes(rank, rope, itemsize, keys), keys * width * itemsize, archs)
             for keys, archs in by_keys.items()]
+
+
+def int4_variants(source: str, head_dims: tuple[int, ...], groups: tuple[int, ...],
+                  dtypes: tuple[tuple[str, str], ...]) -> list[Variant]:
+    """The KVC_INT4 variants of a register-tile kernel for the activations paired with "int4"
+    in `dtypes`: decode per (head_dim, group) (an int4 cache takes it for every group), prefill
+    per head_dim."""
+    from kvcore.kernels.cuda_int4_attention import (
+        INT4_HEAD_DIMS,
+        int4_decode_smem_bytes,
+        int4_defines,
+        int4_tile_global_bytes,
+        int4_tiles_bytes,
+    )
+
+    acts = [act for act, cache in dtypes if cache == INT4 and act != "f32"]
+    dims, grp = [d for d in head_dims if d in INT4_HEAD_DIMS], INT4_CHECK_GROUP
+    if source == "paged_attention_decode_tc.cu":
+        return [Variant(source, int4_defines(d, act, grp, g), g, int4_decode_smem_bytes(d, grp),
+                        int4_tile_global_bytes(d, grp))
+                for d in dims for g in groups for act in acts]
+    return [Variant(source, int4_defines(d, act, grp, None), 0, int4_tiles_bytes(d, grp),
+                    int4_tile_global_bytes(d, grp)) for d in dims for act in acts]
 
 
 def cuda_include_dirs() -> list[str]:
@@ -258,7 +289,12 @@ def problems(reports: list[KernelReport], chosen: list[Variant]) -> list[str]:
                 found.append(f"no 16-byte global loads: {where}")
         if r.kernel in TENSOR_CORE_KERNELS and r.tensor_core_ops == 0:
             found.append(f"no tensor-core instructions: {where}")
-        if r.kernel in REGISTER_TILE_KERNELS:
+        if "KVC_INT4" in r.variant:
+            # int4 variants: the staging and unpack loops are rolled, so the static count takes
+            # one pass of each per thread, not a tile's traffic (docs/gpu-performance.md)
+            if r.cp_async == 0 or r.tile_smem_bytes == 0:
+                found.append(f"no cp.async key-tile loop: {where}")
+        elif r.kernel in REGISTER_TILE_KERNELS:
             if r.cp_async == 0:
                 found.append(f"no cp.async staging: {where}")
             if r.kernel == "mla_paged_attention":

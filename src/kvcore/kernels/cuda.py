@@ -78,11 +78,35 @@ def reshape_and_cache(key: Any, value: Any, k_cache: Any, v_cache: Any, slot_map
     ops().reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
+def reshape_and_cache_int4(key: Any, value: Any, k_window: Any, v_window: Any,
+                           window_slot: Any, slot_mapping: Any) -> None:
+    ops().reshape_and_cache_int4(key, value, k_window, v_window, window_slot, slot_mapping)
+
+
+def seal_blocks(k_caches: list[Any], v_caches: list[Any], k_windows: list[Any],
+                v_windows: list[Any], pairs: Any, group: int) -> None:
+    ops().seal_blocks(k_caches, v_caches, k_windows, v_windows, pairs, group)
+
+
+def seal_int4_blocks(k_window: Any, v_window: Any, k_rows: Any, v_rows: Any, block_ids: Any,
+                     slots: Any, group: int) -> None:
+    ops().seal_int4_blocks(k_window, v_window, k_rows, v_rows, block_ids, slots, group)
+
+
 def paged_attention(query: Any, k_cache: Any, v_cache: Any, block_tables: Any, context_lens: Any,
                     query_start_loc: Any, scale: float, sliding_window: int | None = None,
                     k_scale: float = 1.0, v_scale: float = 1.0) -> Any:
     return ops().paged_attention(query, k_cache, v_cache, block_tables, context_lens,
                                  query_start_loc, scale, sliding_window, k_scale, v_scale)
+
+
+def paged_attention_int4(query: Any, k_cache: Any, v_cache: Any, k_window: Any, v_window: Any,
+                         window_slot: Any, block_tables: Any, context_lens: Any,
+                         query_start_loc: Any, scale: float, sliding_window: int | None,
+                         group: int) -> Any:
+    return ops().paged_attention_int4(query, k_cache, v_cache, k_window, v_window, window_slot,
+                                      block_tables, context_lens, query_start_loc, scale,
+                                      sliding_window, group)
 
 
 def mla_paged_attention(query: Any, cache: Any, block_tables: Any, context_lens: Any,

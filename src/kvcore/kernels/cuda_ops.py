@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 
 from kvcore.kernels.cuda_attention import plan_paged_attention
+from kvcore.kernels.cuda_int4 import Int4LayerLike, int4_write_launch, seal_launch
+from kvcore.kernels.cuda_int4_attention import plan_int4_attention
 from kvcore.kernels.cuda_launch import (
     Backend,
     cache_suffix_of,
@@ -32,6 +34,10 @@ class CudaOps:
 
     def reshape_and_cache(self, key: Any, value: Any, k_cache: Any, v_cache: Any,
                           slot_mapping: Any, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        if isinstance(k_cache, Int4LayerLike):  # an int4 layer: the rows go to its window
+            self.reshape_and_cache_int4(key, value, k_cache.window, v_cache.window,
+                                        k_cache.window_slot, slot_mapping)
+            return
         if key.ndim != 3 or value.shape != key.shape:
             raise ValueError(f"key {key.shape} / value {value.shape} must be equal (T, Hkv, D)")
         num_tokens, num_kv_heads, head_dim = key.shape
@@ -59,6 +65,33 @@ class CudaOps:
         kernel((num_tokens,), (128,), (key, value, k_cache, v_cache, slot_mapping,
                                        np.int32(num_kv_heads * head_dim), np.float32(k_scale),
                                        np.float32(v_scale)))
+
+    def reshape_and_cache_int4(self, key: Any, value: Any, k_window: Any, v_window: Any,
+                               window_slot: Any, slot_mapping: Any) -> None:
+        """An int4 cache's write: the rows into their blocks' fp16 window slots."""
+        launch = int4_write_launch(self.backend, key, value, k_window, v_window, window_slot,
+                                   slot_mapping)
+        if launch is not None:
+            launch()
+
+    def seal_blocks(self, k_caches: list[Any], v_caches: list[Any], k_windows: list[Any],
+                    v_windows: list[Any], pairs: Any, group: int) -> None:
+        """Quantize window slot pairs[m][1] into int4 block pairs[m][0] in every layer."""
+        launch = seal_launch(self.backend, k_caches, v_caches, k_windows, v_windows, pairs,
+                             group)
+        if launch is not None:
+            launch()
+
+    def seal_int4_blocks(self, k_window: Any, v_window: Any, k_rows: Any, v_rows: Any,
+                         block_ids: Any, slots: Any, group: int) -> None:
+        """One layer's seal as kvcore.kernels.seal_int4_blocks calls it: window slot slots[i]
+        into block block_ids[i]."""
+        block_ids, slots = (np.asarray(self.backend.to_host(a)).reshape(-1)
+                            for a in (block_ids, slots))
+        if block_ids.shape != slots.shape:
+            raise ValueError(f"block_ids {block_ids.shape} and slots {slots.shape} must pair up")
+        self.seal_blocks([k_rows], [v_rows], [k_window], [v_window],
+                         np.stack([block_ids, slots], axis=1), group)
 
     def copy_blocks(self, k_caches: list[Any], v_caches: list[Any], block_mapping: Any) -> None:
         mapping = np.asarray(self.backend.to_host(block_mapping))
@@ -95,10 +128,34 @@ class CudaOps:
                         sliding_window: int | None = None, k_scale: float = 1.0,
                         v_scale: float = 1.0, *, num_partitions: int | None = None,
                         host_metadata: bool | None = None) -> Any:
+        if isinstance(k_cache, Int4LayerLike):  # an int4 layer carries its own scales
+            if k_scale != 1.0 or v_scale != 1.0:
+                raise ValueError(f"an int4 cache takes no k_scale / v_scale, got {k_scale} / "
+                                 f"{v_scale}")
+            return self.paged_attention_int4(
+                query, k_cache.rows, v_cache.rows, k_cache.window, v_cache.window,
+                k_cache.window_slot, block_tables, context_lens, query_start_loc, scale,
+                sliding_window, v_cache.group, num_partitions=num_partitions,
+                host_metadata=host_metadata)
         out, launches = plan_paged_attention(
             self.backend, query, k_cache, v_cache, block_tables, context_lens, query_start_loc,
             scale, sliding_window, k_scale, v_scale, num_partitions=num_partitions,
             host_metadata=host_metadata)
+        for launch in launches:
+            launch()
+        return out
+
+    def paged_attention_int4(self, query: Any, k_cache: Any, v_cache: Any, k_window: Any,
+                             v_window: Any, window_slot: Any, block_tables: Any,
+                             context_lens: Any, query_start_loc: Any, scale: float,
+                             sliding_window: int | None, group: int, *,
+                             num_partitions: int | None = None,
+                             host_metadata: bool | None = None) -> Any:
+        """paged_attention over an int4 cache (sealed int4 rows + fp16 window): (T, H, D)."""
+        out, launches = plan_int4_attention(
+            self.backend, query, k_cache, v_cache, k_window, v_window, window_slot,
+            block_tables, context_lens, query_start_loc, scale, sliding_window, group,
+            num_partitions=num_partitions, host_metadata=host_metadata)
         for launch in launches:
             launch()
         return out

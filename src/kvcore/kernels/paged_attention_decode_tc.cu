@@ -21,6 +21,9 @@
 // (two row blocks read K/V twice). At the end the key slices of a row block merge through shared
 // memory in a fixed order; with several partitions a block writes its normalized partial output,
 // max logit and exp-sum for paged_attention_reduce.
+// With -DKVC_INT4 (and KVC_INT4_GROUP) the cache is kvcore.cache.int4's: sealed int4 rows and fp16
+// window rows chosen per block by window_slot, staged packed and unpacked into the same 16-bit
+// tiles by int4_stage.cuh (every other variant compiles as before).
 #include "common.cuh"
 #include "mma_tile.cuh"  // mma.sync / cp.async through <ptx_ops.cuh> (the kernel dir is on the path)
 
@@ -32,6 +35,10 @@
 #endif
 #ifndef KVC_SCALAR
 #define KVC_SCALAR __half
+#endif
+#ifdef KVC_INT4  // an int4 cache (KVC_INT4_GROUP value channels per scale): int4_stage.cuh
+#include "int4_stage.cuh"
+#define KVC_CACHE KVC_SCALAR  // the tiles hold activations: window rows and dequantized keys
 #endif
 #ifndef KVC_CACHE
 #define KVC_CACHE __half
@@ -56,7 +63,14 @@ constexpr int kTileBytes = kKT * kPitch;
 constexpr int kStageBytes = 2 * 2 * kTileBytes;  // (2 buffers) x (K, V)
 constexpr int kLdO = kD + 4;                 // merge record: o[kD], m, l, padding
 constexpr int kMergeBytes = kWarps * 16 * kLdO * 4;
-constexpr int kSmemBytes = kStageBytes > kMergeBytes ? kStageBytes : kMergeBytes;
+#ifdef KVC_INT4
+using Int4Stage = Int4Tile<kKT, KVC_DECODE_TC_THREADS, kD, kPitch, KVC_INT4_GROUP>;
+constexpr int kRawBytes = 2 * Int4Stage::kBytes;  // the packed rows' two buffers, after the tiles
+#else
+constexpr int kRawBytes = 0;
+#endif
+constexpr int kSmemBytes = kStageBytes + kRawBytes > kMergeBytes ? kStageBytes + kRawBytes
+                                                                  : kMergeBytes;
 // resident blocks asked of ptxas: 3 (170 registers) up to head_dim 128, where O takes 64
 constexpr int kMinBlocks = kD > 128 ? 1 : 3;
 static_assert(kG >= 1 && kG <= 32, "group: 1 to 32 query heads per KV head");
@@ -70,8 +84,12 @@ __device__ void decode_tc_partition(
     float* __restrict__ max_logits,             // (S, H, P)
     float* __restrict__ exp_sums,               // (S, H, P)
     const scalar_t* __restrict__ query,         // (T, H, D)
+#ifdef KVC_INT4
+    const Int4Cache int4_cache,                 // sealed rows and the fp16 window
+#else
     const cache_t* __restrict__ k_cache,        // (num_blocks, block_size, Hkv, D)
     const cache_t* __restrict__ v_cache,
+#endif
     const int* __restrict__ block_tables,       // (S, max_blocks)
     const int* __restrict__ context_lens,       // (S,)
     const int* __restrict__ query_start_loc,    // (S + 1,)
@@ -114,6 +132,15 @@ __device__ void decode_tc_partition(
   float m[2] = {kvc_neg_inf(), kvc_neg_inf()}, l[2] = {0.0f, 0.0f};  // rows g, g + 8
 
   const int* table = block_tables + (long long)seq * max_blocks;
+#ifdef KVC_INT4
+  const cache_t* k_cache = nullptr;  // the fragment loads' type tags: the tiles hold activations
+  const cache_t* v_cache = nullptr;
+  const Int4Stage int4(int4_cache, num_kv_heads, block_shift, kvh);
+  auto stage = [&](int k0, int b) {  // keys [k0, k0 + kKT) into buffer b
+    int4.stage(smem + b * 2 * kTileBytes, smem + b * 2 * kTileBytes + kTileBytes,
+               smem + kStageBytes + b * Int4Stage::kBytes, table, k0, k_hi, tid);
+  };
+#else
   const unsigned char* k_base = reinterpret_cast<const unsigned char*>(k_cache) +
                                 (long long)kvh * kRowBytes;
   const unsigned char* v_base = reinterpret_cast<const unsigned char*>(v_cache) +
@@ -124,6 +151,7 @@ __device__ void decode_tc_partition(
         smem + b * 2 * kTileBytes, smem + b * 2 * kTileBytes + kTileBytes, k_base, v_base,
         slot_bytes, table, block_shift, k0, k_hi, tid);
   };
+#endif
 
   if (num_tiles > 0) stage(k_lo, 0);
   cp_async_commit();
@@ -137,6 +165,12 @@ __device__ void decode_tc_partition(
     const unsigned char* k_s = smem + (it & 1) * 2 * kTileBytes;
     const unsigned char* v_s = k_s + kTileBytes;
     const int tile0 = k_lo + it * kKT;
+#ifdef KVC_INT4
+    int4.template dequant<scalar_t>(smem + (it & 1) * 2 * kTileBytes,
+                                    smem + (it & 1) * 2 * kTileBytes + kTileBytes,
+                                    smem + kStageBytes + (it & 1) * Int4Stage::kBytes, tile0, tid);
+    __syncthreads();  // the tile's sealed keys are activations now
+#endif
 
     // S (16 rows x kKW keys) = Q K^T: K rows are B's columns, two elements per .b32
     float s[kKW / 8][4];
@@ -306,15 +340,27 @@ __device__ void decode_tc_partition(
   }
 }
 
+#ifdef KVC_INT4  // the cache arguments as the partition takes them
+#define KVC_DTC_KV_ARGS Int4Cache{k_cache, v_cache, k_window, v_window, window_slot}
+#else
+#define KVC_DTC_KV_ARGS k_cache, v_cache
+#endif
 extern "C" __global__ void __launch_bounds__(KVC_DECODE_TC_THREADS, kMinBlocks) paged_attention_decode_tc(
     KVC_SCALAR* out, float* tmp_out, float* max_logits, float* exp_sums, const KVC_SCALAR* query,
-    const KVC_CACHE* k_cache, const KVC_CACHE* v_cache, const int* block_tables,
+#ifdef KVC_INT4
+    const unsigned char* k_cache, const unsigned char* v_cache, const __half* k_window,
+    const __half* v_window, const int* window_slot,
+#else
+    const KVC_CACHE* k_cache, const KVC_CACHE* v_cache,
+#endif
+    const int* block_tables,
     const int* context_lens, const int* query_start_loc, int num_heads, int num_kv_heads,
     int block_shift, int max_blocks, int num_partitions, int sliding_window, float scale,
     float k_scale, float v_scale) {
   extern __shared__ __align__(128) unsigned char kvc_dtc_smem[];
-  decode_tc_partition<KVC_SCALAR, KVC_CACHE>(out, tmp_out, max_logits, exp_sums, query, k_cache,
-                                             v_cache, block_tables, context_lens,
+  decode_tc_partition<KVC_SCALAR, KVC_CACHE>(out, tmp_out, max_logits, exp_sums, query,
+                                             KVC_DTC_KV_ARGS,
+                                             block_tables, context_lens,
                                              query_start_loc, num_heads, num_kv_heads,
                                              block_shift, max_blocks, num_partitions,
                                              sliding_window, scale * k_scale, v_scale,

@@ -13,6 +13,9 @@
 // two buffers through the block table (mma_tile.cuh), the next tile in flight while the current
 // one is computed; the copies zero-fill keys past the span. A warp skips the tiles wholly after
 // its last query position (causal). Sequences with a single query token are left to decode.
+// With -DKVC_INT4 (and KVC_INT4_GROUP) the cache is kvcore.cache.int4's: sealed int4 rows and fp16
+// window rows chosen per block by window_slot, staged packed and unpacked into the same 16-bit
+// tiles by int4_stage.cuh (every other variant compiles as before).
 #include "common.cuh"
 #include "mma_tile.cuh"  // mma.sync / cp.async through <ptx_ops.cuh> (the kernel dir is on the path)
 
@@ -21,6 +24,10 @@
 #endif
 #ifndef KVC_SCALAR
 #define KVC_SCALAR __half
+#endif
+#ifdef KVC_INT4  // an int4 cache (KVC_INT4_GROUP value channels per scale): int4_stage.cuh
+#include "int4_stage.cuh"
+#define KVC_CACHE KVC_SCALAR  // the tiles hold activations: window rows and dequantized keys
 #endif
 #ifndef KVC_CACHE
 #define KVC_CACHE __half
@@ -34,15 +41,25 @@ constexpr int kKT = 64;                                           // keys per st
 constexpr int kRowBytes = kD * (int)sizeof(KVC_CACHE);
 constexpr int kPitch = kRowBytes + 16;  // padded shared row: 8 rows start 4 banks apart
 constexpr int kTileBytes = kKT * kPitch;
-constexpr int kSmemBytes = 2 * 2 * kTileBytes;  // (2 buffers) x (K, V)
+#ifdef KVC_INT4
+using Int4Stage = Int4Tile<kKT, KVC_PREFILL_MMA_THREADS, kD, kPitch, KVC_INT4_GROUP>;
+constexpr int kRawBytes = 2 * Int4Stage::kBytes;  // the packed rows' two buffers, after the tiles
+#else
+constexpr int kRawBytes = 0;
+#endif
+constexpr int kSmemBytes = 2 * 2 * kTileBytes + kRawBytes;  // (2 buffers) x (K, V) (+ packed)
 static_assert(kD >= 16 && kD <= 128 && (kD & (kD - 1)) == 0, "head_dim: power of two, 16-128");
 
 template <typename scalar_t, typename cache_t>
 __device__ void prefill_mma_tile(
     scalar_t* __restrict__ out,                // (T, H, D)
     const scalar_t* __restrict__ query,        // (T, H, D)
+#ifdef KVC_INT4
+    const Int4Cache int4_cache,                // sealed rows and the fp16 window
+#else
     const cache_t* __restrict__ k_cache,       // (num_blocks, block_size, Hkv, D)
     const cache_t* __restrict__ v_cache,
+#endif
     const int* __restrict__ block_tables,      // (S, max_blocks)
     const int* __restrict__ context_lens,      // (S,)
     const int* __restrict__ query_start_loc,   // (S + 1,)
@@ -90,6 +107,16 @@ __device__ void prefill_mma_tile(
   float m[2] = {kvc_neg_inf(), kvc_neg_inf()}, l[2] = {0.0f, 0.0f};
 
   const int* table = block_tables + (long long)seq * max_blocks;
+#ifdef KVC_INT4
+  const cache_t* k_cache = nullptr;  // the fragment loads' type tags: the tiles hold activations
+  const cache_t* v_cache = nullptr;
+  const Int4Stage int4(int4_cache, num_kv_heads, block_shift, kvh);
+  unsigned char* raw = smem + 2 * 2 * kTileBytes;
+  auto stage = [&](int k0, int b) {  // keys [k0, k0 + kKT) into buffer b
+    int4.stage(smem + b * 2 * kTileBytes, smem + b * 2 * kTileBytes + kTileBytes,
+               raw + b * Int4Stage::kBytes, table, k0, k_end, tid);
+  };
+#else
   const unsigned char* k_base = reinterpret_cast<const unsigned char*>(k_cache) +
                                 (long long)kvh * kRowBytes;
   const unsigned char* v_base = reinterpret_cast<const unsigned char*>(v_cache) +
@@ -100,6 +127,7 @@ __device__ void prefill_mma_tile(
         smem + b * 2 * kTileBytes, smem + b * 2 * kTileBytes + kTileBytes, k_base, v_base,
         slot_bytes, table, block_shift, k0, k_end, tid);
   };
+#endif
 
   stage(k_begin, 0);
   cp_async_commit();
@@ -111,6 +139,12 @@ __device__ void prefill_mma_tile(
 #endif
     __syncthreads();  // every thread's copies of this tile have landed
     const int tile0 = k_begin + it * kKT;
+#ifdef KVC_INT4
+    int4.template dequant<scalar_t>(smem + (it & 1) * 2 * kTileBytes,
+                                    smem + (it & 1) * 2 * kTileBytes + kTileBytes,
+                                    raw + (it & 1) * Int4Stage::kBytes, tile0, tid);
+    __syncthreads();  // the tile's sealed keys are activations now
+#endif
     if (tile0 <= warp_last) {  // warp-uniform: no collective is skipped by part of a warp
       const unsigned char* k_s = smem + (it & 1) * 2 * kTileBytes;
       const unsigned char* v_s = k_s + kTileBytes;
@@ -216,15 +250,26 @@ __device__ void prefill_mma_tile(
   }
 }
 
+#ifdef KVC_INT4  // the cache arguments as the tile function takes them
+#define KVC_PM_KV_ARGS Int4Cache{k_cache, v_cache, k_window, v_window, window_slot}
+#else
+#define KVC_PM_KV_ARGS k_cache, v_cache
+#endif
 extern "C" __global__ void __launch_bounds__(KVC_PREFILL_MMA_THREADS, 1)
     paged_attention_prefill_mma(KVC_SCALAR* out, const KVC_SCALAR* query,
+#ifdef KVC_INT4
+                                const unsigned char* k_cache, const unsigned char* v_cache,
+                                const __half* k_window, const __half* v_window,
+                                const int* window_slot,
+#else
                                 const KVC_CACHE* k_cache, const KVC_CACHE* v_cache,
+#endif
                                 const int* block_tables, const int* context_lens,
                                 const int* query_start_loc, int num_heads, int num_kv_heads,
                                 int block_shift, int max_blocks, int sliding_window, float scale,
                                 float k_scale, float v_scale) {
   extern __shared__ __align__(128) unsigned char kvc_pm_smem[];
-  prefill_mma_tile<KVC_SCALAR, KVC_CACHE>(out, query, k_cache, v_cache, block_tables,
+  prefill_mma_tile<KVC_SCALAR, KVC_CACHE>(out, query, KVC_PM_KV_ARGS, block_tables,
                                           context_lens, query_start_loc, num_heads, num_kv_heads,
                                           block_shift, max_blocks, sliding_window,
                                           scale * k_scale, v_scale, kvc_pm_smem);

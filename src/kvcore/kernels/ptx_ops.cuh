@@ -56,3 +56,10 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
+// 4 bytes global -> shared (cp.async.ca: the sizes below 16 bytes go through L1), or 4 zero
+// bytes when !valid; both addresses 4-byte aligned. Grouped and waited for as cp_async16.
+__device__ __forceinline__ void cp_async4_zfill(void* smem, const void* gmem, bool valid) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(gmem),
+               "r"(valid ? 4 : 0) : "memory");
+}
