@@ -12,7 +12,7 @@ from kvcore.service.auth import ANONYMOUS_TENANT
 from kvcore.service.errors import bad_request
 from kvcore.service.fields import as_int, get_bool
 from kvcore.service.openapi import openapi_document
-from kvcore.service.protocol import GenerationRequest, check_prompt_chars, parse_chat
+from kvcore.service.protocol import Call, check_prompt_chars, parse_chat
 from kvcore.service.state import READY, STATE_KEY, TENANT_KEY, read_json
 
 
@@ -64,7 +64,7 @@ async def tokenize(request: web.Request) -> web.Response:
     return web.Response(body=answer, content_type="application/json")
 
 
-def _tokenize(tokenizer: Tokenizer, prompt: str | None, chat: GenerationRequest | None,
+def _tokenize(tokenizer: Tokenizer, prompt: str | None, chat: Call | None,
               add_special: bool, token_strs: bool, max_model_len: int) -> bytes:
     if chat is not None:
         try:

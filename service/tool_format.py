@@ -61,13 +61,13 @@ def tool_format(template: str | None) -> ToolFormat:
     return FALLBACK
 
 
-def with_format(req: Any, tokenizer: Tokenizer) -> Any:
-    """A chat GenerationRequest with tools, its tools and constraint in the format of the
-    tokenizer's chat template."""
-    if req.tools is None:
-        return req
+def with_format(call: Any, tokenizer: Tokenizer) -> Any:
+    """A chat Call with tools, its tools and constraint in the format of the tokenizer's chat
+    template."""
+    if call.tools is None:
+        return call
     fmt = tool_format(tokenizer.chat_template)
-    tools = dataclasses.replace(req.tools, format=fmt.name)
+    tools = dataclasses.replace(call.tools, format=fmt.name)
     constraint = fmt.constraint(tools, tokenizer.token_to_id)
-    return dataclasses.replace(req, tools=tools,
-                               sampling={**req.sampling, "constraint": constraint})
+    return dataclasses.replace(call, tools=tools,
+                               params=dataclasses.replace(call.params, constraint=constraint))

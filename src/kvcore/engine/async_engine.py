@@ -105,16 +105,15 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
-    def check_request(self, prompt_ids: Sequence[int],
-                      params: SamplingParams | BeamSearchParams) -> None:
-        """The engine's checks of a request against its fixed configuration (context length,
-        vocabulary, pool size), without queuing it: ParamError naming the parameter. A server
-        runs them before its own queue limits, so a call that can never run is refused as bad
-        input, not as busy. Reads only what never changes after start-up."""
+    def _check(self, prompt_ids: Sequence[int], params: SamplingParams | BeamSearchParams
+               ) -> None:
+        """The request against the engine's fixed configuration (context length, vocabulary,
+        pool size, its constraint compiled and cached): ParamError naming the parameter. Reads
+        only what never changes after start-up, so it runs on the event loop."""
         engine = self.engine
         check_prompt(prompt_ids, params, engine.max_model_len, engine.model_config.vocab_size,
                      engine.kv)
-        if params.constraint is not None:  # compiled (and cached) now: a bad one is a 400
+        if params.constraint is not None:
             engine.constraints.matcher(params.constraint)
 
     def stats(self) -> EngineStats:
@@ -178,23 +177,30 @@ class AsyncEngine:
                  request_id: str | None = None, *, priority: int = 0,
                  cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as it progresses (the last one has finished=True).
-        Validation errors raise ValueError on the first __anext__; cancelling the consumer or
-        closing the iterator aborts the request."""
-        return self._generate(prompt, params, request_id or uuid.uuid4().hex, priority,
-                              cache_salt)
+        The request is checked once, here: a refusal (ParamError, a ValueError naming the
+        parameter) raises from this call for token ids, so a server refuses bad input before
+        it queues anything, and on the first __anext__ for a text (tokenized first).
+        Cancelling the consumer or closing the iterator aborts the request."""
+        prompt_ids = None
+        if not isinstance(prompt, str):
+            prompt_ids = list(prompt)
+            self._check(prompt_ids, params)
+        return self._generate(prompt, prompt_ids, params, request_id or uuid.uuid4().hex,
+                              priority, cache_salt)
 
-    async def _generate(self, prompt: str | Sequence[int],
+    async def _generate(self, prompt: str | Sequence[int], prompt_ids: list[int] | None,
                         params: SamplingParams | BeamSearchParams, request_id: str,
                         priority: int, cache_salt: str | None) -> AsyncIterator[RequestOutput]:
         if not self.running or self._wakeup is None:
             raise RuntimeError("AsyncEngine is not started (use `async with` or start())")
-        if isinstance(prompt, str):  # a long text tokenizes off the event loop
-            prompt_ids = (self.engine.tokenizer.encode(prompt) if len(prompt) < _INLINE_CHARS
-                          else await asyncio.to_thread(self.engine.tokenizer.encode, prompt))
-        else:
-            prompt_ids = list(prompt)
-        # every other check is Engine.add_request's, when the driver adds the request: its
-        # ParamError comes out of the first __anext__
+        if prompt_ids is None:  # a long text tokenizes off the event loop
+            assert isinstance(prompt, str)
+            encode = self.engine.tokenizer.encode
+            prompt_ids = (encode(prompt) if len(prompt) < _INLINE_CHARS
+                          else await asyncio.to_thread(encode, prompt))
+            self._check(prompt_ids, params)
+        # what depends on the engine's state (request ids, max_num_seqs) is checked by
+        # Engine.add_request when the driver adds the request: out of the first __anext__
         if request_id in self._streams:
             raise ParamError("request_id", f"request_id {request_id!r} is already in use")
         stream = _Stream()
