@@ -15,7 +15,7 @@ from aiohttp import web
 from kvcore.engine import RequestFailed
 from kvcore.model.tokenizer import Tokenizer
 from kvcore.service.auth import ANONYMOUS_TENANT
-from kvcore.service.errors import APIError, bad_request
+from kvcore.service.errors import APIError
 from kvcore.service.formatter import Formatter
 from kvcore.service.generation import Generation, Job
 from kvcore.service.inspector import forget_tenants
@@ -23,7 +23,7 @@ from kvcore.service.logtext import log_text
 from kvcore.service.protocol import Call, check_prompt_chars, parse_chat, parse_completion
 from kvcore.service.state import STATE_KEY, TENANT_KEY, ServiceState, read_json
 from kvcore.service.streaming import MSGPACK_TYPE, SSE_DONE, msgpack_frame, sse_event
-from kvcore.service.tool_format import tool_format, with_format
+from kvcore.service.tool_format import chat_text, with_format
 from kvcore.service.tools import structured_kind
 
 log = structlog.get_logger("kvcore.service")
@@ -74,14 +74,7 @@ def _tokenize(call: Call, tokenizer: Tokenizer) -> list[list[int]]:
     if call.kind == "completion":
         return [tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else p
                 for p in call.prompts]
-    messages, tools = tool_format(tokenizer.chat_template).render(call.messages, call.tools)
-    try:
-        text = tokenizer.apply_chat_template(messages,
-                                             add_generation_prompt=call.add_generation_prompt,
-                                             tools=tools)
-    except ValueError as e:  # the template refused the conversation (roles, order)
-        raise bad_request(f"chat template: {e}", "messages") from None
-    return [tokenizer.encode(text, add_special_tokens=False)]
+    return [tokenizer.encode(chat_text(call, tokenizer), add_special_tokens=False)]
 
 
 async def _respond(request: web.Request, state: ServiceState, call: Call, jobs: list[Job],
