@@ -8,7 +8,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -33,12 +32,18 @@ class RequestFailed(RuntimeError):
 
 
 class _Stream:
-    """One consumer's outputs: a list and, while the consumer waits, a future to wake it. A
+    """One request between the event loop and the driver: what the driver adds between steps,
+    then the consumer's outputs (a list and, while the consumer waits, a future to wake it). A
     step hands over with one append (and at most one wake-up), cheaper than an asyncio.Queue."""
 
-    __slots__ = ("items", "waiter")
+    __slots__ = ("request_id", "prompt", "prompt_ids", "params", "priority", "cache_salt",
+                 "items", "waiter")
 
-    def __init__(self) -> None:
+    def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int],
+                 params: SamplingParams | BeamSearchParams, priority: int,
+                 cache_salt: str | None) -> None:
+        self.request_id, self.prompt, self.prompt_ids = request_id, prompt, prompt_ids
+        self.params, self.priority, self.cache_salt = params, priority, cache_salt
         self.items: list[RequestOutput | BaseException] = []
         self.waiter: asyncio.Future[None] | None = None
 
@@ -47,17 +52,6 @@ class _Stream:
         waiter = self.waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
-
-
-@dataclass(slots=True)
-class _Add:
-    request_id: str
-    prompt: str | None
-    prompt_ids: list[int]
-    params: SamplingParams | BeamSearchParams
-    priority: int
-    cache_salt: str | None
-    stream: _Stream
 
 
 class AsyncEngine:
@@ -71,7 +65,7 @@ class AsyncEngine:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._adds: list[_Add] = []
+        self._adds: list[_Stream] = []  # to add between steps
         self._aborts: list[str] = []
         self._streams: dict[str, _Stream] = {}
         self._executor: ThreadPoolExecutor | None = None
@@ -132,7 +126,7 @@ class AsyncEngine:
     def num_waiting(self) -> int:
         """Sequences waiting to run: the scheduler's (as of the last step) and those queued to
         be added (n > 1 and beams count every sequence)."""
-        return self._num_waiting_seqs + sum(_num_seqs(add.params) for add in self._adds)
+        return self._num_waiting_seqs + sum(_num_seqs(stream.params) for stream in self._adds)
 
     @property
     def running(self) -> bool:
@@ -166,8 +160,8 @@ class AsyncEngine:
             await asyncio.get_running_loop().run_in_executor(executor, lambda: None)
             executor.shutdown()
             self._executor = None
-        for add in self._adds:
-            add.stream.put(RuntimeError("the engine stopped"))
+        for stream in self._adds:
+            stream.put(RuntimeError("the engine stopped"))
         self._adds.clear()
         self._aborts.extend(self._streams)
         self._apply_aborts()
@@ -203,10 +197,10 @@ class AsyncEngine:
         # Engine.add_request when the driver adds the request: out of the first __anext__
         if request_id in self._streams:
             raise ParamError("request_id", f"request_id {request_id!r} is already in use")
-        stream = _Stream()
+        stream = _Stream(request_id, prompt if isinstance(prompt, str) else None, prompt_ids,
+                         params, priority, cache_salt)
         self._streams[request_id] = stream
-        self._adds.append(_Add(request_id, prompt if isinstance(prompt, str) else None,
-                               prompt_ids, params, priority, cache_salt, stream))
+        self._adds.append(stream)
         self._wakeup.set()
         loop = asyncio.get_running_loop()
         finished = False
@@ -296,15 +290,14 @@ class AsyncEngine:
 
     def _apply_adds(self) -> None:
         adds, self._adds = self._adds, []
-        for add in adds:
-            if self._streams.get(add.request_id) is not add.stream:
+        for s in adds:
+            if self._streams.get(s.request_id) is not s:
                 continue  # the consumer went away before its request was added
             try:
-                self.engine.add_request(add.request_id, add.prompt_ids, add.params,
-                                        priority=add.priority, cache_salt=add.cache_salt,
-                                        prompt_text=add.prompt)
+                self.engine.add_request(s.request_id, s.prompt_ids, s.params, priority=s.priority,
+                                        cache_salt=s.cache_salt, prompt_text=s.prompt)
             except ValueError as e:
-                add.stream.put(e)
+                s.put(e)
 
     def _publish(self) -> None:
         """Between steps (the worker is idle): the figures the event loop may read."""
