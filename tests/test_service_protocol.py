@@ -10,7 +10,7 @@ import msgpack
 import pytest
 
 from kvcore.sampling.params import SamplingParams
-from kvcore.service.auth import TenantAuth, keys_from_list, load_keys_file
+from kvcore.service.auth import TenantAuth, keys_from_list, read_keys_file
 from kvcore.service.errors import APIError
 from kvcore.service.metrics import ServiceMetrics
 from kvcore.service.protocol import parse_chat, parse_completion
@@ -198,12 +198,12 @@ def test_tenant_salts_isolate_and_request_salt_narrows(tmp_path) -> None:
     assert TenantAuth({}).cache_salt("A", None) != TenantAuth({}).cache_salt("A", None)
     assert keys_from_list(["k1", "k2"]) == {"k1": "key0", "k2": "key1"}
     (tmp_path / "keys.txt").write_text("# comment\nk1 alice\n\nk2 bob\n")
-    assert load_keys_file(tmp_path / "keys.txt") == {"k1": "alice", "k2": "bob"}
+    assert read_keys_file(tmp_path / "keys.txt") == ({"k1": "alice", "k2": "bob"}, set())
     (tmp_path / "keys.json").write_text(json.dumps({"k3": "carol"}))
-    assert load_keys_file(tmp_path / "keys.json") == {"k3": "carol"}
+    assert read_keys_file(tmp_path / "keys.json") == ({"k3": "carol"}, set())
     (tmp_path / "bad.txt").write_text("k1\n")
     with pytest.raises(ValueError, match="bad.txt:1"):
-        load_keys_file(tmp_path / "bad.txt")
+        read_keys_file(tmp_path / "bad.txt")
 
 
 def test_framing() -> None:
