@@ -14,11 +14,17 @@ from kvcore.request import CompletionOutput, RequestOutput
 from kvcore.sampling.params import BeamSearchParams, TokenLogprob
 from kvcore.service.generation import Generation, Job
 from kvcore.service.protocol import Call
-from kvcore.service.streaming import LogprobFormatter, msgpack_frame, sse_event
+from kvcore.service.streaming import msgpack_frame, sse_event
 from kvcore.service.tool_format import FORMATS, CallStream
 
 # (choice index, new text, new token ids, new logprobs, the choice's output)
 Delta = tuple[int, str, list[int], list[TokenLogprob], CompletionOutput]
+# JSON has no -inf; OpenAI-compatible servers report impossible tokens at this floor (as vLLM does)
+LOGPROB_FLOOR = -9999.0
+
+
+def _lp(value: float) -> float:
+    return value if value > LOGPROB_FLOOR else LOGPROB_FLOOR  # also maps NaN and -inf
 
 
 class Formatter:
@@ -28,7 +34,7 @@ class Formatter:
         self.n = call.n
         self.created = int(time.time())
         self.tokenizer = tokenizer
-        self.lp = LogprobFormatter(tokenizer)
+        self.token_texts: dict[int, str] = {}
         self.chat = call.kind == "chat"
         self.object = "chat.completion" if self.chat else "text_completion"
         self.finish_reasons: dict[int, str] = {}  # choice index -> the reason sent
@@ -68,13 +74,42 @@ class Formatter:
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(
             prompt, skip_special_tokens=False)
 
+    def _token(self, token_id: int) -> str:
+        # each token decoded on its own, as vLLM reports them (" Hello", not "ĠHello")
+        text = self.token_texts.get(token_id)
+        if text is None:
+            text = self.token_texts[token_id] = self.tokenizer.decode(
+                [token_id], skip_special_tokens=False)
+        return text
+
     def _logprobs(self, index: int, logprobs: list[TokenLogprob]) -> dict[str, Any] | None:
+        """Chat's {content: [{token, logprob, bytes, top_logprobs}]}, or completions'
+        {tokens, token_logprobs, top_logprobs, text_offset}; None when not asked for."""
         if self.call.logprobs is None:
             return None
         if self.chat:
-            return self.lp.chat(logprobs)
-        out, self.offsets[index] = self.lp.completion(logprobs, self.offsets.get(index, 0))
-        return out
+            return {"content": [{
+                "token": (text := self._token(e.token_id)), "logprob": _lp(e.logprob),
+                "bytes": list(text.encode()),
+                "top_logprobs": [{"token": (t := self._token(token_id)), "logprob": _lp(value),
+                                  "bytes": list(t.encode())} for token_id, value in e.top],
+            } for e in logprobs]}
+        tokens, token_logprobs, tops, offsets = [], [], [], []
+        offset = self.offsets.get(index, 0)
+        for e in logprobs:
+            text = self._token(e.token_id)
+            tokens.append(text)
+            token_logprobs.append(_lp(e.logprob))
+            # vLLM's top_logprobs hold the sampled token next to the top k
+            top = {text: _lp(e.logprob)}
+            for token_id, value in e.top:
+                top.setdefault(self._token(token_id), _lp(value))
+            tops.append(top)
+            offsets.append(offset)
+            offset += len(text)
+        self.offsets[index] = offset
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
+                "text_offset": offsets}
 
     def _content(self, index: int, text: str, finish_reason: str | None, final: bool
                  ) -> tuple[dict[str, Any], str | None]:
