@@ -26,14 +26,10 @@ def keys_from_list(keys: Iterable[str]) -> dict[str, str]:
     return {key: f"key{i}" for i, key in enumerate(keys)}
 
 
-def load_keys_file(path: str | Path) -> dict[str, str]:
-    """A JSON object {key: tenant}, or lines `KEY TENANT` (blank lines and # comments skipped)."""
-    return read_keys_file(path)[0]
-
-
 def read_keys_file(path: str | Path) -> tuple[dict[str, str], set[str]]:
-    """The keys file's {key: tenant} and its admin keys. JSON values are a tenant name or
-    {"tenant": NAME, "admin": true}; lines are `KEY TENANT` or `KEY TENANT admin`."""
+    """The keys file's {key: tenant} and its admin keys. A JSON object whose values are a
+    tenant name or {"tenant": NAME, "admin": true}, or lines `KEY TENANT` or `KEY TENANT admin`
+    (blank lines and # comments skipped)."""
     text = Path(path).read_text()
     keys: dict[str, str] = {}
     admins: set[str] = set()

@@ -1,256 +1,101 @@
-"""POST /v1/completions and /v1/chat/completions: JSON, SSE, or msgpack frames."""
+"""POST /v1/completions and /v1/chat/completions: JSON, SSE, or msgpack frames.
+
+Body -> Call (service.protocol) -> engine requests (service.generation) -> engine outputs ->
+chunks and the final response (service.formatter)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 import uuid
-from typing import Any
 
 import structlog
 from aiohttp import web
 
-from kvcore.config import ParamError
 from kvcore.engine import RequestFailed
 from kvcore.model.tokenizer import Tokenizer
 from kvcore.service.auth import ANONYMOUS_TENANT
-from kvcore.service.errors import APIError, bad_request
-from kvcore.service.generation import (
-    Delta,
-    Generation,
-    Job,
-    build_params,
-)
+from kvcore.service.errors import APIError
+from kvcore.service.formatter import Formatter
+from kvcore.service.generation import Generation, Job
 from kvcore.service.inspector import forget_tenants
 from kvcore.service.logtext import log_text
-from kvcore.service.protocol import (
-    GenerationRequest,
-    check_prompt_chars,
-    parse_chat,
-    parse_completion,
-)
+from kvcore.service.protocol import Call, check_prompt_chars, parse_chat, parse_completion
 from kvcore.service.state import STATE_KEY, TENANT_KEY, ServiceState, read_json
-from kvcore.service.streaming import (
-    MSGPACK_TYPE,
-    SSE_DONE,
-    LogprobFormatter,
-    msgpack_frame,
-    sse_event,
-)
-from kvcore.service.tool_format import FORMATS, tool_format, with_format
+from kvcore.service.streaming import MSGPACK_TYPE, SSE_DONE, msgpack_frame, sse_event
+from kvcore.service.tool_format import chat_text, with_format
 from kvcore.service.tools import structured_kind
 
 log = structlog.get_logger("kvcore.service")
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE_KEY]
-    try:
-        body = await read_json(request, state.max_body_size, state.body_timeout)
-        engine = state.ready_engine()
-        req = parse_completion(body, engine.model_config.vocab_size)
-        name = state.model_name(req.model)
-        state.check_num_seqs(len(req.prompts) * req.n)
-        call_id = f"cmpl-{uuid.uuid4().hex}"
-        for prompt in req.prompts:
-            check_prompt_chars(prompt, engine.max_model_len, engine.tokenizer.max_token_chars,
-                               "prompt")
-        # tokenizing is request-sized CPU work: off the event loop
-        jobs = await state.offload(request.get(TENANT_KEY, ANONYMOUS_TENANT), _completion_jobs,
-                                   req, engine.tokenizer, engine.max_model_len, call_id)
-    except APIError as e:
-        _log_refused(request, "completion", e)
-        raise
-    return await _respond(request, state, req, jobs, call_id, name)
-
-
-def _log_refused(request: web.Request, endpoint: str, error: APIError) -> None:
-    """The request log line of a call refused before it reached the engine (bad input, a
-    busy or loading server): the same fields as an admitted call's, nothing of the body."""
-    log.info("request", request_id=None, tenant=request.get(TENANT_KEY, ANONYMOUS_TENANT),
-             endpoint=endpoint, outcome=f"error {error.status}", prompt_tokens=0,
-             completion_tokens=0, cached_tokens=0, ttft_s=None, finish_reason=[], user=None)
-
-
-def _completion_jobs(req: GenerationRequest, tokenizer: Tokenizer, max_model_len: int,
-                     call_id: str) -> list[Job]:
-    jobs = []
-    for i, prompt in enumerate(req.prompts):
-        if isinstance(prompt, str):
-            ids = tokenizer.encode(prompt, add_special_tokens=True)
-            text = prompt
-        else:
-            ids, text = prompt, tokenizer.decode(prompt, skip_special_tokens=False)
-        if not ids:
-            raise bad_request("prompt encodes to no tokens", "prompt")
-        params = build_params(req, max_model_len - len(ids))
-        jobs.append(Job(i, f"{call_id}-{i}", ids, text, params))
-    return jobs
+    return await _generate(request, "completion")
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "chat")
+
+
+async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     state = request.app[STATE_KEY]
+    tenant = request.get(TENANT_KEY, ANONYMOUS_TENANT)
     try:
         body = await read_json(request, state.max_body_size, state.body_timeout)
         engine = state.ready_engine()
-        req = with_format(parse_chat(body, engine.model_config.vocab_size), engine.tokenizer)
-        name = state.model_name(req.model)
-        state.check_num_seqs(req.n)
-        check_prompt_chars("".join(m["content"] for m in req.messages), engine.max_model_len,
-                           engine.tokenizer.max_token_chars, "messages")
-        call_id = f"chatcmpl-{uuid.uuid4().hex}"
-        job = await state.offload(request.get(TENANT_KEY, ANONYMOUS_TENANT), _chat_job, req,
-                                  engine.tokenizer, engine.max_model_len, call_id)
-    except APIError as e:
-        _log_refused(request, "chat", e)
-        raise
-    return await _respond(request, state, req, [job], call_id, name)
-
-
-def _chat_job(req: GenerationRequest, tokenizer: Tokenizer, max_model_len: int,
-              call_id: str) -> Job:
-    messages, tools = tool_format(tokenizer.chat_template).render(req.messages, req.tools)
-    try:
-        text = tokenizer.apply_chat_template(messages,
-                                             add_generation_prompt=req.add_generation_prompt,
-                                             tools=tools)
-    except ValueError as e:  # the template refused the conversation (roles, order)
-        raise bad_request(f"chat template: {e}", "messages") from None
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    if not ids:
-        raise bad_request("messages encode to no tokens", "messages")
-    return Job(0, f"{call_id}-0", ids, text, build_params(req, max_model_len - len(ids)))
-
-
-class _Formatter:
-    """Builds the OpenAI objects of one call: stream chunks and the final response."""
-
-    def __init__(self, req: GenerationRequest, gen: Generation, call_id: str, model: str,
-                 logprobs: LogprobFormatter) -> None:
-        self.req, self.gen, self.call_id, self.model = req, gen, call_id, model
-        self.created = int(time.time())
-        self.lp = logprobs
-        chat = req.kind == "chat"
-        self.object = "chat.completion" if chat else "text_completion"
-        last = req.messages[-1] if chat and req.messages else None
-        # chat echo (vLLM): the reply starts with the last message when it is the assistant's
-        self.chat_echo = last["content"] if (req.echo and last and last["role"] == "assistant"
-                                             ) else ""
-        # tool calls: each choice's text goes through a parser (content vs delta.tool_calls)
-        self.tool_streams = ({c.index: FORMATS[req.tools.format].stream() for c in gen.choices}
-                             if req.tools is not None else None)
-
-    def _envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
-        suffix = ".chunk" if chunk and self.req.kind == "chat" else ""
-        return {"id": self.call_id, "object": self.object + suffix, "created": self.created,
-                "model": self.model, "choices": choices}
-
-    def _echo(self, index: int) -> str:
-        if not self.req.echo:
-            return ""
-        if self.req.kind == "chat":
-            return self.chat_echo
-        return self.gen.jobs[index // self.req.n].prompt_text
-
-    def _completion_logprobs(self, delta: Delta) -> dict[str, Any] | None:
-        if self.req.logprobs is None:
-            return None
-        out, delta.choice.text_offset = self.lp.completion(delta.logprobs, delta.choice.text_offset)
-        return out
-
-    def role_chunks(self) -> list[dict[str, Any]]:
-        """Chat streams open every choice with its role (vLLM and OpenAI do)."""
-        chunks = []
-        for choice in self.gen.choices:
-            choice.started = True
-            delta = {"role": "assistant", "content": self._echo(choice.index)}
-            chunks.append(self._envelope([{"index": choice.index, "delta": delta,
-                                           "logprobs": None, "finish_reason": None}], True))
-        return chunks
-
-    def chunk(self, delta: Delta) -> dict[str, Any]:
-        choice = delta.choice
-        text = delta.text
-        if not choice.started:
-            choice.started = True
-            text = self._echo(choice.index) + text
-        entry: dict[str, Any] = {"index": choice.index}
-        finish_reason = delta.finish_reason
-        if self.tool_streams is not None:
-            stream = self.tool_streams[choice.index]
-            text, calls = stream.feed(text, finish_reason is not None)
-            entry["delta"] = {"content": text} if text else {}
-            if calls:
-                entry["delta"]["tool_calls"] = calls
-            if finish_reason == "stop" and stream.num_calls:
-                finish_reason = "tool_calls"
-            entry["logprobs"] = (self.lp.chat(delta.logprobs) if self.req.logprobs is not None
-                                 else None)
-        elif self.req.kind == "chat":
-            entry["delta"] = {"content": text} if text or delta.finish_reason is None else {}
-            entry["logprobs"] = (self.lp.chat(delta.logprobs) if self.req.logprobs is not None
-                                 else None)
+        tokenizer, max_model_len = engine.tokenizer, engine.max_model_len
+        if kind == "chat":
+            call = with_format(parse_chat(body, engine.model_config.vocab_size), tokenizer)
+            texts: list[str | list[int]] = ["".join(m["content"] for m in call.messages)]
         else:
-            entry["text"] = text
-            entry["logprobs"] = self._completion_logprobs(delta)
-        entry["finish_reason"] = finish_reason
-        entry["stop_reason"] = choice.stop_reason if delta.finish_reason else None
-        return self._envelope([entry], True)
-
-    def usage_chunk(self) -> dict[str, Any]:
-        return self._envelope([], True) | {"usage": self.gen.usage()}
-
-    def final(self) -> dict[str, Any]:
-        choices = []
-        for choice in self.gen.choices:
-            text = self._echo(choice.index) + choice.text
-            entry: dict[str, Any] = {"index": choice.index}
-            finish_reason = choice.finish_reason
-            if self.req.kind == "chat":
-                entry["message"] = {"role": "assistant", "content": text}
-                if self.req.tools is not None:
-                    content, calls = FORMATS[self.req.tools.format].parse(text)
-                    entry["message"] = {"role": "assistant", "content": content}
-                    if calls:
-                        entry["message"]["tool_calls"] = calls
-                        finish_reason = ("tool_calls" if finish_reason == "stop"
-                                         else finish_reason)
-                entry["logprobs"] = (self.lp.chat(choice.logprobs) if self.req.logprobs is not None
-                                     else None)
-            else:
-                entry["text"] = text
-                entry["logprobs"] = (self.lp.completion(choice.logprobs, 0)[0]
-                                     if self.req.logprobs is not None else None)
-            entry["finish_reason"] = finish_reason
-            entry["stop_reason"] = choice.stop_reason
-            choices.append(entry)
-        return self._envelope(choices, False) | {"usage": self.gen.usage()}
+            call = parse_completion(body, engine.model_config.vocab_size)
+            texts = list(call.prompts)
+        name = state.model_name(call.model)
+        state.check_num_seqs(max(len(call.prompts), 1) * call.n)
+        for text in texts:
+            check_prompt_chars(text, max_model_len, tokenizer.max_token_chars,
+                               "messages" if kind == "chat" else "prompt")
+        call_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        # tokenizing (and templating) is request-sized CPU work: off the event loop
+        prompts = await state.offload(tenant, _tokenize, call, tokenizer)
+    except APIError as e:
+        # the log line of a call refused before the engine: an admitted call's fields, no body
+        log.info("request", request_id=None, tenant=tenant, endpoint=kind,
+                 outcome=f"error {e.status}", prompt_tokens=0, completion_tokens=0,
+                 cached_tokens=0, ttft_s=None, finish_reason=[], user=None)
+        raise
+    jobs = [Job(i, f"{call_id}-{i}", ids, call.params_for(len(ids), max_model_len))
+            for i, ids in enumerate(prompts)]
+    return await _respond(request, state, call, jobs, call_id, name, tenant)
 
 
-async def _respond(request: web.Request, state: ServiceState, req: GenerationRequest,
-                   jobs: list[Job], call_id: str, model: str) -> web.StreamResponse:
-    async_engine = state.ready_engine()
-    tenant = request.get(TENANT_KEY, ANONYMOUS_TENANT)
-    gen = Generation(async_engine, req, jobs, state.auth.cache_salt(tenant, req.cache_salt),
-                     state.metrics.observe_token_gap)
-    fmt = _Formatter(req, gen, call_id, model, LogprobFormatter(async_engine.tokenizer))
+def _tokenize(call: Call, tokenizer: Tokenizer) -> list[list[int]]:
+    """The token ids of each prompt (an empty one is the engine's 400)."""
+    if call.kind == "completion":
+        return [tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else p
+                for p in call.prompts]
+    return [tokenizer.encode(chat_text(call, tokenizer), add_special_tokens=False)]
+
+
+async def _respond(request: web.Request, state: ServiceState, call: Call, jobs: list[Job],
+                   call_id: str, model: str, tenant: str) -> web.StreamResponse:
+    engine = state.ready_engine()
+    gen = Generation(engine, jobs, call.n, state.metrics.observe_token_gap)
+    fmt = Formatter(call, gen, call_id, model, engine.tokenizer)
     binary = MSGPACK_TYPE in request.headers.get("Accept", "")
     task = asyncio.current_task()
     assert task is not None
     outcome = "ok"
     tracked = False
     try:
-        for job in jobs:  # a call that can never run is bad input (400), not a busy server
-            try:
-                async_engine.check_request(job.prompt_token_ids, job.params)
-            except ParamError as e:
-                raise bad_request(str(e), e.param) from None
+        # the engine checks each prompt first: a call that can never run is bad input (400),
+        # not a busy server
+        gen.check(call.priority, state.auth.cache_salt(tenant, call.cache_salt))
         # reserved before any await: calls that arrive together each see the others' sequences
-        reservation = state.admission.admit(async_engine, len(jobs) * req.n)
+        reservation = state.admission.admit(engine, len(jobs) * call.n)
         state.track(task, gen)
         tracked = True
-        kind = structured_kind(req)
+        kind = structured_kind(call)
         if kind is not None:
             state.metrics.observe_structured(kind)
         for job in jobs:  # the KV inspector names each request's tenant
@@ -258,11 +103,12 @@ async def _respond(request: web.Request, state: ServiceState, req: GenerationReq
         # a client that goes away cancels this handler (aiohttp's handler_cancellation, which
         # `kvcore serve` and aiohttp's test server turn on): the finally below aborts
         gen.start(reservation)
-        if not (req.stream or binary):
-            async for _ in gen.deltas():
-                pass
+        if not (call.stream or binary):
+            async for job, output in gen.outputs():
+                for _ in fmt.deltas(job, output):
+                    pass
             return web.json_response(fmt.final(), headers={"X-Request-Id": call_id})
-        response, outcome = await _stream(request, req, gen, fmt, binary)
+        response, outcome = await _stream(request, call, gen, fmt, binary)
         return response
     except asyncio.CancelledError:
         outcome = "cancelled"
@@ -279,40 +125,33 @@ async def _respond(request: web.Request, state: ServiceState, req: GenerationReq
         if tracked:
             state.untrack(task)
         forget_tenants(state, [job.request_id for job in jobs])
-        _account(state, gen, call_id, tenant, req, outcome)
+        _account(state, gen, fmt, tenant, outcome)
 
 
-async def _stream(request: web.Request, req: GenerationRequest, gen: Generation, fmt: _Formatter,
+async def _stream(request: web.Request, call: Call, gen: Generation, fmt: Formatter,
                   binary: bool) -> tuple[web.StreamResponse, str]:
     """Stream the call; returns the response and its outcome. After the headers every failure
     travels in the stream (one error event, then the stream's normal end), never as a second
     HTTP response."""
-    stream = gen.deltas()
+    outputs = gen.outputs()
     # the first output comes before the headers, so a request the engine refuses is still a 400
-    first = await anext(stream, None)
-    content_type = MSGPACK_TYPE if binary else "text/event-stream"
-    response = web.StreamResponse(headers={"Content-Type": content_type,
-                                           "Cache-Control": "no-cache",
-                                           "X-Request-Id": fmt.call_id})
+    first = await anext(outputs, None)
+    response = web.StreamResponse(headers={
+        "Content-Type": MSGPACK_TYPE if binary else "text/event-stream",
+        "Cache-Control": "no-cache", "X-Request-Id": fmt.call_id})
     await response.prepare(request)
-
-    def encode(delta: Delta) -> bytes:
-        if binary:
-            return msgpack_frame({"index": delta.choice.index, "token_ids": delta.token_ids,
-                                  "text": delta.text, "finish_reason": delta.finish_reason})
-        return sse_event(fmt.chunk(delta))
-
     outcome = "ok"
     try:
-        if req.kind == "chat" and not binary:
-            await response.write(b"".join(sse_event(c) for c in fmt.role_chunks()))
-        batch = first
-        while batch is not None:
-            await response.write(b"".join(encode(d) for d in batch))
-            batch = await anext(stream, None)
+        if fmt.chat and not binary:
+            await response.write(fmt.role_chunks())
+        item = first
+        while item is not None:
+            data = b"".join(fmt.chunk(delta, binary) for delta in fmt.deltas(*item))
+            if data:
+                await response.write(data)
+            item = await anext(outputs, None)
         if not binary:
-            tail = sse_event(fmt.usage_chunk()) if req.include_usage else b""
-            await response.write(tail + SSE_DONE)
+            await response.write((fmt.usage_chunk() if call.include_usage else b"") + SSE_DONE)
     except ConnectionError:  # the client went away mid-write: close() aborts the requests
         return response, "disconnected"
     except Exception as e:
@@ -326,33 +165,36 @@ async def _stream(request: web.Request, req: GenerationRequest, gen: Generation,
             await response.write(msgpack_frame(error.body()) if binary
                                  else sse_event(error.body()) + SSE_DONE)
     finally:
-        await stream.aclose()
+        await outputs.aclose()
     with contextlib.suppress(ConnectionError):
         await response.write_eof()
     return response, outcome
 
 
-def _account(state: ServiceState, gen: Generation, call_id: str, tenant: str,
-             req: GenerationRequest, outcome: str) -> None:
+def _account(state: ServiceState, gen: Generation, fmt: Formatter, tenant: str,
+             outcome: str) -> None:
     """Metrics and the one log line of a call."""
     ttfts = []
+    n = fmt.n
     for job in gen.jobs:
-        choices = gen.choices[job.index * req.n:(job.index + 1) * req.n]
+        last = job.last_output
         # a call cancelled before any output (disconnect, drain) still aborted its request
-        started = job.last_output is not None or outcome == "cancelled"
-        reasons = [c.finish_reason or "abort" for c in choices] if started else []
-        timings = job.last_output.metrics if job.last_output else None
-        state.metrics.observe_request(len(job.prompt_token_ids) if job.last_output else 0,
-                                      sum(len(c.token_ids) for c in choices), reasons, timings)
+        started = last is not None or outcome == "cancelled"
+        reasons = [fmt.finish_reasons.get(job.index * n + i, "abort") for i in range(n)]
+        timings = last.metrics if last is not None else None
+        state.metrics.observe_request(len(job.prompt_token_ids) if last else 0,
+                                      job.num_generated, reasons if started else [], timings)
         if timings is not None and timings.first_token_time is not None:
             ttfts.append(timings.first_token_time - timings.arrival_time)
     usage = gen.usage()
     finals = [job.last_output.metrics for job in gen.jobs if job.last_output is not None]
     drafted = sum(m.num_draft_tokens for m in finals)
-    log.info("request", request_id=call_id, tenant=tenant, endpoint=req.kind, outcome=outcome,
-             prompt_tokens=usage["prompt_tokens"], completion_tokens=usage["completion_tokens"],
+    log.info("request", request_id=fmt.call_id, tenant=tenant, endpoint=fmt.call.kind,
+             outcome=outcome, prompt_tokens=usage["prompt_tokens"],
+             completion_tokens=usage["completion_tokens"],
              cached_tokens=usage["prompt_tokens_details"]["cached_tokens"],
              ttft_s=round(min(ttfts), 6) if ttfts else None,
-             finish_reason=[c.finish_reason for c in gen.choices], user=log_text(req.user),
+             finish_reason=[fmt.finish_reasons.get(i) for i in range(len(gen.jobs) * n)],
+             user=log_text(fmt.call.user),
              spec_acceptance=round(sum(m.num_accepted_tokens for m in finals) / drafted, 4)
              if drafted else None)

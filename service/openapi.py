@@ -12,20 +12,16 @@ _BOOL = {"type": "boolean"}
 _STR = {"type": "string"}
 _IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
 
-# fields both generation endpoints accept (OpenAI names, then vLLM's extensions)
+# fields both generation endpoints accept (OpenAI names, then vLLM's extensions); their types
+# only: the ranges are SamplingParams' (a value out of range is a 400 naming the field)
 _SAMPLING: dict[str, Any] = {
-    "model": _STR, "n": {"type": "integer", "minimum": 1}, "stream": _BOOL,
+    "model": _STR, "n": _INT, "stream": _BOOL,
     "stream_options": {"type": "object", "properties": {"include_usage": _BOOL}},
-    "temperature": {"type": "number", "minimum": 0}, "top_p": {"type": "number", "maximum": 1},
-    "top_k": _INT, "min_p": {"type": "number", "minimum": 0, "maximum": 1}, "seed": _INT,
+    "temperature": _NUM, "top_p": _NUM, "top_k": _INT, "min_p": _NUM, "seed": _INT,
     "stop": {"oneOf": [_STR, {"type": "array", "items": _STR}]}, "stop_token_ids": _IDS,
-    "max_tokens": {"type": "integer", "minimum": 1}, "min_tokens": {"type": "integer",
-                                                                    "minimum": 0},
-    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
-    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
-    "repetition_penalty": {"type": "number", "exclusiveMinimum": 0},
-    "logit_bias": {"type": "object", "additionalProperties": {"type": "number", "minimum": -100,
-                                                              "maximum": 100}},
+    "max_tokens": _INT, "min_tokens": _INT, "presence_penalty": _NUM,
+    "frequency_penalty": _NUM, "repetition_penalty": _NUM,
+    "logit_bias": {"type": "object", "additionalProperties": _NUM},
     "ignore_eos": _BOOL, "echo": _BOOL, "user": _STR, "priority": _INT,
     "cache_salt": {"type": "string", "minLength": 1}, "use_beam_search": _BOOL,
     "length_penalty": _NUM, "early_stopping": {"oneOf": [_BOOL, {"const": "never"}]},
@@ -38,10 +34,10 @@ _MESSAGES = {"type": "array", "minItems": 1, "items": {
 _COMPLETION_BODY = {"type": "object", "required": ["prompt"], "properties": _SAMPLING | {
     "prompt": {"oneOf": [_STR, {"type": "array", "items": _STR}, _IDS,
                          {"type": "array", "items": _IDS}]},
-    "logprobs": {"type": "integer", "minimum": 0, "maximum": 20}}}
+    "logprobs": _INT}}
 _CHAT_BODY = {"type": "object", "required": ["messages"], "properties": _SAMPLING | {
-    "messages": _MESSAGES, "max_completion_tokens": {"type": "integer", "minimum": 1},
-    "logprobs": _BOOL, "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+    "messages": _MESSAGES, "max_completion_tokens": _INT, "logprobs": _BOOL,
+    "top_logprobs": _INT,
     "add_generation_prompt": _BOOL}}
 _ERROR = {"description": "OpenAI-shaped error", "content": {"application/json": {"schema": {
     "type": "object", "properties": {"error": {"type": "object", "properties": {

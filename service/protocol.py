@@ -1,26 +1,26 @@
-"""Parsing and validating /v1/completions and /v1/chat/completions bodies (OpenAI/vLLM names)."""
+"""A /v1/completions or /v1/chat/completions body -> the engine's params and the prompts.
+
+The body is read once: JSON types and OpenAI-only fields here, every sampling value's range in
+SamplingParams / BeamSearchParams (its ParamError names the field, which becomes the 400's
+`param`); the prompt against the context in the engine, when the request is added."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from kvcore.sampling.params import (
-    LENGTH_PENALTY_RANGE,
-    MAX_LOGPROBS,
-    REPETITION_PENALTY_RANGE,
-)
+from kvcore.config import ParamError
+from kvcore.sampling.params import BeamSearchParams, SamplingParams
 from kvcore.service.errors import bad_request
 from kvcore.service.fields import (
     as_int,
     get_bool,
-    get_float,
     get_int,
+    get_list,
     get_logit_bias,
     get_object,
-    get_stop,
     get_str,
-    get_token_ids,
 )
 from kvcore.service.structured import parse_constraint
 from kvcore.service.tools import ToolRequest, parse_tools, tool_constraint
@@ -44,60 +44,58 @@ Prompt = str | list[int]
 
 
 @dataclass(frozen=True, slots=True)
-class GenerationRequest:
+class Call:
+    """One API call, translated: the engine params of each of its prompts, and the options
+    that shape the answer on the wire."""
+
     kind: Literal["completion", "chat"]
     model: str | None
     prompts: list[Prompt]  # completions: one or more; chat: empty (see messages)
     messages: list[dict[str, Any]]  # chat only
     add_generation_prompt: bool
-    n: int
-    max_tokens: int | None  # None: up to max_model_len
-    max_tokens_param: str  # the body's name for it (chat: max_completion_tokens wins)
-    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields but max_tokens
-    use_beam_search: bool = False
-    length_penalty: float = 1.0
-    early_stopping: bool | Literal["never"] = False
+    params: SamplingParams | BeamSearchParams
+    fill_max_tokens: bool  # beams without max_tokens: the context's room (params_for)
     stream: bool = False
     include_usage: bool = False
-    logprobs: int | None = None  # the top-k to report with each token; None: no logprobs
     echo: bool = False
     priority: int = 0
     cache_salt: str | None = None
     user: str | None = None
     tools: ToolRequest | None = None  # chat with tools (tool_choice other than "none")
 
+    @property
+    def n(self) -> int:
+        return self.params.n if isinstance(self.params, SamplingParams) else self.params.beam_width
 
-def _prompts(body: dict[str, Any], vocab_size: int) -> list[Prompt]:
+    @property
+    def logprobs(self) -> int | None:
+        return self.params.logprobs if isinstance(self.params, SamplingParams) else None
+
+    def params_for(self, num_prompt_tokens: int, max_model_len: int
+                   ) -> SamplingParams | BeamSearchParams:
+        """The params of one prompt: a beam search with no max_tokens fills the context."""
+        if not self.fill_max_tokens:
+            return self.params
+        room = max(max_model_len - num_prompt_tokens, 1)
+        return dataclasses.replace(self.params, max_tokens=room)
+
+
+def _prompts(body: dict[str, Any]) -> list[Prompt]:
     raw = body.get("prompt")
-    if raw is None:
-        raise bad_request("prompt is required", "prompt")
     # str | list[int] | list[str] | list[list[int]], as the OpenAI API accepts
-    if isinstance(raw, str):
-        items: list[Any] = [raw]
-    elif isinstance(raw, list) and raw and all(
+    if isinstance(raw, list) and raw and all(
             isinstance(t, int | float) and not isinstance(t, bool) for t in raw):
-        items = [raw]
-    elif isinstance(raw, list):
-        items = raw
-    else:
-        raise bad_request("prompt must be a string, an array of strings or an array of token ids",
-                          "prompt")
-    if not items:
-        raise bad_request("prompt must not be empty", "prompt")
+        raw = [raw]
+    items = [raw] if isinstance(raw, str) else raw
+    if not isinstance(items, list) or not items or not all(
+            isinstance(item, str | list) and item for item in items):
+        raise bad_request("prompt must be a non-empty string, array of strings or array of "
+                          "token ids (or an array of those)", "prompt")
     if len(items) > MAX_PROMPTS:
         raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(items)}", "prompt")
-    prompts: list[Prompt] = []
-    for item in items:
-        if isinstance(item, str):
-            if not item:
-                raise bad_request("prompt must not be empty", "prompt")
-            prompts.append(item)
-        elif isinstance(item, list) and item:
-            prompts.append([as_int(t, "prompt", 0, vocab_size - 1) for t in item])
-        else:
-            raise bad_request("each prompt must be a non-empty string or array of token ids",
-                              "prompt")
-    return prompts
+    # token ids against the vocabulary: the engine's check, when the request is added
+    return [item if isinstance(item, str) else [as_int(t, "prompt") for t in item]
+            for item in items]
 
 
 def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -115,13 +113,10 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         content = message.get("content")
         if isinstance(content, list):
             # the content-parts form: only text parts can be served by a text model
-            texts = []
-            for part in content:
-                if not (isinstance(part, dict) and part.get("type") == "text"
-                        and isinstance(part.get("text"), str)):
-                    raise bad_request("only text content parts are supported", "messages")
-                texts.append(part["text"])
-            content = "".join(texts)
+            if not all(isinstance(part, dict) and part.get("type") == "text"
+                       and isinstance(part.get("text"), str) for part in content):
+                raise bad_request("only text content parts are supported", "messages")
+            content = "".join(part["text"] for part in content)
         elif content is not None and not isinstance(content, str):
             raise bad_request("message content must be a string or an array of parts",
                               "messages")
@@ -154,45 +149,100 @@ def _tool_calls(calls: Any) -> list[dict[str, Any]]:
     return out
 
 
+def _value(body: dict[str, Any], name: str, default: Any) -> Any:
+    value = body.get(name)
+    return default if value is None else value
+
+
 def _sampling(body: dict[str, Any], vocab_size: int) -> dict[str, Any]:
-    top_k = get_int(body, "top_k", None, -1)
+    """SamplingParams' fields but n, max_tokens and logprobs, as the body gives them."""
+    top_k = get_int(body, "top_k", None)
     return {
-        # their ranges are SamplingParams' (a 400 naming the field when it is built)
-        "temperature": get_float(body, "temperature", 1.0),
-        "top_p": get_float(body, "top_p", 1.0),
+        "temperature": _value(body, "temperature", 1.0),
+        "top_p": _value(body, "top_p", 1.0),
         # -1 and 0 mean "off" (vLLM); a k past the vocabulary keeps every token either way
         "top_k": None if top_k in (None, -1, 0) else min(top_k, vocab_size),
-        "min_p": get_float(body, "min_p", 0.0, 0.0, 1.0),
+        "min_p": _value(body, "min_p", 0.0),
         "seed": get_int(body, "seed", None),
-        "presence_penalty": get_float(body, "presence_penalty", 0.0, -2.0, 2.0),
-        "frequency_penalty": get_float(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        "repetition_penalty": get_float(body, "repetition_penalty", 1.0,
-                                        *REPETITION_PENALTY_RANGE),
-        "logit_bias": get_logit_bias(body, vocab_size),
-        "stop": get_stop(body),
-        "stop_token_ids": get_token_ids(body, "stop_token_ids", vocab_size),
-        "ignore_eos": get_bool(body, "ignore_eos", False),
-        "min_tokens": get_int(body, "min_tokens", 0, 0),
-        "include_stop_str_in_output": get_bool(body, "include_stop_str_in_output", False),
-        "skip_special_tokens": get_bool(body, "skip_special_tokens", True),
+        "presence_penalty": _value(body, "presence_penalty", 0.0),
+        "frequency_penalty": _value(body, "frequency_penalty", 0.0),
+        "repetition_penalty": _value(body, "repetition_penalty", 1.0),
+        "logit_bias": get_logit_bias(body),
+        "stop": tuple(get_list(body, "stop", "a string or an array of strings")),
+        "stop_token_ids": tuple(as_int(t, "stop_token_ids") for t in get_list(
+            body, "stop_token_ids", "an array of token ids")),
+        "ignore_eos": _value(body, "ignore_eos", False),
+        "min_tokens": get_int(body, "min_tokens", 0),
+        "include_stop_str_in_output": _value(body, "include_stop_str_in_output", False),
+        "skip_special_tokens": _value(body, "skip_special_tokens", True),
+        "constraint": parse_constraint(body),
     }
 
 
-def _early_stopping(body: dict[str, Any]) -> bool | Literal["never"]:
-    # vLLM and transformers also accept "never" (score running beams at max_tokens)
-    if body.get("early_stopping") == "never":
-        return "never"
-    return get_bool(body, "early_stopping", False)
+def _params(body: dict[str, Any], kind: str, vocab_size: int, max_tokens_param: str,
+            max_tokens: int | None, logprobs: int | None, tools: ToolRequest | None
+            ) -> tuple[SamplingParams | BeamSearchParams, bool]:
+    """The engine params (and whether a beam search fills the context): a 400 naming the
+    body's field when a value is out of its range."""
+    sampling = _sampling(body, vocab_size)
+    if tools is not None:
+        if sampling["constraint"] is not None:
+            raise bad_request("tools and a constrained response_format / structured_outputs "
+                              "cannot be combined", sampling["constraint"].param)
+        sampling["constraint"] = tool_constraint(tools)
+    n = get_int(body, "n", 1)
+    beam = get_bool(body, "use_beam_search", False)
+    if beam and logprobs is not None:
+        raise bad_request("logprobs are not available with beam search", "logprobs")
+    early_stopping = body.get("early_stopping")  # vLLM and transformers accept "never" too
+    if early_stopping != "never":
+        early_stopping = get_bool(body, "early_stopping", False)
+    # the body's names of the params' fields: n is the beam width; chat's max_completion_tokens
+    names = {"beam_width": "n", "max_tokens": max_tokens_param,
+             "logprobs": "top_logprobs" if kind == "chat" else "logprobs"}
+    try:
+        params: SamplingParams | BeamSearchParams = SamplingParams(
+            n=n, max_tokens=max_tokens, logprobs=logprobs, **sampling)
+        if beam:  # max_tokens 1 until params_for fills the context's room
+            params = BeamSearchParams(
+                beam_width=n, max_tokens=max_tokens or 1,  # type: ignore[arg-type]
+                length_penalty=_value(body, "length_penalty", 1.0),
+                early_stopping=early_stopping, ignore_eos=sampling["ignore_eos"],
+                stop_token_ids=sampling["stop_token_ids"], constraint=sampling["constraint"])
+    except ParamError as e:
+        raise bad_request(str(e), names.get(e.param, e.param)) from None
+    return params, beam and max_tokens is None
 
 
-def _refuse_unsupported(body: dict[str, Any], n: int) -> None:
+def _call(body: dict[str, Any], kind: Literal["completion", "chat"], vocab_size: int,
+          max_tokens_param: str, max_tokens: int | None, logprobs: int | None,
+          prompts: list[Prompt], messages: list[dict[str, Any]], echo: bool) -> Call:
+    stream = get_bool(body, "stream", False)
+    options = get_object(body, "stream_options")
+    if options is not None and not stream:
+        raise bad_request("stream_options can only be set when stream is true", "stream_options")
     for name, allowed in UNSUPPORTED.items():
         if name in body and body[name] not in allowed:
             raise bad_request(f"{name} is not supported by this server", name)
+    if kind == "completion":
+        for name, allowed in CHAT_ONLY.items():
+            if name in body and body[name] not in allowed:
+                raise bad_request(f"{name} is only supported on /v1/chat/completions", name)
+    tools = parse_tools(body) if kind == "chat" else None
+    params, fill = _params(body, kind, vocab_size, max_tokens_param, max_tokens, logprobs,
+                           tools)
+    call = Call(kind=kind, model=get_str(body, "model"), prompts=prompts, messages=messages,
+                add_generation_prompt=get_bool(body, "add_generation_prompt", True),
+                params=params, fill_max_tokens=fill, stream=stream,
+                include_usage=get_bool(options or {}, "include_usage", False), echo=echo,
+                priority=get_int(body, "priority", 0) or 0,
+                cache_salt=get_str(body, "cache_salt", non_empty=True), user=_user(body),
+                tools=tools)
     best_of = body.get("best_of")
-    if best_of is not None and best_of != n:
-        raise bad_request(f"best_of must equal n ({n}) when set: kvcore returns every sequence "
-                          f"it generates, got {best_of!r}", "best_of")
+    if best_of is not None and best_of != call.n:
+        raise bad_request(f"best_of must equal n ({call.n}) when set: kvcore returns every "
+                          f"sequence it generates, got {best_of!r}", "best_of")
+    return call
 
 
 def check_prompt_chars(prompt: str | list[int], max_model_len: int, max_token_chars: int,
@@ -205,54 +255,6 @@ def check_prompt_chars(prompt: str | list[int], max_model_len: int, max_token_ch
                           f"{max_model_len} tokens can hold", param)
 
 
-def _common(body: dict[str, Any], kind: Literal["completion", "chat"], vocab_size: int,
-            max_tokens: int | None, max_tokens_param: str, logprobs: int | None,
-            prompts: list[Prompt], messages: list[dict[str, Any]], echo: bool
-            ) -> GenerationRequest:
-    stream = get_bool(body, "stream", False)
-    options = get_object(body, "stream_options")
-    if options is not None and not stream:
-        raise bad_request("stream_options can only be set when stream is true", "stream_options")
-    include_usage = get_bool(options or {}, "include_usage", False)
-    sampling = _sampling(body, vocab_size)
-    sampling["constraint"] = parse_constraint(body)
-    tools = parse_tools(body) if kind == "chat" else None
-    if tools is not None:
-        if sampling["constraint"] is not None:
-            raise bad_request("tools and a constrained response_format / structured_outputs "
-                              "cannot be combined", sampling["constraint"].param)
-        sampling["constraint"] = tool_constraint(tools)
-    n = get_int(body, "n", 1)  # its range is SamplingParams' / BeamSearchParams'
-    assert n is not None
-    _refuse_unsupported(body, n)
-    if kind == "completion":
-        for name, allowed in CHAT_ONLY.items():
-            if name in body and body[name] not in allowed:
-                raise bad_request(f"{name} is only supported on /v1/chat/completions", name)
-    return GenerationRequest(
-        kind=kind,
-        model=get_str(body, "model"),
-        prompts=prompts,
-        messages=messages,
-        add_generation_prompt=get_bool(body, "add_generation_prompt", True),
-        n=n,
-        max_tokens=max_tokens,
-        max_tokens_param=max_tokens_param,
-        sampling=sampling,
-        use_beam_search=get_bool(body, "use_beam_search", False),
-        length_penalty=get_float(body, "length_penalty", 1.0, *LENGTH_PENALTY_RANGE),
-        early_stopping=_early_stopping(body),
-        stream=stream,
-        include_usage=include_usage,
-        logprobs=logprobs,
-        echo=echo,
-        priority=get_int(body, "priority", 0) or 0,
-        cache_salt=get_str(body, "cache_salt", non_empty=True),
-        user=_user(body),
-        tools=tools,
-    )
-
-
 def _user(body: dict[str, Any]) -> str | None:
     user = get_str(body, "user")
     if user is not None and len(user) > MAX_USER_CHARS:
@@ -261,29 +263,26 @@ def _user(body: dict[str, Any]) -> str | None:
     return user
 
 
-def parse_completion(body: dict[str, Any], vocab_size: int) -> GenerationRequest:
-    prompts = _prompts(body, vocab_size)
+def parse_completion(body: dict[str, Any], vocab_size: int) -> Call:
+    prompts = _prompts(body)
     max_tokens = get_int(body, "max_tokens", 16)  # OpenAI's completions default
-    logprobs = get_int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    logprobs = get_int(body, "logprobs", None)
     echo = get_bool(body, "echo", False)
     if echo and logprobs is not None:
         raise bad_request("echo with logprobs (prompt logprobs) is not supported", "echo")
-    return _common(body, "completion", vocab_size, max_tokens, "max_tokens", logprobs, prompts,
-                   [], echo)
+    return _call(body, "completion", vocab_size, "max_tokens", max_tokens, logprobs, prompts,
+                 [], echo)
 
 
-def parse_chat(body: dict[str, Any], vocab_size: int) -> GenerationRequest:
+def parse_chat(body: dict[str, Any], vocab_size: int) -> Call:
     messages = _messages(body)
     # max_completion_tokens is OpenAI's newer name; it wins over the deprecated max_tokens
-    param = "max_completion_tokens"
-    max_tokens = get_int(body, param, None)
-    if max_tokens is None:
-        param = "max_tokens"
-        max_tokens = get_int(body, param, None)
+    param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else (
+        "max_tokens")
     want_logprobs = get_bool(body, "logprobs", False)
-    top_logprobs = get_int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    top_logprobs = get_int(body, "top_logprobs", None)
     if top_logprobs is not None and top_logprobs > 0 and not want_logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     logprobs = (top_logprobs or 0) if want_logprobs else None
-    echo = get_bool(body, "echo", False)
-    return _common(body, "chat", vocab_size, max_tokens, param, logprobs, [], messages, echo)
+    return _call(body, "chat", vocab_size, param, get_int(body, param, None), logprobs, [],
+                 messages, get_bool(body, "echo", False))

@@ -12,8 +12,9 @@ from kvcore.service.auth import ANONYMOUS_TENANT
 from kvcore.service.errors import bad_request
 from kvcore.service.fields import as_int, get_bool
 from kvcore.service.openapi import openapi_document
-from kvcore.service.protocol import GenerationRequest, check_prompt_chars, parse_chat
+from kvcore.service.protocol import Call, check_prompt_chars, parse_chat
 from kvcore.service.state import READY, STATE_KEY, TENANT_KEY, read_json
+from kvcore.service.tool_format import chat_text
 
 
 async def health(request: web.Request) -> web.Response:
@@ -64,14 +65,10 @@ async def tokenize(request: web.Request) -> web.Response:
     return web.Response(body=answer, content_type="application/json")
 
 
-def _tokenize(tokenizer: Tokenizer, prompt: str | None, chat: GenerationRequest | None,
+def _tokenize(tokenizer: Tokenizer, prompt: str | None, chat: Call | None,
               add_special: bool, token_strs: bool, max_model_len: int) -> bytes:
-    if chat is not None:
-        try:
-            prompt = tokenizer.apply_chat_template(
-                chat.messages, add_generation_prompt=chat.add_generation_prompt)
-        except ValueError as e:
-            raise bad_request(f"chat template: {e}", "messages") from None
+    if chat is not None:  # the text generation would see
+        prompt = chat_text(chat, tokenizer)
     assert prompt is not None
     tokens = tokenizer.encode(prompt, add_special_tokens=add_special)
     if len(tokens) > max_model_len:

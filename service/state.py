@@ -16,6 +16,7 @@ from kvcore.service.admission import Admission
 from kvcore.service.auth import TenantAuth
 from kvcore.service.errors import APIError, bad_request
 from kvcore.service.fair_queue import FairQueue
+from kvcore.service.generation import Generation
 from kvcore.service.metrics import ServiceMetrics
 
 LOADING, READY, DRAINING, FAILED = "loading", "ready", "draining", "failed"
@@ -39,12 +40,14 @@ class ServiceState:
     max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
     body_timeout: float | None = None  # seconds for a request body to arrive; None: no limit
     # in-flight generation calls: their handler task -> the Generation (drain aborts it)
-    in_flight: dict[asyncio.Task[Any], Any] = field(default_factory=dict)
+    in_flight: dict[asyncio.Task[Any], Generation] = field(default_factory=dict)
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # set while nothing is in flight
     cpu_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         CPU_WORKERS, thread_name_prefix="kvcore-cpu"))
-
     cpu_turns: FairQueue = field(default_factory=lambda: FairQueue(CPU_WORKERS))
+    # the KV inspector: engine request id -> tenant name, and the last /debug/kv body encoded
+    tenants: dict[str, str] = field(default_factory=dict)
+    inspector_body: tuple[dict[str, Any], bytes] | None = None
 
     async def offload(self, tenant: str, fn: Callable[..., T], *args: Any) -> T:
         """Run request-sized CPU work in the bounded worker pool, off the event loop; tenants
@@ -60,10 +63,6 @@ class ServiceState:
         if num_seqs > self.max_sequences_per_request:
             raise bad_request(f"this call asks for {num_seqs} sequences (prompts x n); at most "
                               f"{self.max_sequences_per_request} per request", "n")
-    # the KV inspector: engine request id -> tenant name, and the last /debug/kv body encoded
-    tenants: dict[str, str] = field(default_factory=dict)
-    inspector_body: tuple[dict[str, Any], bytes] | None = None
-
     def ready_engine(self) -> EngineClient:
         """The engine, or 503 while loading, draining, or after a failed load."""
         if self.status != READY or self.engine is None:
@@ -81,7 +80,7 @@ class ServiceState:
                            code="model_not_found")
         return requested
 
-    def track(self, task: asyncio.Task[Any], generation: Any) -> None:
+    def track(self, task: asyncio.Task[Any], generation: Generation) -> None:
         self.in_flight[task] = generation
         self.idle.clear()
 

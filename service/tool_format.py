@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from kvcore.model.tokenizer import Tokenizer
 from kvcore.sampling.constraints import Constraint
+from kvcore.service.errors import bad_request
 from kvcore.service.tool_llama3 import Llama3CallStream, llama3_constraint, parse_llama3
 from kvcore.service.tool_stream import ToolCallStream
 from kvcore.service.tools import OPEN, ToolRequest, parse_calls, render_messages, tool_constraint
@@ -61,13 +62,25 @@ def tool_format(template: str | None) -> ToolFormat:
     return FALLBACK
 
 
-def with_format(req: Any, tokenizer: Tokenizer) -> Any:
-    """A chat GenerationRequest with tools, its tools and constraint in the format of the
-    tokenizer's chat template."""
-    if req.tools is None:
-        return req
+def chat_text(call: Any, tokenizer: Tokenizer) -> str:
+    """The prompt text of a chat Call: its messages (and tools) in the template's format,
+    rendered by the chat template (a 400 naming `messages` when the template refuses them)."""
+    messages, tools = tool_format(tokenizer.chat_template).render(call.messages, call.tools)
+    try:
+        return tokenizer.apply_chat_template(messages,
+                                             add_generation_prompt=call.add_generation_prompt,
+                                             tools=tools)
+    except ValueError as e:  # the template refused the conversation (roles, order)
+        raise bad_request(f"chat template: {e}", "messages") from None
+
+
+def with_format(call: Any, tokenizer: Tokenizer) -> Any:
+    """A chat Call with tools, its tools and constraint in the format of the tokenizer's chat
+    template."""
+    if call.tools is None:
+        return call
     fmt = tool_format(tokenizer.chat_template)
-    tools = dataclasses.replace(req.tools, format=fmt.name)
+    tools = dataclasses.replace(call.tools, format=fmt.name)
     constraint = fmt.constraint(tools, tokenizer.token_to_id)
-    return dataclasses.replace(req, tools=tools,
-                               sampling={**req.sampling, "constraint": constraint})
+    return dataclasses.replace(call, tools=tools,
+                               params=dataclasses.replace(call.params, constraint=constraint))

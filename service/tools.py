@@ -127,11 +127,11 @@ def _strict(schema: dict[str, Any]) -> dict[str, Any]:
     return {**schema, "x-guidance": JSON_OPTIONS}
 
 
-def structured_kind(req: Any) -> str | None:
-    """The metrics label of a GenerationRequest's constraint (None: free text)."""
-    if req.tools is not None:
-        return f"tools_{req.tools.mode}"
-    constraint = req.sampling.get("constraint")
+def structured_kind(call: Any) -> str | None:
+    """The metrics label of a Call's constraint (None: free text)."""
+    if call.tools is not None:
+        return f"tools_{call.tools.mode}"
+    constraint = call.params.constraint
     return None if constraint is None else str(constraint.kind)
 
 

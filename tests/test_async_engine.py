@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine_helpers import assert_pool_empty, make_engine, run_all
+from kvcore.config import ParamError
 from kvcore.engine import AsyncEngine
 from kvcore.request import RequestOutput
 from kvcore.sampling import SamplingParams
@@ -114,6 +115,28 @@ def test_abort_and_stop_end_streams_with_reason_abort(tiny_model_dir: Path) -> N
     for out in (out_a, out_b):
         assert out.finished and out.outputs[0].finish_reason == "abort"
         assert 0 < len(out.outputs[0].token_ids) < 500
+
+
+@pytest.mark.parametrize(("prompt", "params", "param"), [
+    ([], GREEDY, "prompt"),
+    ([5] * 32, GREEDY, "prompt"),
+    ([10**6], GREEDY, "prompt"),
+    ([5] * 4, SamplingParams(max_tokens=40), "max_tokens"),
+    ([5] * 4, SamplingParams(max_tokens=4, stop_token_ids=(10**6,)), "stop_token_ids"),
+    ([5] * 4, SamplingParams(max_tokens=4, logit_bias={10**6: 1.0}), "logit_bias"),
+])
+def test_token_ids_are_checked_once_as_generate_is_called(
+        tiny_model_dir: Path, prompt: list[int], params: SamplingParams, param: str) -> None:
+    """A request that can never run raises from generate() itself, before anything is queued
+    (a server refuses it before its own queue limit), naming the parameter."""
+    async def main() -> None:
+        async with AsyncEngine(make_engine(tiny_model_dir, max_model_len=32)) as engine:
+            with pytest.raises(ParamError) as info:
+                engine.generate(prompt, params)
+            assert info.value.param == param
+            assert engine.num_waiting == 0 and not engine.engine.has_unfinished_requests()
+
+    asyncio.run(main())
 
 
 def test_validation_errors_raise_on_first_anext(tiny_model_dir: Path) -> None:

@@ -35,6 +35,13 @@ async def client(aiohttp_client, tiny_model_dir):
     ("/v1/completions", {"prompt": ""}, "prompt"),
     ("/v1/completions", {"prompt": "a", "max_tokens": 500}, "max_tokens"),
     ("/v1/completions", {"prompt": [7] * 128}, "prompt"),
+    # against the vocabulary: the engine's check, once
+    ("/v1/completions", {"prompt": [10**6]}, "prompt"),
+    ("/v1/completions", {"prompt": [-1]}, "prompt"),
+    ("/v1/completions", {"prompt": "a", "stop_token_ids": [10**6]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"1000000": 1}}, "logit_bias"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
+                              "stop_token_ids": [10**6]}, "stop_token_ids"),
     ("/v1/completions", {"prompt": "a", "logit_bias": {"1": "x"}}, "logit_bias"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
                               "top_p": -5}, "top_p"),

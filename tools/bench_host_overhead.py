@@ -47,7 +47,8 @@ from kvcore.model.tokenizer import Tokenizer
 from sim_device import TimelineStream
 
 WARMUP_STEPS = 4  # whole steps of all n streams before the timed ones (the prefill among them)
-SLACK_STEPS = 8  # more tokens than timed steps: HTTP streams arrive over the first steps
+SLACK_STEPS = 8  # more tokens than timed steps: the streams arrive over the first steps
+SLACK_STEPS_HTTP = 48  # HTTP clients connect one by one: their streams arrive over more steps
 PROMPT_LEN = 8
 BLOCK_SIZE = 16
 TABLE_ROWS = 256  # distinct logits rows the stub picks from (50 MB at vocab 49,152)
@@ -277,7 +278,7 @@ def measure(model_dir: Path, tokenizer: Tokenizer, rule: TokenRule, mode: str, n
             async_scheduling: bool = False, device: str = "timeline") -> dict[str, float]:
     """`step_s` > 0: the GPU-shaped fake device, "timeline" (sim_device.TimelineStream) or
     "thread" (the stub sleeps step_s in a WorkerStream's thread)."""
-    max_tokens = WARMUP_STEPS + steps + SLACK_STEPS
+    max_tokens = WARMUP_STEPS + steps + (SLACK_STEPS_HTTP if http else SLACK_STEPS)
     config = dataclasses.replace(ModelConfig.from_dir(model_dir), num_layers=1)  # a small KV pool
     timeline = TimelineStream(step_s) if step_s and device == "timeline" else None
     stub = StubModel(config, rule, mode, n, step_s if timeline is None else 0.0)

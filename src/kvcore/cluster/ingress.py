@@ -59,12 +59,6 @@ class ClusterEngine:
     def max_model_len(self) -> int:
         return self._model.max_model_len
 
-    def check_request(self, prompt_ids: Sequence[int],
-                      params: SamplingParams | BeamSearchParams) -> None:
-        """AsyncEngine.check_request's context and vocabulary checks (ParamError); the pool-size
-        check of n > 1 stays with the replica that takes the request."""
-        check_prompt(prompt_ids, params, self.max_model_len, self.model_config.vocab_size, None)
-
     @property
     def num_waiting(self) -> int:
         """Sequences waiting on all replicas: the ingress's own count of what it routed and has
@@ -117,20 +111,30 @@ class ClusterEngine:
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | BeamSearchParams,
                  request_id: str | None = None, *, priority: int = 0,
                  cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        return self._generate(prompt, params, request_id or uuid.uuid4().hex, priority,
-                              cache_salt)
+        """AsyncEngine.generate's twin: the context and vocabulary checks run here, once (a
+        refusal raises from this call for token ids); the pool-size check of n > 1 stays with
+        the replica that takes the request."""
+        prompt_ids = None
+        if not isinstance(prompt, str):
+            prompt_ids = list(prompt)
+            self._check(prompt_ids, params)
+        return self._generate(prompt, prompt_ids, params, request_id or uuid.uuid4().hex,
+                              priority, cache_salt)
 
-    async def _generate(self, prompt: str | Sequence[int],
+    def _check(self, prompt_ids: list[int], params: SamplingParams | BeamSearchParams) -> None:
+        check_prompt(prompt_ids, params, self.max_model_len, self.model_config.vocab_size, None)
+
+    async def _generate(self, prompt: str | Sequence[int], prompt_ids: list[int] | None,
                         params: SamplingParams | BeamSearchParams, request_id: str,
                         priority: int, cache_salt: str | None) -> AsyncIterator[RequestOutput]:
         if not self._running:
             raise RuntimeError("ClusterEngine is not started")
         if request_id in self._streams:
             raise ParamError("request_id", f"request_id {request_id!r} is already in use")
-        prompt_ids = (self._model.tokenizer.encode(prompt) if isinstance(prompt, str)
-                      else list(prompt))
-        if not prompt_ids:
-            raise ParamError("prompt", "the prompt must not be empty")
+        if prompt_ids is None:
+            assert isinstance(prompt, str)
+            prompt_ids = self._model.tokenizer.encode(prompt)
+            self._check(prompt_ids, params)
         info = self._model.info
         # the blocks a replica could serve: never the last prompt token (it is recomputed)
         num_blocks = (len(prompt_ids) - 1) // info.block_size if info.prefix_caching else 0

@@ -8,7 +8,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -33,12 +32,18 @@ class RequestFailed(RuntimeError):
 
 
 class _Stream:
-    """One consumer's outputs: a list and, while the consumer waits, a future to wake it. A
+    """One request between the event loop and the driver: what the driver adds between steps,
+    then the consumer's outputs (a list and, while the consumer waits, a future to wake it). A
     step hands over with one append (and at most one wake-up), cheaper than an asyncio.Queue."""
 
-    __slots__ = ("items", "waiter")
+    __slots__ = ("request_id", "prompt", "prompt_ids", "params", "priority", "cache_salt",
+                 "items", "waiter")
 
-    def __init__(self) -> None:
+    def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int],
+                 params: SamplingParams | BeamSearchParams, priority: int,
+                 cache_salt: str | None) -> None:
+        self.request_id, self.prompt, self.prompt_ids = request_id, prompt, prompt_ids
+        self.params, self.priority, self.cache_salt = params, priority, cache_salt
         self.items: list[RequestOutput | BaseException] = []
         self.waiter: asyncio.Future[None] | None = None
 
@@ -47,17 +52,6 @@ class _Stream:
         waiter = self.waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
-
-
-@dataclass(slots=True)
-class _Add:
-    request_id: str
-    prompt: str | None
-    prompt_ids: list[int]
-    params: SamplingParams | BeamSearchParams
-    priority: int
-    cache_salt: str | None
-    stream: _Stream
 
 
 class AsyncEngine:
@@ -71,7 +65,7 @@ class AsyncEngine:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._adds: list[_Add] = []
+        self._adds: list[_Stream] = []  # to add between steps
         self._aborts: list[str] = []
         self._streams: dict[str, _Stream] = {}
         self._executor: ThreadPoolExecutor | None = None
@@ -105,16 +99,15 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
-    def check_request(self, prompt_ids: Sequence[int],
-                      params: SamplingParams | BeamSearchParams) -> None:
-        """The engine's checks of a request against its fixed configuration (context length,
-        vocabulary, pool size), without queuing it: ParamError naming the parameter. A server
-        runs them before its own queue limits, so a call that can never run is refused as bad
-        input, not as busy. Reads only what never changes after start-up."""
+    def _check(self, prompt_ids: Sequence[int], params: SamplingParams | BeamSearchParams
+               ) -> None:
+        """The request against the engine's fixed configuration (context length, vocabulary,
+        pool size, its constraint compiled and cached): ParamError naming the parameter. Reads
+        only what never changes after start-up, so it runs on the event loop."""
         engine = self.engine
         check_prompt(prompt_ids, params, engine.max_model_len, engine.model_config.vocab_size,
                      engine.kv)
-        if params.constraint is not None:  # compiled (and cached) now: a bad one is a 400
+        if params.constraint is not None:
             engine.constraints.matcher(params.constraint)
 
     def stats(self) -> EngineStats:
@@ -133,7 +126,7 @@ class AsyncEngine:
     def num_waiting(self) -> int:
         """Sequences waiting to run: the scheduler's (as of the last step) and those queued to
         be added (n > 1 and beams count every sequence)."""
-        return self._num_waiting_seqs + sum(_num_seqs(add.params) for add in self._adds)
+        return self._num_waiting_seqs + sum(_num_seqs(stream.params) for stream in self._adds)
 
     @property
     def running(self) -> bool:
@@ -167,8 +160,8 @@ class AsyncEngine:
             await asyncio.get_running_loop().run_in_executor(executor, lambda: None)
             executor.shutdown()
             self._executor = None
-        for add in self._adds:
-            add.stream.put(RuntimeError("the engine stopped"))
+        for stream in self._adds:
+            stream.put(RuntimeError("the engine stopped"))
         self._adds.clear()
         self._aborts.extend(self._streams)
         self._apply_aborts()
@@ -178,29 +171,36 @@ class AsyncEngine:
                  request_id: str | None = None, *, priority: int = 0,
                  cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as it progresses (the last one has finished=True).
-        Validation errors raise ValueError on the first __anext__; cancelling the consumer or
-        closing the iterator aborts the request."""
-        return self._generate(prompt, params, request_id or uuid.uuid4().hex, priority,
-                              cache_salt)
+        The request is checked once, here: a refusal (ParamError, a ValueError naming the
+        parameter) raises from this call for token ids, so a server refuses bad input before
+        it queues anything, and on the first __anext__ for a text (tokenized first).
+        Cancelling the consumer or closing the iterator aborts the request."""
+        prompt_ids = None
+        if not isinstance(prompt, str):
+            prompt_ids = list(prompt)
+            self._check(prompt_ids, params)
+        return self._generate(prompt, prompt_ids, params, request_id or uuid.uuid4().hex,
+                              priority, cache_salt)
 
-    async def _generate(self, prompt: str | Sequence[int],
+    async def _generate(self, prompt: str | Sequence[int], prompt_ids: list[int] | None,
                         params: SamplingParams | BeamSearchParams, request_id: str,
                         priority: int, cache_salt: str | None) -> AsyncIterator[RequestOutput]:
         if not self.running or self._wakeup is None:
             raise RuntimeError("AsyncEngine is not started (use `async with` or start())")
-        if isinstance(prompt, str):  # a long text tokenizes off the event loop
-            prompt_ids = (self.engine.tokenizer.encode(prompt) if len(prompt) < _INLINE_CHARS
-                          else await asyncio.to_thread(self.engine.tokenizer.encode, prompt))
-        else:
-            prompt_ids = list(prompt)
-        # every other check is Engine.add_request's, when the driver adds the request: its
-        # ParamError comes out of the first __anext__
+        if prompt_ids is None:  # a long text tokenizes off the event loop
+            assert isinstance(prompt, str)
+            encode = self.engine.tokenizer.encode
+            prompt_ids = (encode(prompt) if len(prompt) < _INLINE_CHARS
+                          else await asyncio.to_thread(encode, prompt))
+            self._check(prompt_ids, params)
+        # what depends on the engine's state (request ids, max_num_seqs) is checked by
+        # Engine.add_request when the driver adds the request: out of the first __anext__
         if request_id in self._streams:
             raise ParamError("request_id", f"request_id {request_id!r} is already in use")
-        stream = _Stream()
+        stream = _Stream(request_id, prompt if isinstance(prompt, str) else None, prompt_ids,
+                         params, priority, cache_salt)
         self._streams[request_id] = stream
-        self._adds.append(_Add(request_id, prompt if isinstance(prompt, str) else None,
-                               prompt_ids, params, priority, cache_salt, stream))
+        self._adds.append(stream)
         self._wakeup.set()
         loop = asyncio.get_running_loop()
         finished = False
@@ -290,15 +290,14 @@ class AsyncEngine:
 
     def _apply_adds(self) -> None:
         adds, self._adds = self._adds, []
-        for add in adds:
-            if self._streams.get(add.request_id) is not add.stream:
+        for s in adds:
+            if self._streams.get(s.request_id) is not s:
                 continue  # the consumer went away before its request was added
             try:
-                self.engine.add_request(add.request_id, add.prompt_ids, add.params,
-                                        priority=add.priority, cache_salt=add.cache_salt,
-                                        prompt_text=add.prompt)
+                self.engine.add_request(s.request_id, s.prompt_ids, s.params, priority=s.priority,
+                                        cache_salt=s.cache_salt, prompt_text=s.prompt)
             except ValueError as e:
-                add.stream.put(e)
+                s.put(e)
 
     def _publish(self) -> None:
         """Between steps (the worker is idle): the figures the event loop may read."""

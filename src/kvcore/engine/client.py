@@ -32,14 +32,12 @@ class EngineClient(Protocol):
     def num_waiting(self) -> int:
         """Sequences waiting to run (n > 1 and beams count every sequence)."""
 
-    def check_request(self, prompt_ids: Sequence[int],
-                      params: SamplingParams | BeamSearchParams) -> None:
-        """The checks of a request against the fixed configuration (ParamError), unqueued."""
-
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | BeamSearchParams,
                  request_id: str | None = None, *, priority: int = 0,
                  cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as it progresses (the last one has finished=True)."""
+        """Outputs of one request as it progresses (the last one has finished=True). The
+        request's checks against the context run once, here: for token ids a refusal
+        (ParamError) raises from this call, before anything is queued."""
 
     async def abort(self, request_id: str) -> None: ...
 

@@ -48,8 +48,7 @@ class _Choice:
     def add(self, out: SeqOutput) -> bool:
         """Take the core's new tokens; True when a stop string ended the choice here."""
         params = self.params
-        for token_id in out.token_ids:
-            self.token_ids.append(token_id)
+        self.token_ids.extend(out.token_ids)
         if out.logprobs is not None and self.logprobs is not None:
             self.logprobs.extend(out.logprobs)
             self.cumulative_logprob += sum(lp.logprob for lp in out.logprobs)
@@ -95,13 +94,10 @@ class _Choice:
     def delta(self, finished: bool) -> CompletionOutput:
         """What is new since the last delta; the cumulative fields too once `finished`."""
         pending = self.pending
-        if finished or self.finish_reason is not None:
-            held = 0
-        elif self.params.stop:
-            held = num_holdback_chars(pending, self.params.stop,
-                                      self.params.include_stop_str_in_output)
-        else:
-            held = 0
+        done = finished or self.finish_reason is not None
+        held = (num_holdback_chars(pending, self.params.stop,
+                                   self.params.include_stop_str_in_output)
+                if self.params.stop and not done else 0)
         delta_text = pending[:len(pending) - held]
         self.pending = pending[len(pending) - held:]
         new_tokens = self.token_ids[self.num_emitted_tokens:]
@@ -111,7 +107,6 @@ class _Choice:
         if logprobs is not None:
             delta_logprobs = logprobs[self.num_emitted_logprobs:]
             self.num_emitted_logprobs = len(logprobs)
-        done = finished or self.finish_reason is not None
         return CompletionOutput(
             index=self.index,
             text="".join(self.parts) if done else "",

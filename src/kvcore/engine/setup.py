@@ -109,19 +109,24 @@ def pool_size(config: EngineConfig, model_config: ModelConfig, cache_dtype: str,
 
 def check_prompt(prompt_ids: Sequence[int], params: SamplingParams | BeamSearchParams,
                  max_model_len: int, vocab_size: int, kv: KVCacheManager | None) -> int:
-    """Validate a request before it is queued; returns its resolved max_tokens. ParamError
-    (a ValueError) names the parameter. `kv` None: no pool-size check (a cluster's ingress,
-    which holds no pool; the replica that takes the request checks it)."""
+    """The request against the model and the context, before it is queued: token ids in the
+    vocabulary (prompt, stop_token_ids, logit_bias), prompt + max_tokens within max_model_len,
+    the sequences of n > 1 within the pool. Returns the resolved max_tokens; ParamError (a
+    ValueError) names the parameter. `kv` None: no pool-size check (a cluster's ingress, which
+    holds no pool; the replica that takes the request checks it)."""
     if not isinstance(params, SamplingParams | BeamSearchParams):
         raise ParamError("params", f"params must be SamplingParams or BeamSearchParams, "
                          f"got {params!r}")
     num_prompt = len(prompt_ids)
     if num_prompt == 0:
         raise ParamError("prompt", "prompt must not be empty")
-    bad = [t for t in prompt_ids if not isinstance(t, int | np.integer) or not 0 <= t < vocab_size]
-    if bad:
-        raise ParamError("prompt", f"prompt token id {bad[0]!r} is outside the vocabulary "
-                         f"[0, {vocab_size})")
+    logit_bias = params.logit_bias if isinstance(params, SamplingParams) else None
+    for param, ids in (("prompt", prompt_ids), ("stop_token_ids", params.stop_token_ids),
+                       ("logit_bias", logit_bias or ())):
+        bad = [t for t in ids if not isinstance(t, int | np.integer) or not 0 <= t < vocab_size]
+        if bad:
+            raise ParamError(param, f"{param} token id {bad[0]!r} is outside the vocabulary "
+                             f"[0, {vocab_size})")
     if num_prompt >= max_model_len:
         raise ParamError("prompt", f"This model's maximum context length (max_model_len) is "
                          f"{max_model_len} tokens. However, your prompt has {num_prompt} tokens, "
