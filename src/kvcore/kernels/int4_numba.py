@@ -147,48 +147,41 @@ def seal_blocks(k_window: np.ndarray, v_window: np.ndarray, k_rows: np.ndarray,
 @njit(fastmath=FASTMATH, cache=True)
 def load_key_row(rows: np.ndarray, block_id: int, out: np.ndarray) -> None:
     """A sealed K block as float32 into out (bs, Hkv, D): its per-channel parameters read once,
-    then each byte gives two values."""
+    then one pass over the elements in order (each byte read for its two nibbles), so the
+    parameter and output accesses are contiguous and the loop vectorizes."""
     bs, heads, dim = out.shape
     row = rows[block_id].reshape(rows[block_id].size)  # rows (n, bytes) or (n, 1, 1, bytes)
-    half = dim // 2
-    split = bs * heads * half
-    params = np.empty((2, heads, dim), np.float32)  # (scale, zero) per channel
-    for j in range(2 * heads * dim):
-        params.reshape(2 * heads * dim)[j] = _get_half(row, split + 2 * j)
+    row_elems = heads * dim
+    split = bs * row_elems // 2
+    params = np.empty(2 * row_elems, np.float32)  # scales (Hkv * D), then zeros
+    for j in range(2 * row_elems):
+        params[j] = _get_half(row, split + 2 * j)
+    dst = out.reshape(out.size)
     for t in range(bs):
-        for h in range(heads):
-            scale, zero = params[0, h], params[1, h]
-            dst = out[t, h]
-            base = (t * heads + h) * half
-            for c in range(half):
-                byte = row[base + c]
-                dst[2 * c] = zero[2 * c] + scale[2 * c] * np.float32(byte & np.uint8(15))
-                dst[2 * c + 1] = zero[2 * c + 1] + scale[2 * c + 1] * np.float32(
-                    byte >> np.uint8(4))
+        base = t * row_elems
+        for j in range(row_elems):
+            byte = np.uint32(row[(base + j) >> 1])
+            code = (byte >> np.uint32(((base + j) & 1) << 2)) & np.uint32(15)
+            dst[base + j] = params[row_elems + j] + params[j] * np.float32(code)
 
 
 @njit(fastmath=FASTMATH, cache=True)
 def load_value_row(rows: np.ndarray, block_id: int, group: int, out: np.ndarray) -> None:
     """A sealed V block as float32 into out (bs, Hkv, D): one scale and zero per token and
-    group of channels."""
+    group of channels, the group's elements in one contiguous pass."""
     bs, heads, dim = out.shape
     row = rows[block_id].reshape(rows[block_id].size)  # rows (n, bytes) or (n, 1, 1, bytes)
-    half = dim // 2
-    split = bs * heads * half
+    split = bs * heads * dim // 2
     num_groups = dim // group
     num_params = bs * heads * num_groups
-    for t in range(bs):
-        for h in range(heads):
-            dst = out[t, h]
-            base = (t * heads + h) * half
-            for g in range(num_groups):
-                p = (t * heads + h) * num_groups + g
-                scale = _get_half(row, split + 2 * p)
-                zero = _get_half(row, split + 2 * (num_params + p))
-                for c in range(g * group // 2, (g + 1) * group // 2):
-                    byte = row[base + c]
-                    dst[2 * c] = zero + scale * np.float32(byte & np.uint8(15))
-                    dst[2 * c + 1] = zero + scale * np.float32(byte >> np.uint8(4))
+    dst = out.reshape(out.size)
+    for p in range(num_params):  # p = (t * heads + h) * num_groups + g
+        scale = _get_half(row, split + 2 * p)
+        zero = _get_half(row, split + 2 * (num_params + p))
+        for i in range(p * group, (p + 1) * group):
+            byte = np.uint32(row[i >> 1])
+            code = (byte >> np.uint32((i & 1) << 2)) & np.uint32(15)
+            dst[i] = zero + scale * np.float32(code)
 
 
 @njit(fastmath=FASTMATH, cache=True)
