@@ -107,3 +107,21 @@ def test_a_pool_short_of_slots_allocates_nothing() -> None:
     kv.free("a")
     assert window.take_ops() == [(SEAL, 1, 1)]  # full and cached: sealed as it leaves
     assert window.num_free_slots == 2
+
+
+def test_short_of_slots_written_blocks_seal_early() -> None:
+    """Inside the window but written by a launched step: sealed to make room; a block whose
+    tokens are not launched yet (or drafts) stays open."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    window = WindowSlots(8, 3, 4, window_tokens=100)
+    kv.attach_window(window)
+    tokens = list(range(20))
+    kv.allocate_prefix("a", tokens)
+    assert kv.allocate_slots("a", tokens, 10) == []  # blocks 0-2 open, 2 tokens in block 2
+    window.take_ops()  # launched: 10 tokens written; nothing behind a 100-token window
+    assert kv.allocate_slots("a", tokens, 6) == []  # block 3 needs a slot: block 0 seals
+    assert window.take_ops() == [(SEAL, 0, 0), (ASSIGN, 3, 0)]
+    assert window.num_early_seals == 1 and window.num_shortages == 0
+    # 4 more tokens need block 4: the oldest open written block (1) seals
+    assert kv.allocate_slots("a", tokens, 4) == []
+    assert window.take_ops() == [(SEAL, 1, 1), (ASSIGN, 4, 1)]

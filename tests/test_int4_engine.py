@@ -150,8 +150,9 @@ def test_no_block_or_slot_leaks(tiny_model_dir: Path, seed: int, n: int, window:
 
 
 def test_window_pool_bound() -> None:
-    # 2 sequences, window 32 over blocks of 16 (2 + 2 + 1 each), a 2,048-token step (128)
-    assert num_window_slots(2, 32, 16, 2048) == 2 * 5 + 128
+    # 2 sequences, window 32 over blocks of 16 (2 + 1 each), a 2,048-token step (128)
+    assert num_window_slots(2, 32, 16, 2048) == 2 * 3 + 128
+    assert num_window_slots(2, 0, 16, 2048) == 2 * 2 + 128  # the partial block + one
     with pytest.raises(ValueError, match="window_tokens must be >= 0"):
         num_window_slots(2, -1, 16, 2048)
 
