@@ -24,6 +24,9 @@ from kvcore.kernels.numba_blocks import FASTMATH, float_from_half_bits
 FP16_MAX = np.float32(65504.0)
 _HALF = np.float32(0.5)
 _FIFTEEN = np.float32(15.0)
+# byte -> its low and high nibbles as two float32 (low first), as one little-endian uint64
+_NIBBLE_PAIRS = np.stack([np.arange(256) & 15, np.arange(256) >> 4], axis=1).astype(
+    np.float32).view(np.uint64).reshape(256)
 
 
 @intrinsic
@@ -145,10 +148,20 @@ def seal_blocks(k_window: np.ndarray, v_window: np.ndarray, k_rows: np.ndarray,
 
 
 @njit(fastmath=FASTMATH, cache=True)
+def _unpack_codes(row: np.ndarray, num_bytes: int, dst: np.ndarray) -> None:
+    """Byte c of row -> its two codes as float32 into dst[2c], dst[2c + 1]: one 8-byte store
+    from a 256-entry table per byte (a loop over elements would read each byte twice and
+    shift by its parity)."""
+    pairs = dst.view(np.uint64)  # (bs * Hkv * D / 2,) two float32 each
+    for c in range(num_bytes):
+        pairs[c] = _NIBBLE_PAIRS[row[c]]
+
+
+@njit(fastmath=FASTMATH, cache=True)
 def load_key_row(rows: np.ndarray, block_id: int, out: np.ndarray) -> None:
-    """A sealed K block as float32 into out (bs, Hkv, D): its per-channel parameters read once,
-    then one pass over the elements in order (each byte read for its two nibbles), so the
-    parameter and output accesses are contiguous and the loop vectorizes."""
+    """A sealed K block as float32 into out (bs, Hkv, D): codes unpacked by table, then
+    zero + scale * code in one contiguous pass per token (the per-channel parameters read
+    once), which vectorizes."""
     bs, heads, dim = out.shape
     row = rows[block_id].reshape(rows[block_id].size)  # rows (n, bytes) or (n, 1, 1, bytes)
     row_elems = heads * dim
@@ -157,31 +170,28 @@ def load_key_row(rows: np.ndarray, block_id: int, out: np.ndarray) -> None:
     for j in range(2 * row_elems):
         params[j] = _get_half(row, split + 2 * j)
     dst = out.reshape(out.size)
+    _unpack_codes(row, split, dst)
     for t in range(bs):
         base = t * row_elems
         for j in range(row_elems):
-            byte = np.uint32(row[(base + j) >> 1])
-            code = (byte >> np.uint32(((base + j) & 1) << 2)) & np.uint32(15)
-            dst[base + j] = params[row_elems + j] + params[j] * np.float32(code)
+            dst[base + j] = params[row_elems + j] + params[j] * dst[base + j]
 
 
 @njit(fastmath=FASTMATH, cache=True)
 def load_value_row(rows: np.ndarray, block_id: int, group: int, out: np.ndarray) -> None:
-    """A sealed V block as float32 into out (bs, Hkv, D): one scale and zero per token and
-    group of channels, the group's elements in one contiguous pass."""
+    """A sealed V block as float32 into out (bs, Hkv, D): codes unpacked by table, then one
+    scale and zero per token and group of channels over the group's contiguous elements."""
     bs, heads, dim = out.shape
     row = rows[block_id].reshape(rows[block_id].size)  # rows (n, bytes) or (n, 1, 1, bytes)
     split = bs * heads * dim // 2
-    num_groups = dim // group
-    num_params = bs * heads * num_groups
+    num_params = bs * heads * (dim // group)
     dst = out.reshape(out.size)
+    _unpack_codes(row, split, dst)
     for p in range(num_params):  # p = (t * heads + h) * num_groups + g
         scale = _get_half(row, split + 2 * p)
         zero = _get_half(row, split + 2 * (num_params + p))
         for i in range(p * group, (p + 1) * group):
-            byte = np.uint32(row[i >> 1])
-            code = (byte >> np.uint32((i & 1) << 2)) & np.uint32(15)
-            dst[i] = zero + scale * np.float32(code)
+            dst[i] = zero + scale * dst[i]
 
 
 @njit(fastmath=FASTMATH, cache=True)
