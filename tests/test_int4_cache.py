@@ -3,6 +3,8 @@ exact bytes and slot ids."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -125,3 +127,22 @@ def test_short_of_slots_written_blocks_seal_early() -> None:
     # 4 more tokens need block 4: the oldest open written block (1) seals
     assert kv.allocate_slots("a", tokens, 4) == []
     assert window.take_ops() == [(SEAL, 1, 1), (ASSIGN, 4, 1)]
+
+
+def test_kvcore_plan_int4(capsys: pytest.CaptureFixture[str]) -> None:
+    """`kvcore plan --dtype int4`: the window pool as `kvcore serve` sizes it, set aside."""
+    from kvcore.cli import main
+
+    assert main(["plan", "--layers", "30", "--kv-heads", "3", "--head-dim", "64", "--dtype",
+                 "int4", "--memory", "1GiB", "--context", "2048", "--max-num-seqs", "8",
+                 "--kv-int4-window", "32", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    slots = 8 * 3 + 128  # 8 x (2 + 1) + 2,048 / 16
+    assert out["window_slots"] == slots
+    assert out["window_bytes"] == planner.window_bytes(30, 3, 64, slots, 16)
+    per_block = planner.bytes_per_block(30, 3, 64, "int4", 16)
+    assert out["bytes_per_block"] == per_block
+    assert out["num_blocks"] == (2**30 - out["window_bytes"]) // per_block
+    assert main(["plan", "--layers", "30", "--kv-heads", "3", "--head-dim", "64", "--dtype",
+                 "int4", "--memory", "1GiB"]) == 0
+    assert "fp16 window:" in capsys.readouterr().out
