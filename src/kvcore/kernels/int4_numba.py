@@ -158,7 +158,7 @@ def _unpack_codes(row: np.ndarray, num_bytes: int, dst: np.ndarray) -> None:
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def load_key_row(rows: np.ndarray, block_id: int, out: np.ndarray) -> None:
+def load_key_row(rows: np.ndarray, block_id: int, params: np.ndarray, out: np.ndarray) -> None:
     """A sealed K block as float32 into out (bs, Hkv, D): codes unpacked by table, then
     zero + scale * code in one contiguous pass per token (the per-channel parameters read
     once), which vectorizes."""
@@ -166,7 +166,7 @@ def load_key_row(rows: np.ndarray, block_id: int, out: np.ndarray) -> None:
     row = rows[block_id].reshape(rows[block_id].size)  # rows (n, bytes) or (n, 1, 1, bytes)
     row_elems = heads * dim
     split = bs * row_elems // 2
-    params = np.empty(2 * row_elems, np.float32)  # scales (Hkv * D), then zeros
+    # params (2 * Hkv * D,) scratch: the scales, then the zeros, as float32
     for j in range(2 * row_elems):
         params[j] = _get_half(row, split + 2 * j)
     dst = out.reshape(out.size)
@@ -196,7 +196,7 @@ def load_value_row(rows: np.ndarray, block_id: int, group: int, out: np.ndarray)
 
 @njit(fastmath=FASTMATH, cache=True)
 def load_int4_block(rows: np.ndarray, window: np.ndarray, window_slot: np.ndarray,
-                    block_id: int, group: int, out: np.ndarray) -> None:
+                    block_id: int, group: int, params: np.ndarray, out: np.ndarray) -> None:
     """Block block_id of an int4 cache's K (group 0) or V as float32 into out (bs, Hkv, D):
     from its window slot (fp16 bits) while it is open, else from its sealed row."""
     slot = window_slot[block_id]
@@ -206,6 +206,6 @@ def load_int4_block(rows: np.ndarray, window: np.ndarray, window_slot: np.ndarra
         for j in range(dst.shape[0]):
             dst[j] = float_from_half_bits(np.uint16(src[j]))
     elif group == 0:
-        load_key_row(rows, block_id, out)
+        load_key_row(rows, block_id, params, out)
     else:
         load_value_row(rows, block_id, group, out)
