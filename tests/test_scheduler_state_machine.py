@@ -76,7 +76,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert request_id not in self.s.kv and request_id not in self.s.seqs
         self.added_at.pop(request_id, None)
 
-    @precondition(lambda self: self.s.has_unfinished())
+    @precondition(lambda self: self.s.seqs)
     @rule(budget=st.integers(MAX_NUM_SEQS, 4 * MAX_NUM_SEQS))
     def step(self, budget: int) -> None:
         s = self.s
@@ -134,10 +134,10 @@ class SchedulerMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         s = self.s
         for _ in range(10 * (self.total_work + 1) * (1 + s.num_preemptions)):
-            if not s.has_unfinished():
+            if not s.seqs:
                 break
             self.step(budget=3 * MAX_NUM_SEQS)
-        assert not s.has_unfinished()
+        assert not s.seqs
         assert s.kv.usage() == 0.0
         assert all(block.ref_count == 0 for block in s.kv.pool.blocks)
 

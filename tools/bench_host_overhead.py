@@ -132,7 +132,8 @@ def build_engine(model_dir: Path, stub: StubModel, tokenizer: Tokenizer, n: int,
         async_scheduling=async_scheduling)
     engine = Engine(config, model=stub, tokenizer=tokenizer)
     if stub.step_s:  # the fake device: its forward runs in a worker thread, in launch order
-        from kvcore.engine.runner import WorkerStream
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+        from fake_device import WorkerStream  # the tests' worker-thread device
 
         engine.core.runner.stream = WorkerStream()
     elif stream is not None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,6 @@ import structlog
 from kvcore.config import ModelConfig
 from kvcore.engine import Engine
 from kvcore.engine.llm import engine_config
-from kvcore.engine.runner import WorkerStream
 from kvcore.kernels.token_mask import apply_token_bitmask
 from kvcore.model.hub import ensure_default_model
 from kvcore.model.tokenizer import Tokenizer
@@ -187,6 +187,9 @@ def gpu_busy(model_dir: Path, n: int, step_ms: float, steps: int,
                                   num_blocks=n * (max_tokens // 16 + 3),
                                   async_scheduling=True), model=model,
                     tokenizer=Tokenizer.from_dir(model_dir))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from fake_device import WorkerStream  # the tests' worker-thread device
+
     engine.core.runner.stream = WorkerStream()
     constraint = Constraint.json_schema(SCHEMA)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=not constrained,

@@ -1,33 +1,23 @@
 """The engine core's seam to structured outputs: the token masks of a step's constrained rows
-(computed while the forward pass runs), and the matchers of forks and beams."""
+(computed while the forward pass runs), and a beam's tokens through its matcher."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from kvcore.cache import PENDING_TOKEN_ID
 from kvcore.device import array_module
+from kvcore.engine.records import Launched
 from kvcore.kernels.token_mask import apply_token_bitmask
 from kvcore.request import Sequence
 from kvcore.sampling import SamplingRow
 from kvcore.sampling.constraints import MaskFiller
-
-
-@dataclass(frozen=True, slots=True)
-class PrevTokens:
-    """The step before's sampled tokens: `read()` the host ids in row order, `row_of` a
-    sequence's row."""
-
-    read: Callable[[], list[int]]
-    row_of: Mapping[str, int]
 
 
 class StepMasks:
@@ -71,7 +61,7 @@ class Constrainer:
         """The histogram of mask seconds per step (None before the first constrained step)."""
         return None if self._filler is None else self._filler.times.snapshot()
 
-    def start(self, seqs: list[Sequence], prev: PrevTokens | None = None) -> StepMasks | None:
+    def start(self, seqs: list[Sequence], prev: Launched | None = None) -> StepMasks | None:
         """Start computing the masks of `seqs`' constrained rows (None: no row has one). A row
         whose last token is pending (async scheduling) first consumes it, read from the step
         before (`prev`) in the mask worker, while this step's forward pass runs."""
@@ -87,7 +77,7 @@ class Constrainer:
         def job() -> np.ndarray:
             if pending:
                 assert prev is not None
-                token_ids = prev.read()  # waits for the step before's draw
+                token_ids = prev.host_ids()  # waits for the step before's draw
                 for matcher, position, seq_id in pending:
                     # refused: that row's draw failed (its request fails); appending
                     # re-checks the token
@@ -118,8 +108,3 @@ def append_beam_token(seq: Sequence, token_id: int) -> None:
     if seq.matcher is not None:
         seq.matcher.consume_at(seq.num_output_tokens - 1, token_id)
 
-
-def fork_matcher(parent: Sequence, child: Sequence) -> None:
-    """A fork continues from its parent's position in the constraint."""
-    if parent.matcher is not None:
-        child.matcher = parent.matcher.fork()

@@ -9,8 +9,7 @@ submission order. `launch` returns a Future; its `result()` waits for the device
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
@@ -49,27 +48,13 @@ class InlineStream:
         return future
 
 
-class WorkerStream:
-    """One worker thread, FIFO: a device whose work runs while the host goes on (the fake
-    device of the tests and of tools/bench_host_overhead.py's GPU-shaped mode)."""
+class PrevStep(Protocol):
+    """The step launched before, whose samples fill a step's pending tokens."""
 
-    def __init__(self) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcore-device")
+    @property
+    def row_of(self) -> Mapping[str, int]: ...  # a sequence's row among its samples
 
-    def submit(self, work: Callable[[], T]) -> Future[T]:
-        return self._executor.submit(work)
-
-    def close(self) -> None:
-        self._executor.shutdown()
-
-
-@dataclass(frozen=True, slots=True)
-class PendingFill:
-    """Where the pending tokens of a step come from: the step launched before it sampled them.
-    `token_ids()` is that step's sampled ids (device array), `row_of` a sequence's row in it."""
-
-    token_ids: Callable[[], Any]
-    row_of: Mapping[str, int]
+    def device_ids(self) -> Any: ...  # (P,) its sampled token ids, on their device
 
 
 class ModelRunner:
@@ -77,18 +62,17 @@ class ModelRunner:
     array per field) and the forward pass. The SchedulerOutput is all it reads: only the
     sequences whose chunk reaches the end of their tokens want logits."""
 
-    def __init__(self, model: Model, kv_cache: KVCache, block_size: int,
-                 stream: DeviceStream | None = None) -> None:
+    def __init__(self, model: Model, kv_cache: KVCache, block_size: int) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
-        self.stream: DeviceStream = stream if stream is not None else InlineStream()
+        self.stream: DeviceStream = InlineStream()  # a fake device's stream replaces it in tests
 
     def launch(self, output: SchedulerOutput, sample: Callable[[Any], T],
-               fill: PendingFill | None = None) -> Future[T]:
+               prev: PrevStep | None = None) -> Future[T]:
         """Launch one step: its future holds sample(logits of its L sampling rows, in row
         order). A token that is PENDING_TOKEN_ID (the last of its sequence, sampled by the step
-        launched before) is filled on the device from `fill`, without a host round trip. A
+        launched before) is filled on the device from `prev`, without a host round trip. A
         failure (here or on the device) is the future's exception.
 
         A model on a device (its `xp` is not NumPy) keeps its logits there through
@@ -104,11 +88,11 @@ class ModelRunner:
             pending = np.flatnonzero(batch.input_ids == PENDING_TOKEN_ID)  # (P,) rows
             src = None
             if len(pending):
-                if fill is None:
+                if prev is None:
                     raise ValueError(f"{len(pending)} pending tokens and no step to fill "
                                      f"them from")
                 seq_index = np.searchsorted(batch.query_start_loc, pending, side="right") - 1
-                row_of = fill.row_of
+                row_of = prev.row_of
                 src = np.array([row_of[scheduled[s].seq_id] for s in seq_index.tolist()],
                                dtype=np.int64)  # (P,) rows of the previous step's samples
         except Exception as e:
@@ -127,8 +111,8 @@ class ModelRunner:
         def device_work() -> T:
             model_fill = None
             if src is not None:
-                assert fill is not None
-                ids = fill.token_ids()  # the previous step's samples (stream order: done)
+                assert prev is not None
+                ids = prev.device_ids()  # the previous step's samples (stream order: done)
                 gathered = ids[array_module(ids).asarray(src)]  # (P,) on their device
                 if on_device:
                     batch.input_ids[pending] = 0  # any valid id: the device overwrites it
