@@ -31,7 +31,7 @@ from kvcore.sampling import (
     make_seed,
 )
 from kvcore.scheduler import Scheduler, SchedulerOutput
-from kvcore.speculation import Speculator, draft_rows, scheduled_drafts
+from kvcore.speculation import Speculator, draft_rows
 
 log = structlog.get_logger(__name__)
 
@@ -144,30 +144,33 @@ class EngineCore:
         rows: list[SamplingRow] = []  # built now: the histories as they are
         host: list[Sequence] = []  # decided on the host after the step (forks, beams)
         host_logits: list[int] = []
-        speculator = self.speculator
-        drafts = {} if speculator is None else scheduled_drafts(out)
-        # a step that verifies drafts, or after which the next may, is collected before the
-        # next is scheduled: a sequence's number of new tokens is known only then
-        needs_host = speculator is not None and (
-            bool(drafts) or speculator.active(len(self.scheduler.running)))
+        drafts: dict[str, list[int]] = {}  # the draft tokens each speculating row verifies
         i = 0
         for item in out.scheduled:
             if not item.sample:
                 continue
             seq = seqs[item.seq_id]
+            k = item.num_draft_tokens
             if seq.num_pending_forks or self._groups[seq.request_id].policy is not None:
                 host.append(seq)
                 host_logits.append(i)
-            else:  # with k drafts: a row after its last token and after each draft
-                k = item.num_draft_tokens
-                rows.extend(draft_rows(seq, drafts[seq.seq_id], sampling_row(seq)) if k
-                            else (sampling_row(seq),))
+            elif k:  # a row after its last token and after each draft token
+                drafts[seq.seq_id] = draft = item.token_ids[-k:]
+                rows.extend(draft_rows(seq, draft, sampling_row(seq)))
                 plain.extend([seq] * (1 + k))
                 plain_logits.extend(range(i, i + 1 + k))
-            i += 1 + item.num_draft_tokens
+            else:
+                rows.append(sampling_row(seq))
+                plain.append(seq)
+                plain_logits.append(i)
+            i += 1 + k
         # computed while the forward pass runs (after the pending tokens' step, if any)
         masks = self.constrainer.start(plain, prev)
-        needs_host = needs_host or bool(host) or any(r.prompt_token_ids for r in rows)
+        # collected before the next step is scheduled: a step with rows that the host decides
+        # (forks, beams), drafts to verify or a sampler reading the history, and one after
+        # which the next may draft (a sequence's number of new tokens is known only then)
+        needs_host = bool(host or drafts) or any(r.prompt_token_ids for r in rows) or (
+            self.speculator is not None and self.speculator.active(len(self.scheduler.running)))
 
         def sample(logits: Any) -> Drawn:
             host_rows = None
