@@ -20,6 +20,7 @@ import numpy as np
 from kvcore.config import ModelConfig
 from kvcore.engine import Engine
 from kvcore.engine.llm import engine_config
+from kvcore.model import InputFill
 from kvcore.model.tokenizer import Tokenizer
 
 EOS_BIAS = 3.0  # makes EOS (id 2) likely enough that sequences stop by themselves
@@ -55,7 +56,9 @@ class HistoryModel:
         self._delay = random.Random(0)  # the delays never change an output
         self._lock = threading.Lock()
 
-    def forward(self, batch: Any, kv_cache: Any) -> np.ndarray:
+    def forward(self, batch: Any, kv_cache: Any, fill: InputFill | None = None) -> np.ndarray:
+        if fill is not None:  # pending tokens, from the step before's samples
+            fill.apply(batch.input_ids)
         with self._lock:  # one device: two forwards never overlap
             self.num_calls += 1
             if self.num_calls in self.fail_calls:

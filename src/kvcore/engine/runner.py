@@ -16,7 +16,7 @@ import numpy as np
 
 from kvcore.cache import PENDING_TOKEN_ID
 from kvcore.cache.kv_cache import KVCache
-from kvcore.device import array_module, to_numpy
+from kvcore.device import array_module
 from kvcore.model import BatchInput, InputFill
 from kvcore.scheduler import SchedulerOutput
 
@@ -24,6 +24,8 @@ T = TypeVar("T")
 
 
 class Model(Protocol):
+    # also forward(batch, kv_cache, fill=InputFill) when a step has pending tokens (async
+    # scheduling), and forward_device(...) alike for a model whose `xp` is not NumPy
     def forward(self, batch: BatchInput, kv_cache: KVCache) -> np.ndarray: ...
 
 
@@ -72,8 +74,9 @@ class ModelRunner:
                prev: PrevStep | None = None) -> Future[T]:
         """Launch one step: its future holds sample(logits of its L sampling rows, in row
         order). A token that is PENDING_TOKEN_ID (the last of its sequence, sampled by the step
-        launched before) is filled on the device from `prev`, without a host round trip. A
-        failure (here or on the device) is the future's exception.
+        launched before) is filled on the device from `prev`, without a host round trip: the
+        model takes `forward(..., fill=InputFill)`. A failure (here or on the device) is the
+        future's exception.
 
         A model on a device (its `xp` is not NumPy) keeps its logits there through
         `forward_device` (CuPy on the GPU: the engine core samples them there); on the CPU
@@ -104,24 +107,15 @@ class ModelRunner:
         kv_cache = self.kv_cache
         forward: Callable[..., Any] = (model.forward_device  # type: ignore[attr-defined]
                                        if getattr(model, "xp", np) is not np else model.forward)
-        # a model that takes an InputFill gathers the pending ids on its device; another one
-        # gets them read back into the host batch (waiting for the step that sampled them)
-        on_device = getattr(model, "supports_input_fill", False)
 
         def device_work() -> T:
-            model_fill = None
-            if src is not None:
-                assert prev is not None
-                ids = prev.device_ids()  # the previous step's samples (stream order: done)
-                gathered = ids[array_module(ids).asarray(src)]  # (P,) on their device
-                if on_device:
-                    batch.input_ids[pending] = 0  # any valid id: the device overwrites it
-                    model_fill = InputFill(pending, gathered)
-                else:
-                    batch.input_ids[pending] = to_numpy(gathered)
             if copy_ops:
                 kv_cache.copy_blocks(copy_ops)
-            if model_fill is None:
+            if src is None:
                 return sample(forward(batch, kv_cache))
-            return sample(forward(batch, kv_cache, fill=model_fill))
+            assert prev is not None
+            ids = prev.device_ids()  # the previous step's samples (stream order: done)
+            batch.input_ids[pending] = 0  # any valid id: the model's device fills them in
+            fill = InputFill(pending, ids[array_module(ids).asarray(src)])  # (P,) on the device
+            return sample(forward(batch, kv_cache, fill=fill))
         return self.stream.submit(device_work)
