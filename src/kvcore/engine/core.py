@@ -46,7 +46,6 @@ class EngineCore:
         self.scheduler = scheduler
         self.runner = runner
         self.sampler = sampler
-        self.vocab_size = vocab_size
         # chosen once: schedule step N+1 while the device runs step N (step_async), or not
         self.async_scheduling = async_scheduling
         self.step = self.step_async if async_scheduling else self.step_sync
