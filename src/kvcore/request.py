@@ -126,8 +126,7 @@ class Sequence:
     min_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
-        # checked where the request entered (engine.setup.check_prompt, SamplingParams)
-        assert self.prompt_token_ids and self.max_tokens >= 1, (self.seq_id, self.max_tokens)
+        assert self.prompt_token_ids, self.seq_id  # checked where the request entered
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)

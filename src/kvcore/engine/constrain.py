@@ -20,20 +20,18 @@ from kvcore.sampling import SamplingRow
 from kvcore.sampling.constraints import MaskFiller
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
 class StepMasks:
     """The masks of one step's constrained rows: started at launch in the mask worker, taken
     by the draw after the forward pass. Rows without a constraint pay nothing."""
 
-    __slots__ = ("rows", "future", "owner")
-
-    def __init__(self, rows: list[int], future: Future[np.ndarray], owner: Constrainer) -> None:
-        self.rows = rows  # positions of the constrained rows in the step's row list
-        self.future = future
-        self.owner = owner
+    rows: list[int]  # positions of the constrained rows in the step's row list
+    future: Future[np.ndarray]  # (C, W) int32 bitmasks
+    owner: Constrainer
 
     def apply(self, sampling_rows: list[SamplingRow]) -> list[SamplingRow]:
         start = time.perf_counter()
-        masks = self.future.result()  # (C, W) int32
+        masks = self.future.result()
         self.owner.wait_seconds += time.perf_counter() - start
         out = list(sampling_rows)
         for k, i in enumerate(self.rows):
