@@ -71,7 +71,7 @@ def test_prefix_hit_skips_computed_tokens_and_recomputes_the_last() -> None:
 
 
 def test_admission_control_rejects_what_can_never_run() -> None:
-    s = make_scheduler(num_blocks=8, block_size=4, max_model_len=64)
+    s = make_scheduler(num_blocks=8, block_size=4)
     with pytest.raises(ValueError, match="whole pool"):
         s.add(make_request("big", 30, max_tokens=3))  # 33 tokens > 8 blocks of 4
     s.add(make_request("ok", 29, max_tokens=3))  # 32 tokens: exactly the pool

@@ -30,7 +30,7 @@ from scheduler_helpers import counts as scheduled_counts
 MAX_NUM_SEQS = 4
 NUM_BLOCKS = 24
 BLOCK_SIZE = 4
-MAX_MODEL_LEN = 64
+MAX_MODEL_LEN = 64  # the requests it makes stay within it (the engine checks, not the scheduler)
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -39,8 +39,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.s = make_scheduler(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
-                                budget=3 * MAX_NUM_SEQS, max_num_seqs=MAX_NUM_SEQS,
-                                max_model_len=MAX_MODEL_LEN)
+                                budget=3 * MAX_NUM_SEQS, max_num_seqs=MAX_NUM_SEQS)
         self.num_added = 0
         self.step_no = 0
         self.added_at: dict[str, int] = {}

@@ -54,16 +54,12 @@ class Scheduler:
     in the waiting queue (its earlier arrival puts it ahead of the later ones).
     """
 
-    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_model_len: int) -> None:
-        for name, value in (("max_num_batched_tokens", max_num_batched_tokens),
-                            ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len)):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int,
+                 max_num_seqs: int) -> None:
+        assert max_num_batched_tokens >= 1 and max_num_seqs >= 1  # SchedulerConfig checks them
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        self.max_model_len = max_model_len
         self.seqs: dict[str, Sequence] = {}  # every unfinished sequence, by id
         self.running: list[Sequence] = []
         self.waiting: list[Sequence] = []  # sorted by (priority, arrival_seq)
