@@ -109,13 +109,15 @@ class ModelRunner:
                                        if getattr(model, "xp", np) is not np else model.forward)
 
         def device_work() -> T:
+            model_fill = None
+            if src is not None:
+                assert prev is not None
+                ids = prev.device_ids()  # the previous step's samples (stream order: done)
+                batch.input_ids[pending] = 0  # any valid id: the model's device fills them in
+                model_fill = InputFill(pending, ids[array_module(ids).asarray(src)])  # (P,)
             if copy_ops:
                 kv_cache.copy_blocks(copy_ops)
-            if src is None:
+            if model_fill is None:
                 return sample(forward(batch, kv_cache))
-            assert prev is not None
-            ids = prev.device_ids()  # the previous step's samples (stream order: done)
-            batch.input_ids[pending] = 0  # any valid id: the model's device fills them in
-            fill = InputFill(pending, ids[array_module(ids).asarray(src)])  # (P,) on the device
-            return sample(forward(batch, kv_cache, fill=fill))
+            return sample(forward(batch, kv_cache, fill=model_fill))
         return self.stream.submit(device_work)
