@@ -132,8 +132,7 @@ class Scheduler:
             num_new = len(seq.token_ids) - seq.num_computed_tokens
             if num_new > 1:
                 prefilling.append(seq)
-            # (0: no token until the core decides: its group is not complete)
-            elif num_new == 1 and plan.budget > 0:
+            elif num_new == 1 and plan.budget > 0:  # 0: waits for its group (the core decides)
                 draft = (drafts.get(seq.seq_id) or [])[:plan.budget - 1] if drafts else []
                 # drafts take blocks only while every running sequence still finds one free: a
                 # draft never costs anyone a preemption
