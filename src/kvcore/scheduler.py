@@ -124,10 +124,14 @@ class Scheduler:
         self._step += 1
         plan = _Plan(self._step, self.max_num_batched_tokens)
         kv = self.kv
+        allocate = kv.allocate_slots
+        take = plan.take
+        step, scheduled, copy_ops = plan.step, plan.num_new, plan.copy_ops
+        running = SequenceStatus.RUNNING
         prefilling: list[Sequence] = []
         # pass 1: decodes (one token to compute), least recently served first
         for seq in list(self.running):
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not running:
                 continue  # preempted earlier in this step
             num_new = len(seq.token_ids) - seq.num_computed_tokens
             if num_new > 1:
@@ -136,19 +140,32 @@ class Scheduler:
                 draft = (drafts.get(seq.seq_id) or [])[:plan.budget - 1] if drafts else []
                 # drafts take blocks only while every running sequence still finds one free: a
                 # draft never costs anyone a preemption
-                copies = (kv.allocate_slots(seq.seq_id, seq.token_ids, 1, len(draft))
+                copies = (allocate(seq.seq_id, seq.token_ids, 1, len(draft))
                           if draft and kv.num_free_blocks > len(self.running)
                           + len(draft) // kv.block_size else None)
                 if copies is None:
-                    self._allocate(plan, seq, 1)  # no drafts before anyone is preempted
-                else:
+                    draft = []  # short of blocks: no drafts before anyone is preempted
+                    copies = allocate(seq.seq_id, seq.token_ids, 1)
+                if copies is None:
+                    self._make_room(plan, seq, 1)
+                    continue
+                if draft:
                     plan.drafts[seq.seq_id] = draft
-                    plan.take(seq, 1 + len(draft), copies)
+                # plan.take, inlined: once per decode per step, the scheduler's hot path
+                scheduled[seq.seq_id] = num_new = 1 + len(draft)
+                if copies:
+                    copy_ops[seq.seq_id] = copies
+                seq.last_scheduled_step = step
+                plan.budget -= num_new
         # pass 2: running prompts (chunked prefill, or recompute) get what budget is left
         for seq in prefilling:
-            if seq.status is SequenceStatus.RUNNING and plan.budget > 0:
-                self._allocate(plan, seq, min(len(seq.token_ids) - seq.num_computed_tokens,
-                                              plan.budget))
+            if seq.status is running and plan.budget > 0:
+                num_new = min(len(seq.token_ids) - seq.num_computed_tokens, plan.budget)
+                copies = allocate(seq.seq_id, seq.token_ids, num_new)
+                if copies is None:
+                    self._make_room(plan, seq, num_new)
+                else:
+                    take(seq, num_new, copies)
         if len(plan.num_new) < len(self.running):
             # least recently served first next time, so a small budget rotates over everyone
             self.running.sort(key=_served_key)
@@ -163,26 +180,29 @@ class Scheduler:
             self.preempt(victim)
             plan.preempted.append(victim.seq_id)
             self._admit(plan)
+        seqs = self.seqs
+        block_ids = kv.block_ids  # no copy: the runner reads them before the tables change
         items = []
-        for seq_id, num_new in plan.num_new.items():
-            seq = self.seqs[seq_id]
+        for seq_id, num_new in scheduled.items():
+            seq = seqs[seq_id]
             start = seq.num_computed_tokens
-            verified = plan.drafts.get(seq_id, [])  # after its last token
-            end = start + num_new - len(verified)
-            token_ids = seq.token_ids[start:end]
-            # the block table: no copy, the runner reads it before the tables change
-            items.append(ScheduledSeq(seq_id, token_ids + verified if verified else token_ids,
-                                      start, kv.block_ids(seq_id), end == len(seq.token_ids),
-                                      len(verified)))
+            verified = plan.drafts.get(seq_id)
+            if verified is None:
+                end = start + num_new
+                items.append(ScheduledSeq(seq_id, seq.token_ids[start:end], start,
+                                          block_ids(seq_id), end == len(seq.token_ids)))
+            else:  # its last token, then the drafts (preempted victims never get here)
+                items.append(ScheduledSeq(seq_id, seq.token_ids[start:] + verified, start,
+                                          block_ids(seq_id), True, len(verified)))
         return SchedulerOutput(scheduled=tuple(items),
                                copy_ops=tuple(op for ops in plan.copy_ops.values() for op in ops),
                                preempted_ids=tuple(plan.preempted),
                                num_batched_tokens=sum(plan.num_new.values()))
 
-    def _allocate(self, plan: _Plan, seq: Sequence, num_new: int) -> None:
-        """Schedule `num_new` tokens of `seq`, preempting victims (largest (priority, arrival)
-        first) until it gets its slots, or is the victim itself."""
-        while (copies := self.kv.allocate_slots(seq.seq_id, seq.token_ids, num_new)) is None:
+    def _make_room(self, plan: _Plan, seq: Sequence, num_new: int) -> None:
+        """Preempt victims (largest (priority, arrival) first) until `seq` gets its slots for
+        `num_new` tokens, or is the victim itself."""
+        while True:
             victim = max(self.running, key=_victim_key)
             plan.budget += plan.num_new.pop(victim.seq_id, 0)
             plan.copy_ops.pop(victim.seq_id, None)
@@ -191,7 +211,10 @@ class Scheduler:
             plan.preempted.append(victim.seq_id)
             if victim is seq:
                 return
-        plan.take(seq, num_new, copies)
+            copies = self.kv.allocate_slots(seq.seq_id, seq.token_ids, num_new)
+            if copies is not None:
+                plan.take(seq, num_new, copies)
+                return
 
     def _admit(self, plan: _Plan) -> None:
         """Waiting sequences start, in queue order, while budget, max_num_seqs and the pool
