@@ -10,18 +10,35 @@ import random
 import threading
 import time
 import zlib
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from kvcore.config import ModelConfig
 from kvcore.engine import Engine
 from kvcore.engine.llm import engine_config
-from kvcore.engine.runner import WorkerStream
+from kvcore.model import InputFill
 from kvcore.model.tokenizer import Tokenizer
 
 EOS_BIAS = 3.0  # makes EOS (id 2) likely enough that sequences stop by themselves
+T = TypeVar("T")
+
+
+class WorkerStream:
+    """A device stream (kvcore.engine.runner.DeviceStream) whose work runs in one worker
+    thread, FIFO, while the host goes on (also tools/bench_host_overhead.py's GPU-shaped mode)."""
+
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcore-device")
+
+    def submit(self, work: Callable[[], T]) -> Future[T]:
+        return self._executor.submit(work)
+
+    def close(self) -> None:
+        self._executor.shutdown()
 
 
 class HistoryModel:
@@ -39,7 +56,9 @@ class HistoryModel:
         self._delay = random.Random(0)  # the delays never change an output
         self._lock = threading.Lock()
 
-    def forward(self, batch: Any, kv_cache: Any) -> np.ndarray:
+    def forward(self, batch: Any, kv_cache: Any, fill: InputFill | None = None) -> np.ndarray:
+        if fill is not None:  # pending tokens, from the step before's samples
+            fill.apply(batch.input_ids)
         with self._lock:  # one device: two forwards never overlap
             self.num_calls += 1
             if self.num_calls in self.fail_calls:

@@ -28,10 +28,9 @@ def stub_token(seq: Sequence) -> int:
 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 16,
-                   max_num_seqs: int = 8, max_model_len: int = 256,
-                   prefix_caching: bool = True) -> Scheduler:
+                   max_num_seqs: int = 8, prefix_caching: bool = True) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
-    return Scheduler(kv, budget, max_num_seqs, max_model_len)
+    return Scheduler(kv, budget, max_num_seqs)
 
 
 def run_step(scheduler: Scheduler, budget: int | None = None) -> SchedulerOutput:

@@ -12,11 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine_helpers import assert_pool_empty, inject_sampling_fault, make_engine, random_prompts
-from fake_device import fake_engine
+from fake_device import WorkerStream, fake_engine
 from kvcore.cache import PENDING_TOKEN_ID, KVCacheManager
 from kvcore.config import EngineConfig
 from kvcore.engine import Engine
-from kvcore.engine.runner import WorkerStream
 from kvcore.request import RequestOutput
 from kvcore.sampling import BeamSearchParams, SamplingParams
 

@@ -165,7 +165,7 @@ def test_cow_counter_counts_each_copy() -> None:
 
 
 def test_history_rates_per_interval() -> None:
-    scheduler = Scheduler(KVCacheManager(16, 4), 64, 4, 64)
+    scheduler = Scheduler(KVCacheManager(16, 4), 64, 4)
     fake = type("E", (), {"kv": scheduler.kv, "scheduler": scheduler})()  # what it reads
     history = KVHistory(length=3, interval_s=1.0)
     history.maybe_sample(fake, 0.0)  # type: ignore[arg-type]
@@ -182,7 +182,7 @@ def test_history_rates_per_interval() -> None:
 @pytest.mark.parametrize("churn", [False, True])
 def test_a_full_100k_block_pool_encodes_under_300_kb(churn: bool) -> None:
     """256 sequences fill a 100,000-block pool (plus cached blocks after churn): < 300 KB."""
-    scheduler = Scheduler(KVCacheManager(100_000, 16), 1 << 22, 256, 8192)
+    scheduler = Scheduler(KVCacheManager(100_000, 16), 1 << 22, 256)
     rng = random.Random(1)
     prefix = [rng.randrange(1, 1000) for _ in range(1024)]  # shared by every other request
     num = 0

@@ -21,7 +21,7 @@ def test_chunked_prefill_then_decode() -> None:
     s.add(make_request("a", 20, max_tokens=3))
     chunks = [counts(run_step(s)) for _ in range(6)]
     assert chunks == [(("a", 8),), (("a", 8),), (("a", 4),), (("a", 1),), (("a", 1),), ()]
-    assert not s.has_unfinished()
+    assert not s.seqs
     assert s.kv.usage() == 0.0 and set(block_refcounts(s.kv)) == {0}
 
 
@@ -50,7 +50,7 @@ def test_max_num_seqs_and_budget_are_never_exceeded() -> None:
     s = make_scheduler(budget=6, max_num_seqs=3)
     for i in range(5):
         s.add(make_request(f"r{i}", 2, max_tokens=3))
-    while s.has_unfinished():
+    while s.seqs:
         out = run_step(s)
         assert len(s.running) <= 3 and out.num_batched_tokens <= 6
     assert s.kv.usage() == 0.0
@@ -71,14 +71,14 @@ def test_prefix_hit_skips_computed_tokens_and_recomputes_the_last() -> None:
 
 
 def test_admission_control_rejects_what_can_never_run() -> None:
-    s = make_scheduler(num_blocks=8, block_size=4, max_model_len=64)
+    s = make_scheduler(num_blocks=8, block_size=4)
     with pytest.raises(ValueError, match="whole pool"):
         s.add(make_request("big", 30, max_tokens=3))  # 33 tokens > 8 blocks of 4
     s.add(make_request("ok", 29, max_tokens=3))  # 32 tokens: exactly the pool
     with pytest.raises(ValueError, match="already in use"):
         s.add(make_request("ok", 3))
     assert list(s.seqs) == ["ok"]
-    while s.has_unfinished():
+    while s.seqs:
         run_step(s)
     assert s.kv.usage() == 0.0
 
@@ -102,7 +102,7 @@ def test_preemption_victim_is_lowest_priority_then_latest_and_goes_to_the_front(
     new = s.seqs["new"]
     assert new.status is SequenceStatus.WAITING and new.num_computed_tokens == 0
     assert [r.seq_id for r in s.waiting] == ["new", "later"]  # the front: it came first
-    while s.has_unfinished():
+    while s.seqs:
         run_step(s)
     assert s.kv.usage() == 0.0 and set(block_refcounts(s.kv)) == {0}
 
@@ -113,7 +113,7 @@ def test_preempted_request_recomputes_to_the_same_tokens() -> None:
         requests = [make_request(f"r{i}", 5 + 3 * i, max_tokens=12) for i in range(4)]
         for request in requests:
             s.add(request)
-        while s.has_unfinished():
+        while s.seqs:
             run_step(s)
         assert s.kv.usage() == 0.0
         return {r.seq_id: r.output_token_ids for r in requests}, s.num_preemptions
@@ -130,7 +130,7 @@ def test_priority_victim_over_arrival() -> None:
     s.add(make_request("bulk", 3, max_tokens=9, priority=5))
     s.seqs["bulk"].arrival_seq = 0  # even an older request goes first when less important
     preempted = []
-    while s.has_unfinished():
+    while s.seqs:
         preempted += run_step(s).preempted_ids
     assert preempted and set(preempted) == {"bulk"}
 
@@ -146,7 +146,7 @@ def test_finish_frees_blocks_at_once() -> None:
     assert a.status is SequenceStatus.FINISHED_ABORTED
     s.finish(b, SequenceStatus.FINISHED_ABORTED)  # still waiting: never held blocks
     assert s.kv.usage() == 0.0 and set(block_refcounts(s.kv)) == {0}
-    assert not s.seqs and not s.has_unfinished() and not s.schedule().scheduled
+    assert not s.seqs and not s.schedule().scheduled
 
 
 def test_eos_finishes_unless_ignored() -> None:

@@ -30,7 +30,7 @@ from scheduler_helpers import counts as scheduled_counts
 MAX_NUM_SEQS = 4
 NUM_BLOCKS = 24
 BLOCK_SIZE = 4
-MAX_MODEL_LEN = 64
+MAX_MODEL_LEN = 64  # the requests it makes stay within it (the engine checks, not the scheduler)
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -39,8 +39,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.s = make_scheduler(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
-                                budget=3 * MAX_NUM_SEQS, max_num_seqs=MAX_NUM_SEQS,
-                                max_model_len=MAX_MODEL_LEN)
+                                budget=3 * MAX_NUM_SEQS, max_num_seqs=MAX_NUM_SEQS)
         self.num_added = 0
         self.step_no = 0
         self.added_at: dict[str, int] = {}
@@ -76,7 +75,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert request_id not in self.s.kv and request_id not in self.s.seqs
         self.added_at.pop(request_id, None)
 
-    @precondition(lambda self: self.s.has_unfinished())
+    @precondition(lambda self: self.s.seqs)
     @rule(budget=st.integers(MAX_NUM_SEQS, 4 * MAX_NUM_SEQS))
     def step(self, budget: int) -> None:
         s = self.s
@@ -134,10 +133,10 @@ class SchedulerMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         s = self.s
         for _ in range(10 * (self.total_work + 1) * (1 + s.num_preemptions)):
-            if not s.has_unfinished():
+            if not s.seqs:
                 break
             self.step(budget=3 * MAX_NUM_SEQS)
-        assert not s.has_unfinished()
+        assert not s.seqs
         assert s.kv.usage() == 0.0
         assert all(block.ref_count == 0 for block in s.kv.pool.blocks)
 

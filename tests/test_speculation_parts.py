@@ -133,7 +133,7 @@ def test_scheduler_cuts_drafts_to_the_budget() -> None:
     assert s.seqs["a"].num_computed_tokens == 8  # drafts count once accepted
     s.seqs["a"].append_token(1)  # one draft accepted, then the drawn token
     s.seqs["a"].append_token(6)
-    s.settle_drafts(s.seqs["a"])
+    s.settle_drafts(["a"])
     assert s.seqs["a"].num_computed_tokens == 9 and s.kv.num_tokens("a") == 9
     assert s.kv.block_table("a") == [0, 1, 2]
 

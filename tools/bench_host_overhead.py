@@ -43,6 +43,7 @@ import structlog
 # isort: on
 
 from kvcore.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvcore.model import InputFill
 from kvcore.model.tokenizer import Tokenizer
 from sim_device import TimelineStream
 
@@ -96,8 +97,10 @@ class StubModel:
         self.calls: list[tuple[float, float, float, float, int]] = []
         # (wall end, process CPU end, wall inside, thread CPU inside, rows)
 
-    def forward(self, batch: Any, kv_cache: Any) -> np.ndarray:
+    def forward(self, batch: Any, kv_cache: Any, fill: InputFill | None = None) -> np.ndarray:
         t0, c0 = time.perf_counter(), time.thread_time()
+        if fill is not None:  # pending tokens, from the step before's samples
+            fill.apply(batch.input_ids)
         sel = batch.logits_indices
         rows = self.rule.rows(batch.input_ids[sel], batch.positions[sel])  # (L,)
         if self.step_s:
@@ -133,7 +136,8 @@ def build_engine(model_dir: Path, stub: StubModel, tokenizer: Tokenizer, n: int,
         async_scheduling=async_scheduling)
     engine = Engine(config, model=stub, tokenizer=tokenizer)
     if stub.step_s:  # the fake device: its forward runs in a worker thread, in launch order
-        from kvcore.engine.runner import WorkerStream
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+        from fake_device import WorkerStream  # the tests' worker-thread device
 
         engine.core.runner.stream = WorkerStream()
     elif stream is not None:

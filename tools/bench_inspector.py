@@ -187,7 +187,7 @@ def build_only(num_blocks: int, repeats: int) -> None:
     from kvcore.scheduler import Scheduler
 
     tokens_per_seq = int(num_blocks * 16 * 0.9 / 256)
-    scheduler = Scheduler(KVCacheManager(num_blocks, 16), 1 << 30, 256, tokens_per_seq + 64)
+    scheduler = Scheduler(KVCacheManager(num_blocks, 16), 1 << 30, 256)
     rng = random.Random(0)
     prefix = [rng.randrange(1, 1000) for _ in range(tokens_per_seq // 4)]
     for i in range(256):

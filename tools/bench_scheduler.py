@@ -41,8 +41,7 @@ def warm_scheduler(n: int, steps: int, prompt_len: int, block_size: int) -> Sche
     max_len = prompt_len + max_tokens
     num_blocks = n * (-(-max_len // block_size) + 1)
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True)
-    scheduler = Scheduler(kv, max_num_batched_tokens=max(2048, n), max_num_seqs=n,
-                          max_model_len=max_len)
+    scheduler = Scheduler(kv, max_num_batched_tokens=max(2048, n), max_num_seqs=n)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     for i in range(n):
         prompt = [(i * 7919 + j) % 32000 for j in range(prompt_len)]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -37,8 +38,8 @@ import structlog
 from kvcore.config import ModelConfig
 from kvcore.engine import Engine
 from kvcore.engine.llm import engine_config
-from kvcore.engine.runner import WorkerStream
 from kvcore.kernels.token_mask import apply_token_bitmask
+from kvcore.model import InputFill
 from kvcore.model.hub import ensure_default_model
 from kvcore.model.tokenizer import Tokenizer
 from kvcore.sampling import SamplingParams
@@ -167,8 +168,10 @@ class SleepModel:
         self.out = np.empty((max_rows, config.vocab_size), np.float32)  # (max L, V)
         self.spans: list[tuple[float, float]] = []  # (start, end) of each simulated step
 
-    def forward(self, batch: Any, kv_cache: Any) -> np.ndarray:
+    def forward(self, batch: Any, kv_cache: Any, fill: InputFill | None = None) -> np.ndarray:
         start = time.perf_counter()
+        if fill is not None:  # pending tokens, from the step before's samples
+            fill.apply(batch.input_ids)
         sel = batch.logits_indices
         rows = (batch.input_ids[sel] * 31 + batch.positions[sel]) % len(self.table)  # (L,)
         out = np.take(self.table, rows, axis=0, out=self.out[:len(rows)], mode="clip")
@@ -187,6 +190,9 @@ def gpu_busy(model_dir: Path, n: int, step_ms: float, steps: int,
                                   num_blocks=n * (max_tokens // 16 + 3),
                                   async_scheduling=True), model=model,
                     tokenizer=Tokenizer.from_dir(model_dir))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from fake_device import WorkerStream  # the tests' worker-thread device
+
     engine.core.runner.stream = WorkerStream()
     constraint = Constraint.json_schema(SCHEMA)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=not constrained,

@@ -126,10 +126,7 @@ class Sequence:
     min_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
-        if not self.prompt_token_ids:
-            raise ValueError(f"prompt of sequence {self.seq_id!r} must not be empty")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        assert self.prompt_token_ids, self.seq_id  # checked where the request entered
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import bisect
+import operator
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
 import structlog
 
@@ -53,16 +54,12 @@ class Scheduler:
     in the waiting queue (its earlier arrival puts it ahead of the later ones).
     """
 
-    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_model_len: int) -> None:
-        for name, value in (("max_num_batched_tokens", max_num_batched_tokens),
-                            ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len)):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int,
+                 max_num_seqs: int) -> None:
+        assert max_num_batched_tokens >= 1 and max_num_seqs >= 1  # SchedulerConfig checks them
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        self.max_model_len = max_model_len
         self.seqs: dict[str, Sequence] = {}  # every unfinished sequence, by id
         self.running: list[Sequence] = []
         self.waiting: list[Sequence] = []  # sorted by (priority, arrival_seq)
@@ -112,16 +109,11 @@ class Scheduler:
         """End a sequence and free its blocks (`uncache`: see KVCacheManager.free)."""
         assert status.finished
         if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
-            self.num_pending_forks -= seq.num_pending_forks
-            self.kv.free(seq.seq_id, uncache)
+            self._release(seq, uncache)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = status
         del self.seqs[seq.seq_id]
-
-    def has_unfinished(self) -> bool:
-        return bool(self.seqs)
 
     # --- one step ---
 
@@ -130,133 +122,115 @@ class Scheduler:
         `drafts`: draft tokens by sequence id, verified after a decode's token where budget
         and pool allow (cut to the budget; dropped rather than preempting anyone)."""
         self._step += 1
-        step = self._step
-        budget = self.max_num_batched_tokens
+        plan = _Plan(self._step, self.max_num_batched_tokens)
         kv = self.kv
-        scheduled: dict[str, int] = {}
-        ops: dict[str, list[CopyOp]] = {}
-        preempted: list[str] = []
-        drafted: dict[str, list[int]] = {}
-        prefilling: list[Sequence] = []
-        running_status = SequenceStatus.RUNNING
         allocate = kv.allocate_slots
+        take = plan.take
+        step, scheduled, copy_ops = plan.step, plan.num_new, plan.copy_ops
+        running = SequenceStatus.RUNNING
+        prefilling: list[Sequence] = []
         # pass 1: decodes (one token to compute), least recently served first
         for seq in list(self.running):
-            if seq.status is not running_status:
+            if seq.status is not running:
                 continue  # preempted earlier in this step
             num_new = len(seq.token_ids) - seq.num_computed_tokens
-            if num_new != 1:
-                if num_new > 1:
-                    prefilling.append(seq)
-                continue  # 0: no token until the core decides (its group is not complete)
-            if budget <= 0:
-                continue
-            draft = (drafts.get(seq.seq_id) or [])[:budget - 1] if drafts else []
-            # drafts take blocks only while every running sequence still finds one free: a
-            # draft never costs anyone a preemption
-            copies = (allocate(seq.seq_id, seq.token_ids, 1, len(draft))
-                      if draft and kv.num_free_blocks > len(self.running)
-                      + len(draft) // kv.block_size else None)
-            if copies is None:
-                draft = []  # short of blocks: no drafts before anyone is preempted
-                copies = allocate(seq.seq_id, seq.token_ids, 1)
-            if copies is None:
-                copies, refund = self._make_room(seq, 1, scheduled, ops, preempted)
-                budget += refund
+            if num_new > 1:
+                prefilling.append(seq)
+            elif num_new == 1 and plan.budget > 0:  # 0: waits for its group (the core decides)
+                draft = (drafts.get(seq.seq_id) or [])[:plan.budget - 1] if drafts else []
+                # drafts take blocks only while every running sequence still finds one free: a
+                # draft never costs anyone a preemption
+                copies = (allocate(seq.seq_id, seq.token_ids, 1, len(draft))
+                          if draft and kv.num_free_blocks > len(self.running)
+                          + len(draft) // kv.block_size else None)
                 if copies is None:
+                    draft = []  # short of blocks: no drafts before anyone is preempted
+                    copies = allocate(seq.seq_id, seq.token_ids, 1)
+                if copies is None:
+                    self._make_room(plan, seq, 1)
                     continue
-            if draft:
-                drafted[seq.seq_id] = draft
-            scheduled[seq.seq_id] = 1 + len(draft)
-            if copies:
-                ops[seq.seq_id] = copies
-            seq.last_scheduled_step = step
-            budget -= 1 + len(draft)
+                if draft:
+                    plan.drafts[seq.seq_id] = draft
+                # plan.take, inlined: once per decode per step, the scheduler's hot path
+                scheduled[seq.seq_id] = num_new = 1 + len(draft)
+                if copies:
+                    copy_ops[seq.seq_id] = copies
+                seq.last_scheduled_step = step
+                plan.budget -= num_new
         # pass 2: running prompts (chunked prefill, or recompute) get what budget is left
         for seq in prefilling:
-            if seq.status is not running_status or budget <= 0:
-                continue
-            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
-            copies = allocate(seq.seq_id, seq.token_ids, num_new)
-            if copies is None:
-                copies, refund = self._make_room(seq, num_new, scheduled, ops, preempted)
-                budget += refund
+            if seq.status is running and plan.budget > 0:
+                num_new = min(len(seq.token_ids) - seq.num_computed_tokens, plan.budget)
+                copies = allocate(seq.seq_id, seq.token_ids, num_new)
                 if copies is None:
-                    continue
-            scheduled[seq.seq_id] = num_new
-            if copies:
-                ops[seq.seq_id] = copies
-            seq.last_scheduled_step = step
-            budget -= num_new
-        if len(scheduled) < len(self.running):
+                    self._make_room(plan, seq, num_new)
+                else:
+                    take(seq, num_new, copies)
+        if len(plan.num_new) < len(self.running):
             # least recently served first next time, so a small budget rotates over everyone
             self.running.sort(key=_served_key)
-        if not preempted:
-            self._admit(scheduled, ops, budget, step)
-        while not scheduled and self.waiting and self.running:
+        if not plan.preempted:
+            self._admit(plan)
+        while not plan.num_new and self.waiting and self.running:
             # nothing could run: the running sequences wait for the rest of their group, which
             # waits for blocks. Free the least important one if it ranks below the queue's head.
             victim = max(self.running, key=_victim_key)
             if _queue_key(victim) < _queue_key(self.waiting[0]):
                 break
-            self._preempt(victim)
-            preempted.append(victim.seq_id)
-            self._admit(scheduled, ops, budget, step)
+            self.preempt(victim)
+            plan.preempted.append(victim.seq_id)
+            self._admit(plan)
         seqs = self.seqs
         block_ids = kv.block_ids  # no copy: the runner reads them before the tables change
         items = []
         for seq_id, num_new in scheduled.items():
             seq = seqs[seq_id]
             start = seq.num_computed_tokens
-            end = start + num_new
-            verified = drafted.get(seq_id)
+            verified = plan.drafts.get(seq_id)
             if verified is None:
+                end = start + num_new
                 items.append(ScheduledSeq(seq_id, seq.token_ids[start:end], start,
                                           block_ids(seq_id), end == len(seq.token_ids)))
             else:  # its last token, then the drafts (preempted victims never get here)
                 items.append(ScheduledSeq(seq_id, seq.token_ids[start:] + verified, start,
                                           block_ids(seq_id), True, len(verified)))
-        return SchedulerOutput(
-            scheduled=tuple(items),
-            copy_ops=tuple(op for copies in ops.values() for op in copies),
-            preempted_ids=tuple(preempted),
-            num_batched_tokens=sum(scheduled.values()),
-        )
+        return SchedulerOutput(scheduled=tuple(items),
+                               copy_ops=tuple(op for ops in plan.copy_ops.values() for op in ops),
+                               preempted_ids=tuple(plan.preempted),
+                               num_batched_tokens=sum(plan.num_new.values()))
 
-    def _make_room(self, seq: Sequence, num_new: int, scheduled: dict[str, int],
-                   ops: dict[str, list[CopyOp]], preempted: list[str]
-                   ) -> tuple[list[CopyOp] | None, int]:
-        """Preempt victims (largest (priority, arrival) first) until `seq` gets its slots;
-        returns (its copy ops, or None if it was the victim itself; budget given back)."""
-        refund = 0
+    def _make_room(self, plan: _Plan, seq: Sequence, num_new: int) -> None:
+        """Preempt victims (largest (priority, arrival) first) until `seq` gets its slots for
+        `num_new` tokens, or is the victim itself."""
         while True:
             victim = max(self.running, key=_victim_key)
-            refund += scheduled.pop(victim.seq_id, 0)
-            ops.pop(victim.seq_id, None)
-            self._preempt(victim)
-            preempted.append(victim.seq_id)
+            plan.budget += plan.num_new.pop(victim.seq_id, 0)
+            plan.copy_ops.pop(victim.seq_id, None)
+            plan.drafts.pop(victim.seq_id, None)
+            self.preempt(victim)
+            plan.preempted.append(victim.seq_id)
             if victim is seq:
-                return None, refund
+                return
             copies = self.kv.allocate_slots(seq.seq_id, seq.token_ids, num_new)
             if copies is not None:
-                return copies, refund
+                plan.take(seq, num_new, copies)
+                return
 
-    def _admit(self, scheduled: dict[str, int], ops: dict[str, list[CopyOp]], budget: int,
-               step: int) -> None:
+    def _admit(self, plan: _Plan) -> None:
+        """Waiting sequences start, in queue order, while budget, max_num_seqs and the pool
+        allow (FCFS: nobody overtakes the head of the queue)."""
         kv = self.kv
         waiting = self.waiting
-        while waiting and budget > 0:
+        while waiting and plan.budget > 0:
             seq = waiting[0]
-            if (len(self.running) + self.num_pending_forks + 1 + seq.num_pending_forks
-                    > self.max_num_seqs):
+            if len(self.running) + self.num_pending_forks + seq.num_seqs > self.max_num_seqs:
                 break
-            num_cached = kv.allocate_prefix(seq.seq_id, seq.token_ids,
-                                            seq.cache_salt)
+            num_cached = kv.allocate_prefix(seq.seq_id, seq.token_ids, seq.cache_salt)
             assert num_cached < seq.num_tokens, "the last token is always recomputed"
-            num_new = min(seq.num_tokens - num_cached, budget)
+            num_new = min(seq.num_tokens - num_cached, plan.budget)
             copies = kv.allocate_slots(seq.seq_id, seq.token_ids, num_new)
             if copies is None:
-                kv.free(seq.seq_id)  # FCFS: nobody overtakes the head of the queue
+                kv.free(seq.seq_id)
                 break
             del waiting[0]
             if seq.num_preemptions == 0:
@@ -265,24 +239,16 @@ class Scheduler:
                 seq.first_scheduled_time = time.monotonic()
             seq.num_computed_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
-            seq.last_scheduled_step = step
             self.running.append(seq)
             self.num_pending_forks += seq.num_pending_forks
-            scheduled[seq.seq_id] = num_new
-            if copies:
-                ops[seq.seq_id] = copies
-            budget -= num_new
+            plan.take(seq, num_new, copies)
 
     def preempt(self, seq: Sequence, uncache: bool = False) -> None:
-        """Send a running sequence back to waiting (recompute); `uncache`: see KVCacheManager.free
-        (the engine core rolls back a step launched on K/V that a failed step never wrote)."""
+        """Send a running sequence back to waiting: its blocks are freed, its K/V recomputed
+        (`uncache`: see KVCacheManager.free; the engine core rolls back a step launched on K/V
+        that a failed step never wrote)."""
         assert seq.status is SequenceStatus.RUNNING
-        self._preempt(seq, uncache)
-
-    def _preempt(self, seq: Sequence, uncache: bool = False) -> None:
-        self.running.remove(seq)
-        self.num_pending_forks -= seq.num_pending_forks
-        self.kv.free(seq.seq_id, uncache)
+        self._release(seq, uncache)
         num_computed = seq.num_computed_tokens
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
@@ -291,6 +257,11 @@ class Scheduler:
         log.info("preempted", request_id=seq.request_id, seq_id=seq.seq_id, priority=seq.priority,
                  num_computed_tokens=num_computed, num_tokens=seq.num_tokens,
                  num_free_blocks=self.kv.num_free_blocks)
+
+    def _release(self, seq: Sequence, uncache: bool = False) -> None:
+        self.running.remove(seq)
+        self.num_pending_forks -= seq.num_pending_forks
+        self.kv.free(seq.seq_id, uncache)
 
     def _enqueue(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -310,18 +281,40 @@ class Scheduler:
             if window:
                 kv.release_outside_window(item.seq_id, seq.num_computed_tokens)
 
-    def settle_drafts(self, seq: Sequence) -> None:
-        """After a step verified the sequence's drafts and appended what it emitted: the
+    def settle_drafts(self, seq_ids: Iterable[str]) -> None:
+        """After a step verified these sequences' drafts and appended what it emitted: the
         accepted drafts' K/V counts (num_computed_tokens: all but the last token), the slots of
         the rejected ones return to the pool, and blocks now full of accepted tokens enter the
         prefix cache."""
-        if seq.status is not SequenceStatus.RUNNING:
-            return  # finished (its blocks are freed) or failed meanwhile
-        num_computed = len(seq.token_ids) - 1
-        assert num_computed >= seq.num_computed_tokens
-        seq.num_computed_tokens = num_computed
-        self.kv.truncate(seq.seq_id, num_computed)
-        self.kv.cache_blocks(seq.seq_id, seq.token_ids)
+        for seq_id in seq_ids:
+            seq = self.seqs.get(seq_id)
+            if seq is None or seq.status is not SequenceStatus.RUNNING:
+                continue  # finished (its blocks are freed) or failed meanwhile
+            num_computed = len(seq.token_ids) - 1
+            assert num_computed >= seq.num_computed_tokens
+            seq.num_computed_tokens = num_computed
+            self.kv.truncate(seq_id, num_computed)
+            self.kv.cache_blocks(seq_id, seq.token_ids)
+
+
+@dataclass(slots=True)
+class _Plan:
+    """One step being scheduled: the tokens each sequence got (drafts included), its block
+    copies, its preempted victims and its drafts, and what remains of the budget."""
+
+    step: int
+    budget: int
+    num_new: dict[str, int] = field(default_factory=dict)  # seq_id -> tokens this step
+    copy_ops: dict[str, list[CopyOp]] = field(default_factory=dict)
+    preempted: list[str] = field(default_factory=list)
+    drafts: dict[str, list[int]] = field(default_factory=dict)
+
+    def take(self, seq: Sequence, num_new: int, copies: list[CopyOp]) -> None:
+        self.num_new[seq.seq_id] = num_new
+        if copies:
+            self.copy_ops[seq.seq_id] = copies
+        seq.last_scheduled_step = self.step
+        self.budget -= num_new
 
 
 def _victim_key(seq: Sequence) -> tuple[int, int, int]:
@@ -330,7 +323,4 @@ def _victim_key(seq: Sequence) -> tuple[int, int, int]:
 
 
 _queue_key = _victim_key  # the waiting queue's order is the reverse of the victims'
-
-
-def _served_key(seq: Sequence) -> int:
-    return seq.last_scheduled_step
+_served_key = operator.attrgetter("last_scheduled_step")

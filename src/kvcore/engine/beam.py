@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcore.device import array_module
+from kvcore.request import Sequence
 from kvcore.sampling import BeamHypothesis, BeamSearch
 from kvcore.sampling.logits import log_softmax
 
@@ -30,19 +31,18 @@ class BeamDecision:
 class BeamPolicy:
     """One request's beam search over the core's generic operations (fork, append, finish).
 
-    It waits until every live beam has its logits row of this step (a preempted beam
-    recomputes first), then scores them with BeamSearch (= transformers' beam search)."""
+    It waits until every live beam has its logits row of this step, then scores them with
+    BeamSearch (= transformers' beam search)."""
 
     def __init__(self, search: BeamSearch) -> None:
         self.search = search
         self.rows: dict[str, Any] = {}  # live beam seq id -> its (V,) logits row (NumPy or CuPy)
 
-    def preempted(self, seq_id: str) -> None:
-        """A preempted beam recomputes: the row it had this step is stale."""
-        self.rows.pop(seq_id, None)
-
-    def ready(self, live_ids: list[str]) -> bool:
-        return all(seq_id in self.rows for seq_id in live_ids)
+    def ready(self, live: list[Sequence]) -> bool:
+        """Every live beam has its row, and the K/V of every token (a preempted beam's row is
+        stale until its recompute gives it again)."""
+        return all(seq.seq_id in self.rows and seq.num_computed_tokens == seq.num_tokens
+                   for seq in live)
 
     def decide(self, live_ids: list[str]) -> BeamDecision:
         # (L, V) on the logits' device: scored there, only the chosen candidates cross

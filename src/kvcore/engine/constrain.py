@@ -1,49 +1,37 @@
 """The engine core's seam to structured outputs: the token masks of a step's constrained rows
-(computed while the forward pass runs), and the matchers of forks and beams."""
+(computed while the forward pass runs), and a beam's tokens through its matcher."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from kvcore.cache import PENDING_TOKEN_ID
 from kvcore.device import array_module
+from kvcore.engine.records import Launched
 from kvcore.kernels.token_mask import apply_token_bitmask
 from kvcore.request import Sequence
 from kvcore.sampling import SamplingRow
 from kvcore.sampling.constraints import MaskFiller
 
 
-@dataclass(frozen=True, slots=True)
-class PrevTokens:
-    """The step before's sampled tokens: `read()` the host ids in row order, `row_of` a
-    sequence's row."""
-
-    read: Callable[[], list[int]]
-    row_of: Mapping[str, int]
-
-
+@dataclasses.dataclass(frozen=True, slots=True)
 class StepMasks:
     """The masks of one step's constrained rows: started at launch in the mask worker, taken
     by the draw after the forward pass. Rows without a constraint pay nothing."""
 
-    __slots__ = ("rows", "future", "owner")
-
-    def __init__(self, rows: list[int], future: Future[np.ndarray], owner: Constrainer) -> None:
-        self.rows = rows  # positions of the constrained rows in the step's row list
-        self.future = future
-        self.owner = owner
+    rows: list[int]  # positions of the constrained rows in the step's row list
+    future: Future[np.ndarray]  # (C, W) int32 bitmasks
+    owner: Constrainer
 
     def apply(self, sampling_rows: list[SamplingRow]) -> list[SamplingRow]:
         start = time.perf_counter()
-        masks = self.future.result()  # (C, W) int32
+        masks = self.future.result()
         self.owner.wait_seconds += time.perf_counter() - start
         out = list(sampling_rows)
         for k, i in enumerate(self.rows):
@@ -71,7 +59,7 @@ class Constrainer:
         """The histogram of mask seconds per step (None before the first constrained step)."""
         return None if self._filler is None else self._filler.times.snapshot()
 
-    def start(self, seqs: list[Sequence], prev: PrevTokens | None = None) -> StepMasks | None:
+    def start(self, seqs: list[Sequence], prev: Launched | None = None) -> StepMasks | None:
         """Start computing the masks of `seqs`' constrained rows (None: no row has one). A row
         whose last token is pending (async scheduling) first consumes it, read from the step
         before (`prev`) in the mask worker, while this step's forward pass runs."""
@@ -87,7 +75,7 @@ class Constrainer:
         def job() -> np.ndarray:
             if pending:
                 assert prev is not None
-                token_ids = prev.read()  # waits for the step before's draw
+                token_ids = prev.host_ids()  # waits for the step before's draw
                 for matcher, position, seq_id in pending:
                     # refused: that row's draw failed (its request fails); appending
                     # re-checks the token
@@ -118,8 +106,3 @@ def append_beam_token(seq: Sequence, token_id: int) -> None:
     if seq.matcher is not None:
         seq.matcher.consume_at(seq.num_output_tokens - 1, token_id)
 
-
-def fork_matcher(parent: Sequence, child: Sequence) -> None:
-    """A fork continues from its parent's position in the constraint."""
-    if parent.matcher is not None:
-        child.matcher = parent.matcher.fork()

@@ -8,7 +8,8 @@ output processor detokenizes, finds stop strings and aborts sequences through `f
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -17,10 +18,10 @@ import structlog
 from kvcore.cache import PENDING_TOKEN_ID
 from kvcore.device import array_module
 from kvcore.engine.beam import BeamPolicy
-from kvcore.engine.constrain import Constrainer, PrevTokens, append_beam_token, fork_matcher
+from kvcore.engine.constrain import Constrainer, append_beam_token
 from kvcore.engine.draw import draw_rows, sampling_row
 from kvcore.engine.records import Drawn, Group, Launched, SeqOutput, StepOutput
-from kvcore.engine.runner import ModelRunner, PendingFill
+from kvcore.engine.runner import ModelRunner
 from kvcore.request import Sequence, SequenceStatus
 from kvcore.sampling import (
     RowSampler,
@@ -30,7 +31,7 @@ from kvcore.sampling import (
     make_seed,
 )
 from kvcore.scheduler import Scheduler, SchedulerOutput
-from kvcore.speculation import Speculator, draft_rows, scheduled_drafts
+from kvcore.speculation import Speculator, draft_rows
 
 log = structlog.get_logger(__name__)
 
@@ -45,7 +46,6 @@ class EngineCore:
         self.scheduler = scheduler
         self.runner = runner
         self.sampler = sampler
-        self.vocab_size = vocab_size
         # chosen once: schedule step N+1 while the device runs step N (step_async), or not
         self.async_scheduling = async_scheduling
         self.step = self.step_async if async_scheduling else self.step_sync
@@ -63,7 +63,7 @@ class EngineCore:
                 not seq.params.greedy):
             seq.seed = make_seed(seq.params.seed, self._seeds)
         self.scheduler.add(seq)
-        self._groups[seq.request_id] = Group(seq, policy)
+        self._groups[seq.request_id] = Group(seq.request_id, [seq], policy)
 
     def abort(self, request_id: str, status: SequenceStatus = SequenceStatus.FINISHED_ABORTED,
               uncache: bool = False) -> list[list[int]] | None:
@@ -80,8 +80,12 @@ class EngineCore:
     def finish_seq(self, seq_id: str, status: SequenceStatus) -> None:
         """End one sequence (the output processor found its stop string)."""
         seq = self.scheduler.seqs.get(seq_id)
-        if seq is None:
-            return
+        if seq is not None:
+            self._finish(seq, status)
+
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """End one sequence; its request ends with its last one (a beam search's by its
+        policy)."""
         self.scheduler.finish(seq, status)
         group = self._groups.get(seq.request_id)
         if group is not None:
@@ -89,105 +93,83 @@ class EngineCore:
             if not group.seqs and group.policy is None:
                 del self._groups[seq.request_id]
 
-    def has_unfinished(self) -> bool:
-        return bool(self._groups)
-
     # --- one step ---
 
     def step_sync(self) -> StepOutput:
         """One step: schedule -> execute -> sample -> update."""
         result = StepOutput()
         out = self._schedule()
-        self._forget_preempted(out.preempted_ids)
         if out.scheduled:
-            self._collect(self._launch(out, None), result, None)
+            launched = self._launch(out)  # execute and sample (the device half)
+            self._collect(launched, result)  # update: append, stop checks, forks, beams
         return result
 
     def step_async(self) -> StepOutput:
         """Async scheduling: schedule and launch step N+1 while the device runs N, then collect
         N (the caller processes N's outputs while N+1 runs). A sequence whose token N samples
         goes into N+1 with a pending token (PENDING_TOKEN_ID) that the device fills from N's
-        sampled ids; a step with rows that need the host between steps (forks, beams,
+        sampled ids; a step with rows that need the host between steps (forks, beams, drafts,
         history-reading samplers) is collected before the next one is scheduled."""
         result = StepOutput()
-        inflight, self._inflight = self._inflight, None
-        if inflight is not None and inflight.needs_host:
-            self._collect(inflight, result, None)
-            inflight = None
-        if inflight is not None:
-            self._add_pending_tokens(inflight)
+        prev, self._inflight = self._inflight, None
+        if prev is not None and prev.needs_host:
+            self._collect(prev, result)
+            prev = None
+        if prev is not None:
+            # its plain rows need nothing from the host before their next token: their count
+            # is known, their id not yet (never past max_tokens: a token that ends it gets none)
+            for seq in prev.plain:
+                if seq.status is SequenceStatus.RUNNING and len(seq.token_ids) + 1 < (
+                        seq.length_limit):
+                    seq.token_ids.append(PENDING_TOKEN_ID)
         out = self._schedule()
-        self._forget_preempted(out.preempted_ids)
-        launched = self._launch(out, inflight) if out.scheduled else None
-        if inflight is not None and not self._collect(inflight, result, launched):
+        launched = self._launch(out, prev) if out.scheduled else None
+        if prev is not None and not self._collect(prev, result, launched):
             launched = None  # rolled back: computed on a step that failed
         self._inflight = launched
         return result
 
     def _schedule(self) -> SchedulerOutput:
-        speculator = self.speculator
-        return self.scheduler.schedule(
-            drafts=None if speculator is None else speculator.propose(
-                self.scheduler.running, len(self.scheduler.waiting)))
+        scheduler = self.scheduler
+        return scheduler.schedule(None if self.speculator is None else self.speculator.propose(
+            scheduler.running, len(scheduler.waiting)))
 
-    def _forget_preempted(self, seq_ids: Iterable[str]) -> None:
-        """A preempted beam recomputes its row: its policy forgets the row it had."""
-        for seq_id in seq_ids:
-            group = self._groups.get(self.scheduler.seqs[seq_id].request_id)
-            if group is not None and group.policy is not None:
-                group.policy.preempted(seq_id)
-
-    def _add_pending_tokens(self, inflight: Launched) -> None:
-        """The sequences the in-flight step samples, which need nothing from the host before
-        their next token, get a pending token now: their count is known, their id not yet.
-        Never past max_tokens: one whose token ends it by length gets none."""
-        for seq in inflight.plain:
-            if (seq.status is SequenceStatus.RUNNING
-                    and len(seq.token_ids) + 1 < seq.length_limit):
-                seq.token_ids.append(PENDING_TOKEN_ID)
-
-    def _launch(self, out: SchedulerOutput, prev: Launched | None) -> Launched:
+    def _launch(self, out: SchedulerOutput, prev: Launched | None = None) -> Launched:
         """Host half of a step: its sampling rows, then the runner's launch. num_computed_tokens
         catches up now: the device computes the step's K/V before any later step reads it."""
         seqs = self.scheduler.seqs
-        groups = self._groups
-        plain: list[Sequence] = []
-        plain_logits: list[int] = []
-        host: list[Sequence] = []
-        host_logits: list[int] = []
-        # a step that verifies drafts, or after which the next may, is collected before the
-        # next is scheduled: a sequence's number of new tokens is known only then
-        drafts = scheduled_drafts(out) if self.speculator is not None else {}
-        needs_host = bool(drafts) or (self.speculator is not None and self.speculator.active(
-            len(self.scheduler.running)))
+        plain: list[Sequence] = []  # drawn on the device, in row order
+        plain_logits: list[int] = []  # their logits rows
         rows: list[SamplingRow] = []  # built now: the histories as they are
+        host: list[Sequence] = []  # decided on the host after the step (forks, beams)
+        host_logits: list[int] = []
+        drafts: dict[str, list[int]] = {}  # the draft tokens each speculating row verifies
         i = 0
         for item in out.scheduled:
             if not item.sample:
                 continue
             seq = seqs[item.seq_id]
-            if groups[seq.request_id].policy is not None or seq.num_pending_forks:
+            k = item.num_draft_tokens
+            if seq.num_pending_forks or self._groups[seq.request_id].policy is not None:
                 host.append(seq)
                 host_logits.append(i)
-                needs_host = True
-            elif item.num_draft_tokens:  # one row after its last token and after each draft
-                rows.extend(draft_rows(seq, drafts[seq.seq_id], sampling_row(seq)))
-                plain.extend([seq] * (1 + item.num_draft_tokens))
-                plain_logits.extend(range(i, i + 1 + item.num_draft_tokens))
+            elif k:  # a row after its last token and after each draft token
+                drafts[seq.seq_id] = draft = item.token_ids[-k:]
+                rows.extend(draft_rows(seq, draft, sampling_row(seq)))
+                plain.extend([seq] * (1 + k))
+                plain_logits.extend(range(i, i + 1 + k))
             else:
                 rows.append(sampling_row(seq))
                 plain.append(seq)
                 plain_logits.append(i)
-            i += 1 + item.num_draft_tokens
+            i += 1 + k
         # computed while the forward pass runs (after the pending tokens' step, if any)
-        masks = self.constrainer.start(plain, None if prev is None or prev.future is None
-                                       else PrevTokens(_host_ids(prev), prev.row_of))
-        needs_host = needs_host or any(r.prompt_token_ids for r in rows)  # reads the history
-        launched = Launched(out, plain, host, needs_host, drafts)
-        fill = None
-        if prev is not None and prev.future is not None:
-            future = prev.future
-            fill = PendingFill(lambda: future.result().token_ids, prev.row_of)
+        masks = self.constrainer.start(plain, prev)
+        # collected before the next step is scheduled: a step with rows that the host decides
+        # (forks, beams), drafts to verify or a sampler reading the history, and one after
+        # which the next may draft (a sequence's number of new tokens is known only then)
+        needs_host = bool(host or drafts) or any(r.prompt_token_ids for r in rows) or (
+            self.speculator is not None and self.speculator.active(len(self.scheduler.running)))
 
         def sample(logits: Any) -> Drawn:
             host_rows = None
@@ -197,16 +179,16 @@ class EngineCore:
             token_ids, read, failed = draw_rows(self.sampler, logits, plain_logits, plain,
                                                 rows if masks is None else masks.apply(rows))
             return Drawn(token_ids, read, failed, host_rows)
-        launched.future = self.runner.launch(out, sample, fill)
+        launched = Launched(out, plain, host, needs_host, drafts,
+                            self.runner.launch(out, sample, prev))
         self.scheduler.advance(out)
         return launched
 
     def _collect(self, launched: Launched, result: StepOutput,
-                 after: Launched | None) -> bool:
+                 after: Launched | None = None) -> bool:
         """Wait for a launched step and apply it: append tokens, stop checks, forks, beams.
         `after`: the step launched after it, still on the device, rolled back when this one
         failed. False: it failed."""
-        assert launched.future is not None
         try:
             drawn = launched.future.result()
             token_ids, logprobs = drawn.read()  # waits for the device
@@ -215,18 +197,12 @@ class EngineCore:
                 self._roll_back(after, launched)
             self._fail_step(launched.out, e, result)
             return False
-        for i, error in drawn.failed.items():
-            seq = launched.plain[i]
-            if not seq.finished and seq.request_id not in result.failed:
-                self._fail(seq.request_id, "sampling", error, result)
+        self._fail_rows(launched.plain, drawn.failed, result)
         if launched.drafts:
             assert self.speculator is not None
             self._append(self.speculator.accept(launched.plain, token_ids, logprobs,
                                                 launched.drafts), result)
-            for seq_id in launched.drafts:
-                verified = self.scheduler.seqs.get(seq_id)
-                if verified is not None:
-                    self.scheduler.settle_drafts(verified)
+            self.scheduler.settle_drafts(launched.drafts)
         else:
             self._append(zip(launched.plain, token_ids, logprobs, strict=True), result)
         if launched.host:
@@ -234,28 +210,25 @@ class EngineCore:
         return True
 
     def _decide_host(self, host: list[Sequence], logits: Any, result: StepOutput) -> None:
-        rows: list[Sequence] = []
-        row_logits: list[int] = []
-        beams: dict[str, Group] = {}
-        beam_rows = [i for i, seq in enumerate(host) if seq.matcher is not None
-                     and not seq.finished and seq.request_id in self._groups
-                     and self._groups[seq.request_id].policy is not None]
-        if beam_rows:  # the policy ranks a constrained beam's allowed tokens only
-            self.constrainer.mask_logits([host[i] for i in beam_rows], logits, beam_rows)
-        for i, seq in enumerate(host):
-            group = self._groups.get(seq.request_id)
-            if seq.finished or group is None:
-                continue  # aborted (or failed) while the step ran
+        """An n > 1 request's first token: its forks, then every choice's token drawn here. A
+        beam's row: to its policy, which decides once every live beam of the request has one."""
+        live = [(i, seq, self._groups[seq.request_id]) for i, seq in enumerate(host)
+                if not seq.finished and seq.request_id in self._groups]  # else aborted, failed
+        beams = [(i, seq) for i, seq, group in live if group.policy is not None]
+        # the policy ranks a constrained beam's allowed tokens only
+        self.constrainer.mask_logits([seq for _, seq in beams], logits, [i for i, _ in beams])
+        choices: list[Sequence] = []
+        choice_logits: list[int] = []
+        for i, seq, group in live:
             if group.policy is not None:
                 group.policy.rows[seq.seq_id] = logits[i]
-                beams[group.request_id] = group
             else:
                 forks = self._fork_choices(group, seq)
-                rows.extend(forks)
-                row_logits.extend([i] * len(forks))
-        if rows:
-            self._sample(logits, row_logits, rows, result)
-        for group in beams.values():
+                choices.extend(forks)
+                choice_logits.extend([i] * len(forks))
+        if choices:
+            self._sample(logits, choice_logits, choices, result)
+        for group in {g.request_id: g for _, _, g in live if g.policy is not None}.values():
             self._step_beams(group, result)
 
     def _roll_back(self, launched: Launched, failed: Launched) -> None:
@@ -263,16 +236,15 @@ class EngineCore:
         on K/V it never wrote, and on tokens it never sampled. Its sequences of other requests
         are recomputed: back to waiting, their new blocks uncached (a draw depends only on the
         sequence's seed and output position: the same tokens again)."""
-        if launched.future is not None:
-            launched.future.exception()  # wait: it ran (or failed); its results are dropped
-        failing = {self.scheduler.seqs[item.seq_id].request_id
-                   for item in failed.out.scheduled if item.seq_id in self.scheduler.seqs}
+        launched.future.exception()  # wait: it ran (or failed); its results are dropped
+        seqs = self.scheduler.seqs
+        failing = {seqs[item.seq_id].request_id
+                   for item in failed.out.scheduled if item.seq_id in seqs}
         for item in launched.out.scheduled:
-            other = self.scheduler.seqs.get(item.seq_id)
+            other = seqs.get(item.seq_id)
             if (other is not None and other.status is SequenceStatus.RUNNING
                     and other.request_id not in failing):
                 assert other.token_ids[-1] != PENDING_TOKEN_ID
-                self._forget_preempted([other.seq_id])
                 self.scheduler.preempt(other, uncache=True)
 
     def _fork_choices(self, group: Group, parent: Sequence) -> list[Sequence]:
@@ -281,26 +253,22 @@ class EngineCore:
         assert isinstance(params, SamplingParams)
         forks = [parent]
         for index in range(1, parent.num_pending_forks + 1):
-            seed = None if params.seed is None else params.seed + index
             child = self._fork(parent, f"{parent.request_id}#n{index}", index)
             if not params.greedy:
-                child.seed = make_seed(seed, self._seeds)
+                child.seed = make_seed(None if params.seed is None else params.seed + index,
+                                       self._seeds)
             group.seqs.append(child)
             forks.append(child)
         return forks
 
     def _fork(self, parent: Sequence, seq_id: str, index: int) -> Sequence:
-        """The generic fork: a new sequence with the parent's tokens and every one of its blocks
-        (shared by refcount; a shared, partially filled last block is copied when written)."""
-        child = Sequence(seq_id=seq_id, request_id=parent.request_id,
-                         prompt_token_ids=parent.prompt_token_ids, params=parent.params,
-                         max_tokens=parent.max_tokens, index=index, priority=parent.priority,
-                         cache_salt=parent.cache_salt, arrival_time=parent.arrival_time,
-                         stop_token_ids=parent.stop_token_ids,
-                         eos_token_ids=parent.eos_token_ids, token_ids=list(parent.token_ids))
-        child.num_cached_tokens = parent.num_cached_tokens
-        child.first_scheduled_time = parent.first_scheduled_time
-        fork_matcher(parent, child)
+        """The generic fork: a new sequence with the parent's tokens, its place in a constraint
+        and every one of its blocks (shared by refcount; a shared, partially filled last block
+        is copied when written). The scheduler sets its scheduling state."""
+        child = dataclasses.replace(
+            parent, seq_id=seq_id, index=index, token_ids=list(parent.token_ids),
+            num_pending_forks=0, num_preemptions=0,
+            matcher=None if parent.matcher is None else parent.matcher.fork())
         self.scheduler.add_running(child, parent)
         return child
 
@@ -311,9 +279,7 @@ class EngineCore:
                                     self.constrainer.masked_rows(
                                         rows, [sampling_row(s) for s in rows]))
         drawn, logprobs = read()
-        for i, error in failed.items():
-            if rows[i].request_id not in result.failed:
-                self._fail(rows[i].request_id, "sampling", error, result)
+        self._fail_rows(rows, failed, result)
         self._append(zip(rows, drawn, logprobs, strict=True), result)
 
     def _append(self, drawn: Iterable[tuple[Sequence, int, TokenLogprob | None]],
@@ -321,7 +287,6 @@ class EngineCore:
         """Append the drawn tokens; a sequence's pending token is replaced by its id. Tokens
         of sequences that ended (or failed) while their step ran are dropped: the device
         computed one token more than needed, never a wrong one."""
-        finish = self.scheduler.finish
         kv = self.scheduler.kv
         block_size = kv.block_size
         for seq, token_id, logprob in drawn:
@@ -347,17 +312,13 @@ class EngineCore:
                 # its pending row into them: device work runs in launch order (a CUDA stream,
                 # the fake device's one FIFO thread), so a later step given these blocks
                 # writes them only after that
-                finish(seq, status)
-                group = self._groups[seq.request_id]
-                group.seqs.remove(seq)
-                if not group.seqs:
-                    del self._groups[seq.request_id]
+                self._finish(seq, status)
 
     def _step_beams(self, group: Group, result: StepOutput) -> None:
         policy = group.policy
         assert policy is not None
         live = group.seqs
-        if group.request_id in result.failed or not policy.ready([s.seq_id for s in live]):
+        if group.request_id in result.failed or not policy.ready(live):
             return
         try:
             decision = policy.decide([s.seq_id for s in live])
@@ -377,11 +338,9 @@ class EngineCore:
             parent = live[move.parent]
             if move.fork:
                 group.num_forks += 1
-                child = self._fork(parent, f"{group.request_id}#b{group.num_forks}",
-                                   group.num_forks)
-                next_live.append((child, move.token_id))
-            else:
-                next_live.append((parent, move.token_id))
+                parent = self._fork(parent, f"{group.request_id}#b{group.num_forks}",
+                                    group.num_forks)
+            next_live.append((parent, move.token_id))
         for i in decision.dropped:
             finish(live[i], SequenceStatus.FINISHED_STOPPED)  # dropped: blocks freed
         for seq, token_id in next_live:
@@ -397,6 +356,14 @@ class EngineCore:
         result.failed[request_id] = f"{stage} failed: {type(error).__name__}: {error}"
         self.abort(request_id, SequenceStatus.FINISHED_ERROR, uncache)
 
+    def _fail_rows(self, rows: list[Sequence], failed: dict[int, BaseException],
+                   result: StepOutput) -> None:
+        """Rows whose draw failed: their requests fail (the other rows' tokens stand)."""
+        for i, error in failed.items():
+            seq = rows[i]
+            if not seq.finished and seq.request_id not in result.failed:
+                self._fail(seq.request_id, "sampling", error, result)
+
     def _fail_step(self, out: SchedulerOutput, error: BaseException, result: StepOutput) -> None:
         """The forward pass failed: its requests fail; their blocks leave the prefix cache too,
         since blocks hashed for this step may never have been written."""
@@ -406,9 +373,3 @@ class EngineCore:
             if seq is not None and seq.request_id not in result.failed:
                 self._fail(seq.request_id, "forward pass", error, result, uncache=True)
 
-
-def _host_ids(launched: Launched) -> Callable[[], list[int]]:
-    """A launched step's sampled token ids, read back on the host (waits for its draw)."""
-    future = launched.future
-    assert future is not None
-    return lambda: future.result().read()[0]

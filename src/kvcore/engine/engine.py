@@ -84,7 +84,7 @@ class Engine:
                                    if self.tokenizer.eos_token_id is not None else ())
         self.eos_token_ids: tuple[int, ...] = tuple(eos)
         scheduler = Scheduler(self.kv, config.scheduler.max_num_batched_tokens,
-                              config.scheduler.max_num_seqs, self.max_model_len)
+                              config.scheduler.max_num_seqs)
         async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                             else device == "cuda")
         speculator = None if config.speculative is None else Speculator(config.speculative)

@@ -49,32 +49,37 @@ class Drawn:
     host_logits: Any  # (H, V) logits of the host rows (forks, beams), a copy; None if none
 
 
+@dataclass(slots=True)
 class Launched:
-    """A step on the device: its schedule, its sampling rows, the future of its _Drawn."""
+    """A step on the device: its schedule, its sampling rows, the future of its Drawn."""
 
-    __slots__ = ("out", "plain", "host", "future", "needs_host", "row_of", "drafts")
+    out: SchedulerOutput
+    plain: list[Sequence]  # rows drawn on the device, in row order (k drafts: k + 1 rows)
+    host: list[Sequence]  # rows the host decides after the step: a fork's first, beams
+    # some row needs the host between this step and the next (a fork, a beam, drafts, a
+    # sampler that reads the history): collect this step before scheduling the next
+    needs_host: bool
+    drafts: dict[str, list[int]]  # the draft tokens each speculating sequence verifies
+    future: Future[Drawn]
+    row_of: dict[str, int] = field(init=False)  # a sequence's (last) row among `plain`
 
-    def __init__(self, out: SchedulerOutput, plain: list[Sequence], host: list[Sequence],
-                 needs_host: bool, drafts: dict[str, list[int]] | None = None) -> None:
-        self.out = out
-        # rows drawn on the device, in row order (a sequence verifying k drafts: k + 1 rows)
-        self.plain = plain
-        self.host = host  # rows the host decides after the step: a fork's first, beams
-        # some row needs the host between this step and the next (a fork, a beam, a sampler
-        # that reads the history): collect this step before scheduling the next
-        self.needs_host = needs_host
-        self.row_of = {seq.seq_id: i for i, seq in enumerate(plain)}
-        self.future: Future[Drawn] | None = None
-        self.drafts = drafts or {}  # the draft tokens each speculating sequence verifies
+    def __post_init__(self) -> None:
+        self.row_of = {seq.seq_id: i for i, seq in enumerate(self.plain)}
+
+    def device_ids(self) -> Any:
+        """(P,) its sampled token ids on their device (waits for its draw)."""
+        return self.future.result().token_ids
+
+    def host_ids(self) -> list[int]:
+        """Its sampled token ids on the host (waits for the device)."""
+        return self.future.result().read()[0]
 
 
+@dataclass(slots=True)
 class Group:
     """The live sequences of one user request, as the core knows them."""
 
-    __slots__ = ("request_id", "seqs", "policy", "num_forks")
-
-    def __init__(self, first: Sequence, policy: BeamPolicy | None) -> None:
-        self.request_id = first.request_id
-        self.seqs: list[Sequence] = [first]  # unfinished; beams in the policy's order
-        self.policy = policy
-        self.num_forks = 0
+    request_id: str
+    seqs: list[Sequence]  # unfinished; beams in the policy's order
+    policy: BeamPolicy | None
+    num_forks: int = 0

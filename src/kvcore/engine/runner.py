@@ -9,15 +9,14 @@ submission order. `launch` returns a Future; its `result()` waits for the device
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
 from kvcore.cache import PENDING_TOKEN_ID
 from kvcore.cache.kv_cache import KVCache
-from kvcore.device import array_module, to_numpy
+from kvcore.device import array_module
 from kvcore.model import BatchInput, InputFill
 from kvcore.scheduler import SchedulerOutput
 
@@ -25,6 +24,8 @@ T = TypeVar("T")
 
 
 class Model(Protocol):
+    # also forward(batch, kv_cache, fill=InputFill) when a step has pending tokens (async
+    # scheduling), and forward_device(...) alike for a model whose `xp` is not NumPy
     def forward(self, batch: BatchInput, kv_cache: KVCache) -> np.ndarray: ...
 
 
@@ -49,27 +50,13 @@ class InlineStream:
         return future
 
 
-class WorkerStream:
-    """One worker thread, FIFO: a device whose work runs while the host goes on (the fake
-    device of the tests and of tools/bench_host_overhead.py's GPU-shaped mode)."""
+class PrevStep(Protocol):
+    """The step launched before, whose samples fill a step's pending tokens."""
 
-    def __init__(self) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcore-device")
+    @property
+    def row_of(self) -> Mapping[str, int]: ...  # a sequence's row among its samples
 
-    def submit(self, work: Callable[[], T]) -> Future[T]:
-        return self._executor.submit(work)
-
-    def close(self) -> None:
-        self._executor.shutdown()
-
-
-@dataclass(frozen=True, slots=True)
-class PendingFill:
-    """Where the pending tokens of a step come from: the step launched before it sampled them.
-    `token_ids()` is that step's sampled ids (device array), `row_of` a sequence's row in it."""
-
-    token_ids: Callable[[], Any]
-    row_of: Mapping[str, int]
+    def device_ids(self) -> Any: ...  # (P,) its sampled token ids, on their device
 
 
 class ModelRunner:
@@ -77,19 +64,19 @@ class ModelRunner:
     array per field) and the forward pass. The SchedulerOutput is all it reads: only the
     sequences whose chunk reaches the end of their tokens want logits."""
 
-    def __init__(self, model: Model, kv_cache: KVCache, block_size: int,
-                 stream: DeviceStream | None = None) -> None:
+    def __init__(self, model: Model, kv_cache: KVCache, block_size: int) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
-        self.stream: DeviceStream = stream if stream is not None else InlineStream()
+        self.stream: DeviceStream = InlineStream()  # a fake device's stream replaces it in tests
 
     def launch(self, output: SchedulerOutput, sample: Callable[[Any], T],
-               fill: PendingFill | None = None) -> Future[T]:
+               prev: PrevStep | None = None) -> Future[T]:
         """Launch one step: its future holds sample(logits of its L sampling rows, in row
         order). A token that is PENDING_TOKEN_ID (the last of its sequence, sampled by the step
-        launched before) is filled on the device from `fill`, without a host round trip. A
-        failure (here or on the device) is the future's exception.
+        launched before) is filled on the device from `prev`, without a host round trip: the
+        model takes `forward(..., fill=InputFill)`. A failure (here or on the device) is the
+        future's exception.
 
         A model on a device (its `xp` is not NumPy) keeps its logits there through
         `forward_device` (CuPy on the GPU: the engine core samples them there); on the CPU
@@ -104,11 +91,11 @@ class ModelRunner:
             pending = np.flatnonzero(batch.input_ids == PENDING_TOKEN_ID)  # (P,) rows
             src = None
             if len(pending):
-                if fill is None:
+                if prev is None:
                     raise ValueError(f"{len(pending)} pending tokens and no step to fill "
                                      f"them from")
                 seq_index = np.searchsorted(batch.query_start_loc, pending, side="right") - 1
-                row_of = fill.row_of
+                row_of = prev.row_of
                 src = np.array([row_of[scheduled[s].seq_id] for s in seq_index.tolist()],
                                dtype=np.int64)  # (P,) rows of the previous step's samples
         except Exception as e:
@@ -121,21 +108,14 @@ class ModelRunner:
         window_ops = kv_cache.take_window_ops()  # int4: its fp16 window's slot moves and seals
         forward: Callable[..., Any] = (model.forward_device  # type: ignore[attr-defined]
                                        if getattr(model, "xp", np) is not np else model.forward)
-        # a model that takes an InputFill gathers the pending ids on its device; another one
-        # gets them read back into the host batch (waiting for the step that sampled them)
-        on_device = getattr(model, "supports_input_fill", False)
 
         def device_work() -> T:
             model_fill = None
             if src is not None:
-                assert fill is not None
-                ids = fill.token_ids()  # the previous step's samples (stream order: done)
-                gathered = ids[array_module(ids).asarray(src)]  # (P,) on their device
-                if on_device:
-                    batch.input_ids[pending] = 0  # any valid id: the device overwrites it
-                    model_fill = InputFill(pending, gathered)
-                else:
-                    batch.input_ids[pending] = to_numpy(gathered)
+                assert prev is not None
+                ids = prev.device_ids()  # the previous step's samples (stream order: done)
+                batch.input_ids[pending] = 0  # any valid id: the model's device fills them in
+                model_fill = InputFill(pending, ids[array_module(ids).asarray(src)])  # (P,)
             if window_ops:
                 kv_cache.apply_window_ops(window_ops)
             if copy_ops:

@@ -5,8 +5,7 @@ from kvcore.speculation.speculator import (
     SpecDecodeStats,
     Speculator,
     draft_rows,
-    scheduled_drafts,
 )
 
 __all__ = ["SpecDecodeStats", "SpeculativeConfig", "SpeculativeConfigError", "Speculator",
-           "draft_rows", "scheduled_drafts"]
+           "draft_rows"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from kvcore.cache import PENDING_TOKEN_ID
 from kvcore.config_speculative import SpeculativeConfig
@@ -167,12 +167,3 @@ def draft_rows(seq: Seq, draft: list[int], row: SamplingRow) -> list[SamplingRow
                     for j in range(len(draft)))
     return rows
 
-
-def scheduled_drafts(out: Any) -> dict[str, list[int]]:
-    """The drafts a SchedulerOutput kept (its budget and the pool may have cut or dropped
-    some): by sequence id, the draft tokens each scheduled sequence verifies."""
-    kept: dict[str, list[int]] = {}
-    for item in out.scheduled:
-        if item.num_draft_tokens:
-            kept[item.seq_id] = list(item.token_ids[-item.num_draft_tokens:])
-    return kept
