@@ -203,4 +203,4 @@ def test_console_script() -> None:
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.splitlines() == [
-        "kvcore plan: error: --dtype must be one of fp32, fp16, bf16, fp8, got 'int3'"]
+        "kvcore plan: error: --dtype must be one of fp32, fp16, bf16, fp8, int4, got 'int3'"]

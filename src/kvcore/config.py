@@ -25,7 +25,7 @@ SUPPORTED_ARCHITECTURES = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }
-KV_CACHE_DTYPES = ("auto", "fp32", "fp16", "bf16", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp32", "fp16", "bf16", "fp8", "int4")
 
 
 class ConfigError(ValueError):
@@ -287,8 +287,10 @@ class CacheConfig:
     block_size: int = 16
     num_blocks: int | None = None  # None: size the pool from kv_cache_memory
     kv_cache_memory: int | None = None  # bytes for K/V of all layers; None: a device default
-    cache_dtype: str = "auto"  # "auto" = fp16 (CPU and GPU); or fp32/fp16/bf16/fp8
+    cache_dtype: str = "auto"  # "auto" = fp16 (CPU and GPU); or fp32/fp16/bf16/fp8/int4
     enable_prefix_caching: bool = True
+    # int4: the most recent tokens of a sequence kept in fp16 until their block is sealed
+    int4_window_tokens: int = 32
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -300,6 +302,10 @@ class CacheConfig:
         if self.cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"cache_dtype must be one of {KV_CACHE_DTYPES}, "
                              f"got {self.cache_dtype!r}")
+        window = self.int4_window_tokens
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            raise ValueError(f"int4_window_tokens must be an integer >= 0, "
+                             f"got {self.int4_window_tokens!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,14 +1,22 @@
 """KV cache sizing: bytes/token = 2 x layers x kv_heads x head_dim x bytes per element (MLA:
-layers x (kv_lora_rank + qk_rope_head_dim) x bytes, one latent that is both K and V), and more."""
+layers x (kv_lora_rank + qk_rope_head_dim) x bytes, one latent that is both K and V), and more.
+
+int4 (kvcore.cache.int4's format) is sized per block: each layer's K row (nibbles + a scale and
+a zero per channel) and V row (nibbles + a scale and a zero per token and group of channels),
+plus the block's window_slot entry; the fp16 window of recent tokens is a fixed pool beside the
+blocks (window_bytes), taken from the memory budget before the blocks."""
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
 from kvcore.config import ModelConfig
 
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
+KV_DTYPES = (*DTYPE_BYTES, "int4")  # what a KV cache can hold
+INT4_GROUP = 32  # kvcore.cache.int4.DEFAULT_GROUP (a test keeps them equal)
 # names other layers meet (config.json's torch_dtype, NumPy/ml_dtypes) -> the planner's dtype names
 DTYPE_ALIASES: dict[str, str] = {
     "float32": "fp32",
@@ -34,13 +42,15 @@ class KVPlan:
     bytes_per_sequence: int  # blocks_per_sequence whole blocks: what the pool really gives it
     num_blocks: int | None  # blocks that fit the memory budget; None without a budget
     max_concurrent_sequences: int | None  # sequences of tokens_per_sequence the budget holds
+    window_bytes: int = 0  # int4: the fp16 window pool, outside the blocks
 
 
 def canonical_dtype(dtype: str) -> str:
-    """The planner's name for a KV dtype (fp32/fp16/bf16/fp8); aliases like "float16" accepted."""
+    """The planner's name for a KV dtype (fp32/fp16/bf16/fp8/int4); aliases like "float16"
+    accepted."""
     name = DTYPE_ALIASES.get(dtype, dtype) if isinstance(dtype, str) else dtype
-    if name not in DTYPE_BYTES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
+    if name not in KV_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(KV_DTYPES)}, got {dtype!r}")
     return name
 
 
@@ -52,9 +62,15 @@ def _positive(name: str, value: object) -> int:
 
 
 def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: str,
-                    shared_kv: bool = False) -> int:
+                    shared_kv: bool = False, block_size: int = 16,
+                    group: int = INT4_GROUP) -> int:
     """K and V (the 2) for every layer and KV head of one token; with shared_kv (MLA: one
-    "KV head" of kv_lora_rank + qk_rope_head_dim that is both) the 2 is 1."""
+    "KV head" of kv_lora_rank + qk_rope_head_dim that is both) the 2 is 1. int4: a block's
+    bytes over its block_size tokens, rounded up."""
+    if canonical_dtype(dtype) == "int4":
+        per_block = bytes_per_block(num_layers, num_kv_heads, head_dim, dtype, block_size,
+                                    shared_kv, group)
+        return -(-per_block // block_size)
     _positive("num_layers", num_layers)
     _positive("num_kv_heads", num_kv_heads)
     _positive("head_dim", head_dim)
@@ -62,10 +78,37 @@ def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: st
     return arrays * num_layers * num_kv_heads * head_dim * DTYPE_BYTES[canonical_dtype(dtype)]
 
 
-def model_bytes_per_token(model_config: ModelConfig, dtype: str) -> int:
+def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, dtype: str,
+                    block_size: int, shared_kv: bool = False, group: int = INT4_GROUP) -> int:
+    """One block of block_size tokens, all layers: what the pool allocates per block."""
+    _positive("block_size", block_size)
+    if canonical_dtype(dtype) != "int4":
+        return bytes_per_token(num_layers, num_kv_heads, head_dim, dtype, shared_kv) * block_size
+    for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
+                        ("head_dim", head_dim), ("group", group)):
+        _positive(name, value)
+    if shared_kv:
+        raise ValueError("dtype int4 does not hold a shared (MLA latent) cache")
+    group = math.gcd(group, head_dim)  # as the cache: a head narrower than the group is one
+    if head_dim % 2 or head_dim % group:
+        raise ValueError(f"int4 needs an even head_dim that group {group} divides, "
+                         f"got {head_dim}")
+    nibbles = block_size * num_kv_heads * head_dim // 2
+    key_row = nibbles + 4 * num_kv_heads * head_dim  # fp16 scale + zero per channel
+    value_row = nibbles + 4 * block_size * num_kv_heads * (head_dim // group)
+    return num_layers * (key_row + value_row) + 4  # + the block's int32 window_slot entry
+
+
+def window_bytes(num_layers: int, num_kv_heads: int, head_dim: int, num_slots: int,
+                 block_size: int) -> int:
+    """An int4 cache's fp16 window: K and V of num_slots blocks in every layer."""
+    return 2 * num_layers * num_slots * block_size * num_kv_heads * head_dim * 2
+
+
+def model_bytes_per_token(model_config: ModelConfig, dtype: str, block_size: int = 16) -> int:
     """bytes_per_token of a model's cache layout (MLA: the latent and the rope key part)."""
     heads, width, shared = model_config.kv_layout
-    return bytes_per_token(model_config.num_layers, heads, width, dtype, shared)
+    return bytes_per_token(model_config.num_layers, heads, width, dtype, shared, block_size)
 
 
 def full_kv_bytes_per_token(num_layers: int, num_heads: int, qk_head_dim: int, v_head_dim: int,
@@ -78,12 +121,13 @@ def full_kv_bytes_per_token(num_layers: int, num_heads: int, qk_head_dim: int, v
 
 
 def num_blocks_for_memory(memory_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                          dtype: str, block_size: int, shared_kv: bool = False) -> int:
-    """Whole blocks of block_size tokens that fit memory_bytes (0 when not even one fits)."""
+                          dtype: str, block_size: int, shared_kv: bool = False,
+                          fixed_bytes: int = 0) -> int:
+    """Whole blocks of block_size tokens that fit memory_bytes once fixed_bytes (an int4
+    window) are set aside (0 when not even one fits)."""
     _positive("memory", memory_bytes)
-    _positive("block_size", block_size)
-    per_block = bytes_per_token(num_layers, num_kv_heads, head_dim, dtype, shared_kv) * block_size
-    return memory_bytes // per_block
+    per_block = bytes_per_block(num_layers, num_kv_heads, head_dim, dtype, block_size, shared_kv)
+    return max(0, memory_bytes - fixed_bytes) // per_block
 
 
 def tokens_held(context: int, block_size: int, sliding_window: int | None) -> int:
@@ -103,17 +147,21 @@ def tokens_held(context: int, block_size: int, sliding_window: int | None) -> in
 
 def plan(num_layers: int, num_kv_heads: int, head_dim: int, dtype: str, context: int,
          memory: int | None = None, block_size: int = 16,
-         sliding_window: int | None = None, shared_kv: bool = False) -> KVPlan:
+         sliding_window: int | None = None, shared_kv: bool = False,
+         window_slots: int = 0) -> KVPlan:
     """The KV budget of a model shape: per token, per sequence of `context`, what `memory` holds.
-    shared_kv: one array per layer is both K and V (MLA's latent; num_kv_heads 1)."""
-    per_token = bytes_per_token(num_layers, num_kv_heads, head_dim, dtype, shared_kv)
+    shared_kv: one array per layer is both K and V (MLA's latent; num_kv_heads 1).
+    window_slots: an int4 cache's fp16 window blocks (kvcore.cache.int4_window), set aside."""
+    per_token = bytes_per_token(num_layers, num_kv_heads, head_dim, dtype, shared_kv, block_size)
     tokens = tokens_held(context, block_size, sliding_window)
     blocks_per_seq = -(-tokens // block_size)
-    per_block = per_token * block_size
+    per_block = bytes_per_block(num_layers, num_kv_heads, head_dim, dtype, block_size, shared_kv)
+    fixed = (window_bytes(num_layers, num_kv_heads, head_dim, window_slots, block_size)
+             if canonical_dtype(dtype) == "int4" else 0)
     num_blocks = max_seqs = None
     if memory is not None:
         num_blocks = num_blocks_for_memory(memory, num_layers, num_kv_heads, head_dim, dtype,
-                                           block_size, shared_kv)
+                                           block_size, shared_kv, fixed)
         max_seqs = num_blocks // blocks_per_seq
     return KVPlan(
         bytes_per_token=per_token,
@@ -123,17 +171,19 @@ def plan(num_layers: int, num_kv_heads: int, head_dim: int, dtype: str, context:
         bytes_per_sequence=blocks_per_seq * per_block,
         num_blocks=num_blocks,
         max_concurrent_sequences=max_seqs,
+        window_bytes=fixed,
     )
 
 
 def plan_for_model(model_config: ModelConfig, dtype: str, context: int | None = None,
-                   memory: int | None = None, block_size: int = 16) -> KVPlan:
+                   memory: int | None = None, block_size: int = 16,
+                   window_slots: int = 0) -> KVPlan:
     """plan() for a ModelConfig; context defaults to the model's max_position_embeddings."""
     heads, width, shared = model_config.kv_layout
     return plan(model_config.num_layers, heads, width, dtype,
                 context if context is not None else model_config.max_position_embeddings,
                 memory=memory, block_size=block_size, sliding_window=model_config.sliding_window,
-                shared_kv=shared)
+                shared_kv=shared, window_slots=window_slots)
 
 
 def parse_size(text: str | int) -> int:

@@ -1,8 +1,9 @@
 """The paged KV cache tensors: one K and one V array per layer (or one array that is both, for
-multi-head latent attention), plus per-layer fp8 scales."""
+multi-head latent attention), plus per-layer fp8 scales; an int4 cache's rows and fp16 window."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,9 +11,12 @@ import ml_dtypes
 import numpy as np
 
 from kvcore import kernels
+from kvcore.cache import int4
+from kvcore.cache.int4_window import ASSIGN, COPY, RELEASE, SEAL, WindowOp, WindowSlots
 from kvcore.device import get_xp, resolve_device
+from kvcore.kernels.int4_kv import Int4Layer
 
-CACHE_DTYPES = ("fp32", "fp16", "bf16", "fp8")
+CACHE_DTYPES = ("fp32", "fp16", "bf16", "fp8", "int4")
 
 
 def storage_dtype(dtype: str, device: str) -> np.dtype:
@@ -27,6 +31,8 @@ def storage_dtype(dtype: str, device: str) -> np.dtype:
         return np.dtype(np.float32)
     if dtype == "fp16":
         return np.dtype(np.float16)
+    if dtype == "int4":  # sealed rows of nibbles and fp16 parameters
+        return np.dtype(np.uint8)
     if device == "cuda":
         return np.dtype(np.uint16 if dtype == "bf16" else np.uint8)
     return np.dtype(ml_dtypes.bfloat16 if dtype == "bf16" else ml_dtypes.float8_e4m3fn)
@@ -41,12 +47,20 @@ class KVCache:
     shared_kv (MLA): one array per layer holds each token's latent and rotated key part, which
     attention reads as both K and V; value_caches is then key_caches (the same arrays) and the
     v_scales are the k_scales.
+
+    int4 (kvcore.cache.int4's format): each layer's K and V are rows (num_blocks, row_bytes) of
+    sealed blocks, beside an fp16 window (num_window_slots, block_size, Hkv, D) that holds the
+    tokens of open blocks, and one window_slot table (num_blocks,) int32 shared by K, V and every
+    layer (-1: sealed). `window` keeps the host's bookkeeping; the steps run its operations
+    (apply_window_ops) before their forward pass.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: str = "fp32", device: str = "cpu",
                  k_scales: Sequence[float] | None = None,
-                 v_scales: Sequence[float] | None = None, shared_kv: bool = False) -> None:
+                 v_scales: Sequence[float] | None = None, shared_kv: bool = False,
+                 num_window_slots: int | None = None, window_tokens: int = 32,
+                 int4_group: int = int4.DEFAULT_GROUP) -> None:
         for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks),
                             ("block_size", block_size), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim)):
@@ -64,12 +78,41 @@ class KVCache:
             raise ValueError("v_scales must be None with shared_kv (K and V are one array)")
         self.k_scales = self._scales("k_scales", k_scales)
         self.v_scales = self.k_scales if shared_kv else self._scales("v_scales", v_scales)
+        self.window: WindowSlots | None = None
+        if self.dtype == "int4":
+            self._init_int4(num_window_slots, window_tokens, int4_group)
+            return
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         # zero-filled so padding slots read as finite values, never uninitialized memory
         self.key_caches: list[Any] = [self.xp.zeros(shape, self.storage_dtype)  # one layer
                                       for _ in range(num_layers)]
         self.value_caches: list[Any] = self.key_caches if shared_kv else [
             self.xp.zeros(shape, self.storage_dtype) for _ in range(num_layers)]
+
+    def _init_int4(self, num_window_slots: int | None, window_tokens: int, group: int) -> None:
+        if self.shared_kv:
+            raise ValueError("cache_dtype int4 does not hold a shared (MLA latent) cache")
+        group = math.gcd(group, self.head_dim)  # a head narrower than the group: one group
+        int4.check_layout(self.block_size, self.head_dim, group)
+        if num_window_slots is None or num_window_slots <= 0:
+            raise ValueError(f"num_window_slots must be >= 1 for an int4 cache, "
+                             f"got {num_window_slots!r}")
+        self.int4_group = group
+        self.window = WindowSlots(self.num_blocks, num_window_slots, self.block_size,
+                                  window_tokens)
+        xp, bs, heads, dim = self.xp, self.block_size, self.num_kv_heads, self.head_dim
+        k_bytes = int4.key_row_bytes(bs, heads, dim)
+        v_bytes = int4.value_row_bytes(bs, heads, dim, group)
+        self.key_caches = [xp.zeros((self.num_blocks, k_bytes), np.uint8)  # one layer's rows
+                           for _ in range(self.num_layers)]
+        self.value_caches = [xp.zeros((self.num_blocks, v_bytes), np.uint8)
+                             for _ in range(self.num_layers)]
+        window_shape = (num_window_slots, bs, heads, dim)  # one layer's fp16 window
+        self.key_windows: list[Any] = [xp.zeros(window_shape, np.float16)
+                                       for _ in range(self.num_layers)]
+        self.value_windows: list[Any] = [xp.zeros(window_shape, np.float16)
+                                         for _ in range(self.num_layers)]
+        self.window_slot = xp.full(self.num_blocks, -1, np.int32)  # (num_blocks,) all layers
 
     def _scales(self, name: str, scales: Sequence[float] | None) -> list[float]:
         if scales is None:
@@ -86,13 +129,24 @@ class KVCache:
 
     @property
     def num_bytes(self) -> int:
-        """Bytes held by the K and V arrays of all layers (one array per layer if shared)."""
+        """Bytes held by the K and V arrays of all layers (one array per layer if shared); for
+        int4 the rows, the fp16 window and the window_slot table."""
+        if self.window is not None:
+            held = [*self.key_caches, *self.value_caches, *self.key_windows,
+                    *self.value_windows, self.window_slot]
+            return sum(int(a.nbytes) for a in held)
         per_array = self.num_blocks * self.block_size * self.num_kv_heads * self.head_dim
         arrays = 1 if self.shared_kv else 2
         return arrays * self.num_layers * per_array * self.storage_dtype.itemsize
 
     def layer(self, layer_id: int) -> tuple[Any, Any, float, float]:
-        """(k_cache, v_cache, k_scale, v_scale) of one layer."""
+        """(k_cache, v_cache, k_scale, v_scale) of one layer; int4: two Int4Layers."""
+        if self.window is not None:
+            slots, group = self.window_slot, self.int4_group
+            return (Int4Layer(self.key_caches[layer_id], self.key_windows[layer_id], slots, True,
+                              group),
+                    Int4Layer(self.value_caches[layer_id], self.value_windows[layer_id], slots,
+                              False, group), 1.0, 1.0)
         return (self.key_caches[layer_id], self.value_caches[layer_id],
                 self.k_scales[layer_id], self.v_scales[layer_id])
 
@@ -105,3 +159,43 @@ class KVCache:
             raise ValueError(f"copy ops {list(ops)} name a block outside [0, {self.num_blocks})")
         kernels.copy_blocks(self.key_caches, [] if self.shared_kv else self.value_caches,
                             self.xp.asarray(mapping))
+
+    def take_window_ops(self) -> list[WindowOp]:
+        """An int4 cache's window operations for the step being launched (see WindowSlots);
+        [] for the other dtypes. Called once per step, where the step is built."""
+        return [] if self.window is None else self.window.take_ops()
+
+    def apply_window_ops(self, ops: Sequence[WindowOp]) -> None:
+        """Run window operations in order: slot assignments, copies, seals (each block's slot
+        quantized into its rows in every layer) and releases."""
+        table = self.window_slot
+        seal_blocks: list[int] = []
+        seal_slots: list[int] = []
+        for kind, a, b in ops:
+            if kind == COPY:
+                self._seal(seal_blocks, seal_slots)  # a sealed slot's data before it is reused
+                for windows in (self.key_windows, self.value_windows):
+                    for window in windows:
+                        window[b] = window[a]
+            elif kind == SEAL:
+                seal_blocks.append(a)
+                seal_slots.append(b)
+                table[a] = -1
+            elif kind == ASSIGN:
+                table[a] = b
+            else:
+                assert kind == RELEASE
+                table[a] = -1
+        self._seal(seal_blocks, seal_slots)
+
+    def _seal(self, block_ids: list[int], slots: list[int]) -> None:
+        if not block_ids:
+            return
+        blocks = self.xp.asarray(block_ids, dtype=np.int64)
+        where = self.xp.asarray(slots, dtype=np.int64)
+        for layer_id in range(self.num_layers):
+            kernels.seal_int4_blocks(self.key_windows[layer_id], self.value_windows[layer_id],
+                                     self.key_caches[layer_id], self.value_caches[layer_id],
+                                     blocks, where, self.int4_group)
+        block_ids.clear()
+        slots.clear()

@@ -6,6 +6,7 @@ import enum
 from collections.abc import Sequence
 
 from kvcore.cache.block_pool import Block, BlockHash, BlockPool, salt_key
+from kvcore.cache.int4_window import WindowSlots
 
 CopyOp = tuple[int, int]  # (src_block_id, dst_block_id), executed by the runner before forward
 # a token sampled on the device whose id the host does not know yet (async scheduling): only ever
@@ -20,7 +21,8 @@ class Admission(enum.Enum):
 
 
 class _Sequence:
-    __slots__ = ("blocks", "block_ids", "num_tokens", "block_hashes", "salt", "num_released")
+    __slots__ = ("blocks", "block_ids", "num_tokens", "block_hashes", "salt", "num_released",
+                 "num_scheduled", "num_sealed")
 
     def __init__(self, salt: bytes) -> None:
         self.blocks: list[Block | None] = []  # the block table; None = released (sliding window)
@@ -29,6 +31,10 @@ class _Sequence:
         self.block_hashes: list[BlockHash] = []  # chain hashes of the full blocks, in order
         self.salt = salt  # extra key of the first block's hash (tenant isolation)
         self.num_released = 0  # leading blocks already released by the sliding window
+        # int4 window: tokens the launched steps write (drafts excluded), and the leading
+        # blocks the seal pass has been through
+        self.num_scheduled = 0
+        self.num_sealed = 0
 
 
 class KVCacheManager:
@@ -59,6 +65,32 @@ class KVCacheManager:
         self.num_prefix_hits = 0  # of those, tokens served from cached blocks
         self.num_cow_copies = 0  # copy-on-write block copies handed to the runner
         self._seqs: dict[str, _Sequence] = {}
+        self.window: WindowSlots | None = None  # an int4 cache's fp16 window (attach_window)
+
+    def attach_window(self, window: WindowSlots) -> None:
+        """Drive an int4 cache's window slots: open a block handed out for writing, copy it
+        on copy-on-write, seal it behind the window or when it leaves for the prefix cache."""
+        self.window = window
+        window.on_take = self.seal_behind_window
+
+    def seal_behind_window(self) -> None:
+        """Seal every open block that ends at least window_tokens before the tokens scheduled
+        for one of its sequences (the steps launched so far write them; drafts not counted)."""
+        window = self.window
+        assert window is not None
+        bs, num_window = self.block_size, window.window_tokens
+        for seq in self._seqs.values():
+            limit = (seq.num_scheduled - num_window) // bs  # blocks ending by then
+            for block_id in seq.block_ids[seq.num_sealed:limit]:
+                if block_id is not None:
+                    window.seal(block_id)
+            seq.num_sealed = max(seq.num_sealed, limit)
+
+    def _drop(self, block: Block) -> None:
+        """One reference less; at the last one an open block is sealed or its slot freed."""
+        self.pool.free(block)
+        if self.window is not None and block.ref_count == 0:
+            self.window.retire(block.block_id, cached=block.block_hash is not None)
 
     @property
     def num_free_blocks(self) -> int:
@@ -106,8 +138,11 @@ class KVCacheManager:
             if num_lookahead_tokens < 0 or len(token_ids) != start + num_new_tokens:
                 raise ValueError(f"num_lookahead_tokens ({num_lookahead_tokens}) must be >= 0 "
                                  f"and follow every token of seq_id {seq_id!r}")
-            return self._grow(seq, token_ids, start, start + num_new_tokens
-                              + num_lookahead_tokens)
+            ops = self._grow(seq, token_ids, start, start + num_new_tokens
+                             + num_lookahead_tokens)
+            if ops is not None:
+                seq.num_scheduled = start + num_new_tokens
+            return ops
         end = start + num_new_tokens
         blocks = seq.blocks
         if num_new_tokens > 0 and end <= len(token_ids) and end < len(blocks) * self.block_size:
@@ -115,7 +150,7 @@ class KVCacheManager:
             if last is not None and last.ref_count == 1:
                 # the common decode step: room left in an exclusively owned last block that does
                 # not fill up, so nothing to allocate, copy or hash
-                seq.num_tokens = end
+                seq.num_tokens = seq.num_scheduled = end
                 return []
         if num_new_tokens <= 0:
             if num_new_tokens == 0:
@@ -124,7 +159,10 @@ class KVCacheManager:
         if len(token_ids) < end:
             raise ValueError(f"token_ids of seq_id {seq_id!r} has {len(token_ids)} tokens; "
                              f"{start} allocated + {num_new_tokens} new need at least {end}")
-        return self._grow(seq, token_ids, start, end)
+        ops = self._grow(seq, token_ids, start, end)
+        if ops is not None:
+            seq.num_scheduled = end
+        return ops
 
     def _grow(self, seq: _Sequence, token_ids: Sequence[int], start: int,
               end: int) -> list[CopyOp] | None:
@@ -133,14 +171,24 @@ class KVCacheManager:
         num_new_blocks = -(-end // bs) - len(blocks)
         last = blocks[-1] if start % bs else None  # a partially filled last block gets written
         copy = last is not None and last.ref_count > 1
-        new = self.pool.allocate(num_new_blocks + (1 if copy else 0))
+        num_alloc = num_new_blocks + (1 if copy else 0)
+        window = self.window
+        if window is not None and window.num_free_slots < num_alloc:
+            window.num_shortages += 1
+            return None  # short of window slots: as short of blocks (preemption frees some)
+        new = self.pool.allocate(num_alloc)
         if new is None:
             return None
+        if window is not None:
+            for block in new:
+                window.open(block.block_id)
         ops: list[CopyOp] = []
         if copy:
             assert last is not None
             dst = new[0]  # the copy takes the first block allocated, the new tail blocks follow
             ops.append((last.block_id, dst.block_id))
+            if window is not None:
+                window.copy(last.block_id, dst.block_id)
             self.num_cow_copies += 1
             self.pool.free(last)  # one reference less; the other holders keep the original
             blocks[-1] = dst
@@ -186,8 +234,11 @@ class KVCacheManager:
             block = seq.blocks.pop()
             seq.block_ids.pop()
             if block is not None:
-                self.pool.free(block)
+                # drafts are never sealed: a rolled back block is still open
+                assert self.window is None or self.window.slot_of[block.block_id] is not None
+                self._drop(block)
         seq.num_tokens = num_tokens
+        seq.num_scheduled = min(seq.num_scheduled, num_tokens)
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares every block of the parent (refcount + 1); writes copy on demand."""
@@ -200,6 +251,7 @@ class KVCacheManager:
         child.num_tokens = parent.num_tokens
         child.block_hashes = list(parent.block_hashes)
         child.num_released = parent.num_released
+        child.num_scheduled, child.num_sealed = parent.num_scheduled, parent.num_sealed
         for block in child.blocks:
             if block is not None:
                 block.ref_count += 1
@@ -218,7 +270,7 @@ class KVCacheManager:
                 continue
             if uncache and block.ref_count == 1:
                 pool.uncache(block)
-            pool.free(block)
+            self._drop(block)
 
     def release_outside_window(self, seq_id: str, num_computed_tokens: int) -> None:
         """Free the blocks whose every position is <= num_computed_tokens - sliding_window: the next
@@ -237,7 +289,7 @@ class KVCacheManager:
         for i in range(seq.num_released, num_out):
             block = seq.blocks[i]
             assert block is not None
-            self.pool.free(block)
+            self._drop(block)
             seq.blocks[i] = None
             seq.block_ids[i] = None
         seq.num_released = max(seq.num_released, num_out)

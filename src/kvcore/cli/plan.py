@@ -8,10 +8,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from kvcore.cache.int4_window import num_window_slots
 from kvcore.cli import CLIError
-from kvcore.config import ModelConfig
+from kvcore.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvcore.planner import (
     DTYPE_BYTES,
+    KV_DTYPES,
     KVPlan,
     canonical_dtype,
     format_size,
@@ -21,6 +23,7 @@ from kvcore.planner import (
 )
 
 DEFAULT_CONTEXT = 4096
+_CACHE, _SCHEDULER = CacheConfig(), SchedulerConfig()  # the engine's defaults
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,8 +47,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-heads", type=int, metavar="N", help="KV heads (without --model)")
     parser.add_argument("--head-dim", type=int, metavar="N", help="head_dim (without --model)")
     # validated by the planner, not argparse choices, so a bad dtype is one line like other errors
-    parser.add_argument("--dtype", default="fp16", metavar="{" + ",".join(DTYPE_BYTES) + "}",
+    parser.add_argument("--dtype", default="fp16", metavar="{" + ",".join(KV_DTYPES) + "}",
                         help="KV cache element type (default fp16)")
+    parser.add_argument("--kv-int4-window", type=int, default=_CACHE.int4_window_tokens,
+                        metavar="TOKENS", help="int4: recent tokens kept in fp16 (default "
+                        f"{_CACHE.int4_window_tokens}); the window pool is sized from it, "
+                        "--max-num-seqs and --max-num-batched-tokens as `kvcore serve` sizes it")
+    parser.add_argument("--max-num-seqs", type=int, default=_SCHEDULER.max_num_seqs,
+                        metavar="N", help="int4: running sequences at most (default "
+                        f"{_SCHEDULER.max_num_seqs})")
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        default=_SCHEDULER.max_num_batched_tokens, metavar="N",
+                        help="int4: tokens per step at most (default "
+                        f"{_SCHEDULER.max_num_batched_tokens})")
     parser.add_argument("--context", type=int, metavar="TOKENS",
                         help=f"tokens per sequence (default: the model's max_position_embeddings "
                              f"with --model, else {DEFAULT_CONTEXT})")
@@ -67,9 +81,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         dtype = canonical_dtype(args.dtype)
         memory = parse_size(args.memory) if args.memory is not None else None
+        slots = (num_window_slots(args.max_num_seqs, args.kv_int4_window, args.block_size,
+                                  args.max_num_batched_tokens) if dtype == "int4" else 0)
         result = plan(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype, context,
                       memory=memory, block_size=args.block_size, sliding_window=window,
-                      shared_kv=shape.shared_kv)
+                      shared_kv=shape.shared_kv, window_slots=slots)
     except ValueError as e:
         raise CLIError(_flag_names(str(e))) from e
     inputs: dict[str, Any] = {
@@ -84,6 +100,9 @@ def run(args: argparse.Namespace) -> int:
         "sliding_window": window,
         "shared_kv": shape.shared_kv,
     }
+    if dtype == "int4":
+        inputs |= {"int4_window": args.kv_int4_window, "window_slots": slots,
+                   "max_num_seqs": args.max_num_seqs}
     if shape.full_kv is not None:
         full = full_kv_bytes_per_token(shape.num_layers, *shape.full_kv, dtype)
         inputs["full_kv_bytes_per_token"] = full
@@ -192,17 +211,18 @@ def _flag_names(message: str) -> str:
 def _human(inputs: dict[str, Any], result: KVPlan) -> str:
     dtype = inputs["dtype"]
     window = inputs["sliding_window"]
+    element = ("4 bits per element + fp16 scales and zeros" if dtype == "int4"
+               else f"{DTYPE_BYTES[dtype]} bytes per element")
     lines = []
     if inputs["model"] is not None:
         lines.append(f"model:            {inputs['model']}")
     if inputs["shared_kv"]:
         lines.append(f"shape:            {inputs['num_layers']} layers x one latent K/V of "
                      f"{inputs['head_dim']} (MLA: kv_lora_rank + qk_rope_head_dim), {dtype} "
-                     f"({DTYPE_BYTES[dtype]} bytes per element)")
+                     f"({element})")
     else:
         lines.append(f"shape:            {inputs['num_layers']} layers x {inputs['num_kv_heads']} "
-                     f"KV heads x head_dim {inputs['head_dim']}, {dtype} ({DTYPE_BYTES[dtype]} "
-                     f"bytes per element)")
+                     f"KV heads x head_dim {inputs['head_dim']}, {dtype} ({element})")
     lines.append(f"per token:        {format_size(result.bytes_per_token)} "
                  f"({result.bytes_per_token:,} bytes)")
     if "full_kv_bytes_per_token" in inputs:
@@ -212,6 +232,10 @@ def _human(inputs: dict[str, Any], result: KVPlan) -> str:
     lines += [
         f"per block:        {format_size(result.bytes_per_block)} ({inputs['block_size']} tokens)",
     ]
+    if result.window_bytes:
+        lines.append(f"fp16 window:      {format_size(result.window_bytes)} "
+                     f"({inputs['window_slots']:,} blocks: the last {inputs['int4_window']} "
+                     f"tokens of up to {inputs['max_num_seqs']} sequences, outside the pool)")
     held = f"{result.tokens_per_sequence:,} tokens held"
     if window is not None:
         held += f", sliding window {window:,}"

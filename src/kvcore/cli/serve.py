@@ -14,6 +14,7 @@ from kvcore.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvcore.config_speculative import SpeculativeConfig
 from kvcore.device import resolve_device
 from kvcore.engine import AsyncEngine
+from kvcore.engine.kv_snapshot import planner_view
 from kvcore.planner import format_size, parse_size, plan_for_model
 from kvcore.service import make_app
 from kvcore.service.app import DEFAULT_BODY_TIMEOUT_S
@@ -67,7 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pool.add_argument("--kv-cache-memory", metavar="SIZE",
                       help="KV cache budget, e.g. 2GiB (default: the device's default)")
     parser.add_argument("--kv-cache-dtype", default="auto",
-                        help="auto (fp16), fp32, fp16, bf16 or fp8")
+                        help="auto (fp16), fp32, fp16, bf16, fp8 or int4 (CPU: 4-bit blocks "
+                             "beside an fp16 window of recent tokens)")
+    parser.add_argument("--kv-int4-window", type=int, default=32, metavar="TOKENS",
+                        help="int4: the most recent tokens of a sequence kept in fp16 until "
+                             "their block is sealed (default 32)")
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                         action="store_false", help="turn the prefix cache off")
     parser.add_argument("--max-waiting", type=int, metavar="N",
@@ -158,7 +163,8 @@ def _config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
         speculative=SpeculativeConfig.parse(args.speculative_config),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           kv_cache_memory=memory, cache_dtype=args.kv_cache_dtype,
-                          enable_prefix_caching=args.enable_prefix_caching),
+                          enable_prefix_caching=args.enable_prefix_caching,
+                          int4_window_tokens=args.kv_int4_window),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs,
                                   max_model_len=args.max_model_len))
@@ -167,9 +173,9 @@ def _config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
 def _build_engine(config: EngineConfig) -> AsyncEngine:
     engine = AsyncEngine.from_config(config)
     stats = engine.stats()
+    pool_bytes = int(planner_view(engine.engine)["pool_bytes"])  # blocks + an int4 window
     kv_plan = plan_for_model(engine.model_config, stats.cache_dtype,
                              context=engine.max_model_len, block_size=stats.block_size)
-    pool_bytes = stats.num_blocks * kv_plan.bytes_per_block
     log.info("engine ready", num_blocks=stats.num_blocks, block_size=stats.block_size,
              cache_dtype=stats.cache_dtype, pool_size=format_size(pool_bytes),
              bytes_per_token=kv_plan.bytes_per_token, max_model_len=engine.max_model_len,

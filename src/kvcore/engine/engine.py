@@ -22,6 +22,7 @@ from kvcore.engine.setup import (
     engine_cache_dtype,
     engine_max_model_len,
     load_engine_model,
+    make_kv_cache,
     pool_size,
 )
 from kvcore.model.half_llama import HalfLlamaModel
@@ -77,9 +78,8 @@ class Engine:
         block_size = config.cache.block_size
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
                                  mc.sliding_window)
-        kv_heads, kv_width, shared_kv = mc.kv_layout  # MLA: one latent K/V "head"
-        self.kv_cache = KVCache(mc.num_layers, num_blocks, block_size, kv_heads, kv_width,
-                                self.cache_dtype, device, shared_kv=shared_kv)
+        self.kv_cache: KVCache = make_kv_cache(config, mc, num_blocks, self.cache_dtype, device,
+                                               self.kv)
         eos = mc.eos_token_ids or ((self.tokenizer.eos_token_id,)
                                    if self.tokenizer.eos_token_id is not None else ())
         self.eos_token_ids: tuple[int, ...] = tuple(eos)

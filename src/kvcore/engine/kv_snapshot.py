@@ -191,11 +191,14 @@ def planner_view(engine: Engine) -> dict[str, Any]:
     """Bytes per token, the pool's blocks and bytes, and how many sequences of max_model_len
     tokens it holds at once."""
     kv = engine.kv
+    window = engine.kv_cache.window  # int4: the fp16 window pool beside the blocks
     plan = plan_for_model(engine.model_config, engine.cache_dtype,
-                          context=engine.max_model_len, block_size=kv.block_size)
+                          context=engine.max_model_len, block_size=kv.block_size,
+                          window_slots=0 if window is None else window.num_slots)
     return {"cache_dtype": engine.cache_dtype, "bytes_per_token": plan.bytes_per_token,
             "bytes_per_block": plan.bytes_per_block, "num_blocks": kv.num_blocks,
-            "pool_bytes": kv.num_blocks * plan.bytes_per_block,
+            "pool_bytes": kv.num_blocks * plan.bytes_per_block + plan.window_bytes,
+            "window_bytes": plan.window_bytes,
             "max_model_len": engine.max_model_len,
             "blocks_per_sequence": plan.blocks_per_sequence,
             "max_concurrency": kv.num_blocks // plan.blocks_per_sequence}

@@ -118,6 +118,7 @@ class ModelRunner:
         copy_ops = output.copy_ops
         model = self.model
         kv_cache = self.kv_cache
+        window_ops = kv_cache.take_window_ops()  # int4: its fp16 window's slot moves and seals
         forward: Callable[..., Any] = (model.forward_device  # type: ignore[attr-defined]
                                        if getattr(model, "xp", np) is not np else model.forward)
         # a model that takes an InputFill gathers the pending ids on its device; another one
@@ -135,6 +136,8 @@ class ModelRunner:
                     model_fill = InputFill(pending, gathered)
                 else:
                     batch.input_ids[pending] = to_numpy(gathered)
+            if window_ops:
+                kv_cache.apply_window_ops(window_ops)
             if copy_ops:
                 kv_cache.copy_blocks(copy_ops)
             if model_fill is None:

@@ -10,19 +10,22 @@ import structlog
 
 from kvcore import kernels
 from kvcore.cache import KVCacheManager
+from kvcore.cache.int4_window import num_window_slots
 from kvcore.cache.kv_cache import KVCache
 from kvcore.config import EngineConfig, ModelConfig, ParamError
 from kvcore.kernels import quant
 from kvcore.model import BatchInput, load_model
 from kvcore.model.half_llama import HALF_CACHE_DTYPES, HalfLlamaModel
 from kvcore.model.quantized import model_weight_bytes, resolve_quantization
-from kvcore.planner import model_bytes_per_token, num_blocks_for_memory
+from kvcore.planner import model_bytes_per_token, num_blocks_for_memory, window_bytes
 from kvcore.sampling import BeamSearchParams, SamplingParams
 
 log = structlog.get_logger("kvcore.engine")
 
 CPU_KV_CACHE_MEMORY = 2 * 2**30  # the CPU default budget: 2 GiB, or less when that is plenty
 GPU_KV_CACHE_FRACTION = 0.5  # of the device memory still free after the weights
+# devices with kernels for an int4 cache (its fp16 window, sealing and attention)
+INT4_DEVICES = ("cpu",)
 
 
 class EngineModel(Protocol):
@@ -44,6 +47,9 @@ def engine_cache_dtype(cache_dtype: str, half_model: bool) -> str:
     the CPU, beside fp32 compute, half the bytes per token of fp32 with the default model's
     greedy outputs unchanged, see docs/benchmarks.md); the fp16 model pairs only with fp16 or
     fp8 caches (ValueError otherwise)."""
+    if cache_dtype == "int4" and half_model and "cuda" not in INT4_DEVICES:
+        raise ValueError("cache_dtype 'int4' runs on the CPU only for now (device cpu): the "
+                         "CUDA kernels for int4 blocks are not in this build")
     if not half_model:
         return "fp16" if cache_dtype == "auto" else cache_dtype
     if cache_dtype == "auto":
@@ -79,15 +85,27 @@ def load_engine_model(config: EngineConfig, device: str) -> tuple[EngineModel, s
     return model, cache_dtype
 
 
+def window_slots(config: EngineConfig, cache_dtype: str) -> int:
+    """An int4 cache's fp16 window blocks (enough that they never run out); 0 otherwise."""
+    if cache_dtype != "int4":
+        return 0
+    return num_window_slots(config.scheduler.max_num_seqs, config.cache.int4_window_tokens,
+                            config.cache.block_size, config.scheduler.max_num_batched_tokens)
+
+
 def pool_size(config: EngineConfig, model_config: ModelConfig, cache_dtype: str,
               max_model_len: int, device: str) -> int:
     """Blocks in the pool: CacheConfig.num_blocks, else kv_cache_memory through the planner,
-    else a device default (CPU: 2 GiB, capped at max_num_seqs sequences of max_model_len)."""
+    else a device default (CPU: 2 GiB, capped at max_num_seqs sequences of max_model_len). An
+    int4 cache's fp16 window comes out of the same budget."""
     cache = config.cache
     if cache.num_blocks is not None:
         return cache.num_blocks
     mc = model_config
-    per_token = model_bytes_per_token(mc, cache_dtype)
+    per_token = model_bytes_per_token(mc, cache_dtype, cache.block_size)
+    kv_heads, kv_width, shared_kv = mc.kv_layout
+    window = (window_bytes(mc.num_layers, kv_heads, kv_width, window_slots(config, cache_dtype),
+                           cache.block_size) if cache_dtype == "int4" else 0)
     memory = cache.kv_cache_memory
     if memory is None:
         if device == "cuda":
@@ -96,15 +114,29 @@ def pool_size(config: EngineConfig, model_config: ModelConfig, cache_dtype: str,
             free, _ = cupy.cuda.runtime.memGetInfo()
             memory = int(free * GPU_KV_CACHE_FRACTION)
         else:
-            wanted = per_token * config.scheduler.max_num_seqs * max_model_len
+            wanted = per_token * config.scheduler.max_num_seqs * max_model_len + window
             memory = min(CPU_KV_CACHE_MEMORY, wanted)
-    kv_heads, kv_width, shared_kv = mc.kv_layout
     num_blocks = num_blocks_for_memory(memory, mc.num_layers, kv_heads, kv_width, cache_dtype,
-                                       cache.block_size, shared_kv)
+                                       cache.block_size, shared_kv, window)
     if num_blocks < 1:
+        extra = f" beside the int4 fp16 window ({window} bytes)" if window else ""
         raise ValueError(f"kv_cache_memory={memory} bytes holds no block of {cache.block_size} "
-                         f"tokens ({per_token * cache.block_size} bytes)")
+                         f"tokens ({per_token * cache.block_size} bytes){extra}")
     return num_blocks
+
+
+def make_kv_cache(config: EngineConfig, model_config: ModelConfig, num_blocks: int,
+                  cache_dtype: str, device: str, kv: KVCacheManager) -> KVCache:
+    """The pool's K/V arrays; an int4 cache's window slots driven by the block manager."""
+    kv_heads, kv_width, shared_kv = model_config.kv_layout  # MLA: one latent K/V "head"
+    slots = window_slots(config, cache_dtype)
+    kv_cache = KVCache(model_config.num_layers, num_blocks, config.cache.block_size, kv_heads,
+                       kv_width, cache_dtype, device, shared_kv=shared_kv,
+                       num_window_slots=slots or None,
+                       window_tokens=config.cache.int4_window_tokens)
+    if kv_cache.window is not None:
+        kv.attach_window(kv_cache.window)
+    return kv_cache
 
 
 def check_prompt(prompt_ids: Sequence[int], params: SamplingParams | BeamSearchParams,

@@ -65,6 +65,20 @@ def copy_blocks(k_caches: list[Any], v_caches: list[Any], block_mapping: Any) ->
     impl.copy_blocks(k_caches, v_caches, block_mapping)
 
 
+def seal_int4_blocks(k_window: Any, v_window: Any, k_rows: Any, v_rows: Any, block_ids: Any,
+                     slots: Any, group: int) -> None:
+    """Quantize int4 window slots `slots` (fp16 (num_slots, bs, Hkv, D)) into the K and V rows
+    of blocks `block_ids` (uint8 (num_blocks, row_bytes)), one layer: kvcore.cache.int4's
+    format, bit-exact."""
+    if _on_gpu(k_rows):
+        _cuda().seal_int4_blocks(k_window, v_window, k_rows, v_rows, block_ids, slots, group)
+        return
+    from kvcore.kernels import int4_numba
+
+    int4_numba.seal_blocks(k_window.view("uint16"), v_window.view("uint16"), k_rows, v_rows,
+                           block_ids, slots, group)
+
+
 def _elementwise(name: str, array: Any) -> Any:
     if _on_gpu(array):
         return getattr(_cuda(), name, getattr(cpu, name))
@@ -84,5 +98,6 @@ def rope(x: Any, positions: Any, cos: Any, sin: Any) -> Any:
 
 
 __all__ = ["cache_latent", "copy_blocks", "mla_paged_attention", "paged_attention",
-           "reshape_and_cache", "rms_norm", "rope", "silu_and_mul", "uses_cuda_kernels",
+           "reshape_and_cache", "rms_norm", "rope", "seal_int4_blocks", "silu_and_mul",
+           "uses_cuda_kernels",
            "warm_up_cpu_kernels"]

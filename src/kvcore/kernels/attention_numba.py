@@ -21,9 +21,11 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from kvcore.kernels.int4_numba import load_int4_block
 from kvcore.kernels.numba_blocks import (
     FASTMATH,
     MODE_FP32,
+    MODE_INT4,
     block_scores,
     block_values,
     exp_rows,
@@ -33,6 +35,9 @@ from kvcore.kernels.numba_blocks import (
 from kvcore.kernels.numba_simd import LANES
 from kvcore.kernels.numba_tiles import tile_scores, tile_values
 
+# an int4 cache's fp16 window (K, V: (num_slots, bs, Hkv, D) as uint16 bits), its block ->
+# window slot table (num_blocks,) and the V rows' group; placeholders for the other dtypes
+Int4Args = tuple[np.ndarray, np.ndarray, np.ndarray, int]
 ROWS_PER_TILE = 16  # query rows of a prefill chunk per item: 16 x group vectors share each block
 MIN_SPLIT_KEYS = 256  # a key range is split only into pieces at least this long
 ITEMS_PER_THREAD = 8  # split key ranges until the batch has about this many items per thread
@@ -115,16 +120,20 @@ def work_items(context_lens: np.ndarray, query_start_loc: np.ndarray, block_size
 
 @njit(fastmath=FASTMATH, cache=True)
 def _attend_item(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
-                 k_bits: np.ndarray, v_bits: np.ndarray, mode: int, block_tables: np.ndarray,
-                 context_lens: np.ndarray, query_start_loc: np.ndarray, window: int,
-                 item: np.ndarray, part_max: np.ndarray, part_sum: np.ndarray,
-                 part_out: np.ndarray) -> None:
+                 k_bits: np.ndarray, v_bits: np.ndarray, mode: int, int4: Int4Args,
+                 block_tables: np.ndarray, context_lens: np.ndarray,
+                 query_start_loc: np.ndarray, window: int, item: np.ndarray,
+                 part_max: np.ndarray, part_sum: np.ndarray, part_out: np.ndarray) -> None:
     """One item: its query vectors (rows x heads) over keys [key0, key1), unnormalized, into
     the partial arrays at the item's offset. An fp32 cache's blocks are read where they lie
     (k_cache, v_cache); a 16-bit or fp8 cache's (k_bits, v_bits: its raw bits) are converted
-    into a float32 block first. Keys outside the item's range are masked like the future."""
+    into a float32 block first; an int4 cache's (k_bits, v_bits: its sealed rows) are
+    unpacked from their rows or widened from their fp16 window slot (int4). Keys outside the
+    item's range are masked like the future."""
     s, r0, r1, k0, k1, offset = item[0], item[1], item[2], item[3], item[4], item[5]
-    shape = k_cache.shape if mode == MODE_FP32 else k_bits.shape
+    k_window, v_window, window_slot, value_group = int4
+    shape = (k_cache.shape if mode == MODE_FP32 else k_window.shape if mode == MODE_INT4
+             else k_bits.shape)  # int4: rows as (num_blocks, 1, 1, row_bytes)
     block_size, num_kv_heads, head_dim = shape[1], shape[2], shape[3]
     num_heads = query.shape[1]
     group = num_heads // num_kv_heads
@@ -160,6 +169,9 @@ def _attend_item(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
         t1 = min(k1, first_key + block_size) - first_key
         if mode == MODE_FP32:
             keys = k_cache[block_id]
+        elif mode == MODE_INT4:
+            load_int4_block(k_bits, k_window, window_slot, block_id, 0, key_block)
+            keys = key_block
         else:
             load_block(k_bits, block_id, mode, key_block)
             keys = key_block
@@ -191,6 +203,9 @@ def _attend_item(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
         exp_rows(probs, row_max)
         if mode == MODE_FP32:
             values = v_cache[block_id]
+        elif mode == MODE_INT4:
+            load_int4_block(v_bits, v_window, window_slot, block_id, value_group, value_block)
+            values = value_block
         else:
             load_block(v_bits, block_id, mode, value_block)
             values = value_block
@@ -213,17 +228,19 @@ def _attend_item(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def attend(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, k_bits: np.ndarray,
-           v_bits: np.ndarray, mode: int, block_tables: np.ndarray, context_lens: np.ndarray,
-           query_start_loc: np.ndarray, window: int, items: np.ndarray, groups: np.ndarray,
-           num_partial_rows: int, v_scale: float, out: np.ndarray) -> None:
+           v_bits: np.ndarray, mode: int, int4: Int4Args, block_tables: np.ndarray,
+           context_lens: np.ndarray, query_start_loc: np.ndarray, window: int,
+           items: np.ndarray, groups: np.ndarray, num_partial_rows: int, v_scale: float,
+           out: np.ndarray) -> None:
     """Every item in parallel, then every group's items merged into out (T, H, D)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     part_max = np.empty(num_partial_rows * num_heads, np.float32)  # (P,)
     part_sum = np.empty(num_partial_rows * num_heads, np.float32)
     part_out = np.empty((num_partial_rows * num_heads, head_dim), np.float32)  # (P, D)
     for w in prange(items.shape[0]):
-        _attend_item(query, k_cache, v_cache, k_bits, v_bits, mode, block_tables, context_lens,
-                     query_start_loc, window, items[w], part_max, part_sum, part_out)
+        _attend_item(query, k_cache, v_cache, k_bits, v_bits, mode, int4, block_tables,
+                     context_lens, query_start_loc, window, items[w], part_max, part_sum,
+                     part_out)
     for g in prange(groups.shape[0]):
         row0, num_rows, i0, i1 = groups[g, 0], groups[g, 1], groups[g, 2], groups[g, 3]
         for i in range(num_rows * num_heads):
@@ -252,12 +269,12 @@ def set_threads(threads: int) -> None:
 
 
 def run(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, k_bits: np.ndarray,
-        v_bits: np.ndarray, mode: int, block_tables: np.ndarray, context_lens: np.ndarray,
-        query_start_loc: np.ndarray, window: int, items: np.ndarray, groups: np.ndarray,
-        num_partial_rows: int, v_scale: float, out: np.ndarray) -> None:
+        v_bits: np.ndarray, mode: int, int4: Int4Args, block_tables: np.ndarray,
+        context_lens: np.ndarray, query_start_loc: np.ndarray, window: int, items: np.ndarray,
+        groups: np.ndarray, num_partial_rows: int, v_scale: float, out: np.ndarray) -> None:
     """attend(...), its items handed out one at a time: a thread that starts late (a busy
     machine) takes fewer items instead of holding up the region with an equal share. Scoped
     to this call: other parallel code of the process keeps its own chunk size."""
     with numba.parallel_chunksize(1):
-        attend(query, k_cache, v_cache, k_bits, v_bits, mode, block_tables, context_lens,
+        attend(query, k_cache, v_cache, k_bits, v_bits, mode, int4, block_tables, context_lens,
                query_start_loc, window, items, groups, num_partial_rows, v_scale, out)

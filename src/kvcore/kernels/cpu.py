@@ -5,7 +5,8 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from kvcore.kernels import attention, cpu_numba
+from kvcore.kernels import attention, cpu_numba, int4_kv
+from kvcore.kernels.int4_kv import Int4Layer
 from kvcore.kernels.layer_ops import rms_norm, rope, rope_cos_sin, rope_inv_freq, silu_and_mul
 
 FP8_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -26,7 +27,12 @@ def reshape_and_cache(key: np.ndarray, value: np.ndarray, k_cache: np.ndarray, v
     """Write this step's K/V rows into their cache slots (slot = block_id * block_size + offset).
 
     key/value (T, Hkv, D); caches (num_blocks, block_size, Hkv, D); slot_mapping (T,), -1 = skip.
+    An int4 cache (Int4Layer) takes them into its blocks' fp16 window slots.
     """
+    if isinstance(k_cache, Int4Layer):
+        assert isinstance(v_cache, Int4Layer)
+        int4_kv.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+        return
     num_tokens, num_kv_heads, head_dim = key.shape
     if value.shape != key.shape:
         raise ValueError(f"value shape {value.shape} differs from key shape {key.shape}")
@@ -54,12 +60,13 @@ def reshape_and_cache(key: np.ndarray, value: np.ndarray, k_cache: np.ndarray, v
                 rows, cache.dtype, scale)
 
 
-def _check_attention_shapes(query: np.ndarray, k_cache: np.ndarray, block_tables: np.ndarray,
-                            context_lens: np.ndarray, query_start_loc: np.ndarray) -> None:
+def _check_attention_shapes(query: np.ndarray, k_cache: np.ndarray | Int4Layer,
+                            block_tables: np.ndarray, context_lens: np.ndarray,
+                            query_start_loc: np.ndarray) -> None:
     """The per-call checks (shapes only, no pass over the arrays); attention.plan checks the
     values of the batch arrays once per new plan."""
     num_seqs = context_lens.shape[0]
-    if query.ndim != 3 or k_cache.ndim != 4 or query.shape[2] != k_cache.shape[3]:
+    if query.ndim != 3 or len(k_cache.shape) != 4 or query.shape[2] != k_cache.shape[3]:
         raise ValueError(f"query {query.shape} and cache {k_cache.shape} shapes do not match")
     if query.shape[1] % k_cache.shape[2]:
         raise ValueError(f"query heads ({query.shape[1]}) must be a multiple of KV heads "
@@ -72,9 +79,10 @@ def _check_attention_shapes(query: np.ndarray, k_cache: np.ndarray, block_tables
                          f"query has {query.shape[0]} rows")
 
 
-def paged_attention(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
-                    block_tables: np.ndarray, context_lens: np.ndarray,
-                    query_start_loc: np.ndarray, scale: float, sliding_window: int | None = None,
+def paged_attention(query: np.ndarray, k_cache: np.ndarray | Int4Layer,
+                    v_cache: np.ndarray | Int4Layer, block_tables: np.ndarray,
+                    context_lens: np.ndarray, query_start_loc: np.ndarray, scale: float,
+                    sliding_window: int | None = None,
                     k_scale: float = 1.0, v_scale: float = 1.0) -> np.ndarray:
     """Causal attention of a mixed batch (prefill chunks and decode tokens) over the paged cache.
 
@@ -108,10 +116,14 @@ def paged_attention(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     return out.astype(query.dtype, copy=False)
 
 
-def _numpy_attention(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
-                     block_tables: np.ndarray, context_lens: np.ndarray,
-                     query_start_loc: np.ndarray, scale: float, sliding_window: int | None,
-                     k_scale: float, v_scale: float) -> np.ndarray:
+def _numpy_attention(query: np.ndarray, k_cache: np.ndarray | Int4Layer,
+                     v_cache: np.ndarray | Int4Layer, block_tables: np.ndarray,
+                     context_lens: np.ndarray, query_start_loc: np.ndarray, scale: float,
+                     sliding_window: int | None, k_scale: float, v_scale: float) -> np.ndarray:
+    if isinstance(k_cache, Int4Layer):  # the blocks it reads, dequantized to float32
+        assert isinstance(v_cache, Int4Layer)
+        k_cache, v_cache, block_tables = int4_kv.dense_blocks(k_cache, v_cache, block_tables)
+    assert not isinstance(v_cache, Int4Layer)
     step = attention.plan(block_tables, context_lens, query_start_loc, k_cache.shape[1],
                           sliding_window)
     return attention.attend(query, k_cache, v_cache, step, scale, sliding_window, k_scale,

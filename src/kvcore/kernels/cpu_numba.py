@@ -25,6 +25,7 @@ import ml_dtypes
 import numpy as np
 import structlog
 
+from kvcore.kernels.int4_kv import Int4Layer
 from kvcore.kernels.parallel import num_threads
 
 log = structlog.get_logger("kvcore.kernels")
@@ -37,6 +38,10 @@ CPU_CACHE_DTYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), 
 # what the kernel gets for the cache it does not read: an fp32 cache as floats, any other as bits
 _NO_FLOATS = np.zeros((1, 1, 1, 1), np.float32)
 _NO_BITS = np.zeros((1, 1, 1, 1), np.uint8)
+# the int4 arguments (window K, V, window_slot, group) of a cache that is not int4
+_NO_INT4 = (np.zeros((1, 1, 1, 1), np.uint16), np.zeros((1, 1, 1, 1), np.uint16),
+            np.zeros(1, np.int32), 0)
+_MODE_INT4 = 4  # numba_blocks.MODE_INT4 (this module does not import numba)
 # prefill chunks of at least this many query tokens run the NumPy kernel (its GEMMs): 2,048-token
 # prefill measured 2.1x faster there on 2 cores; decode tokens and short chunks run compiled
 NUMPY_CHUNK_ROWS = 128
@@ -128,22 +133,38 @@ def _cache_mode(cache: np.ndarray) -> tuple[int, np.ndarray, np.ndarray] | None:
     return None
 
 
-def supports(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray) -> bool:
+def supports(query: np.ndarray, k_cache: np.ndarray | Int4Layer,
+             v_cache: np.ndarray | Int4Layer) -> bool:
     """Whether the compiled kernel takes these arrays (else the NumPy kernel runs)."""
+    if isinstance(k_cache, Int4Layer):
+        return active() and query.dtype in (np.float32, np.float16)
+    assert not isinstance(v_cache, Int4Layer)
     return (active() and k_cache.dtype == v_cache.dtype and _cache_mode(k_cache) is not None
             and v_cache.flags.c_contiguous and query.dtype in (np.float32, np.float16))
 
 
-def paged_attention(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
-                    block_tables: np.ndarray, context_lens: np.ndarray,
-                    query_start_loc: np.ndarray, scale: float, sliding_window: int | None,
+def paged_attention(query: np.ndarray, k_cache: np.ndarray | Int4Layer,
+                    v_cache: np.ndarray | Int4Layer, block_tables: np.ndarray,
+                    context_lens: np.ndarray, query_start_loc: np.ndarray, scale: float,
+                    sliding_window: int | None,
                     k_scale: float, v_scale: float) -> np.ndarray:
     """The compiled kernel, same contract as kvcore.kernels.cpu.paged_attention (shapes checked
     there). Arrays are cast to the one set of types the warm-up compiled: no JIT on a request."""
     kernel = compiled()
     assert kernel is not None
-    k_mode, k_floats, k_bits = _cache_mode(k_cache)  # type: ignore[misc]
-    _, v_floats, v_bits = _cache_mode(v_cache)  # type: ignore[misc]
+    if isinstance(k_cache, Int4Layer):
+        assert isinstance(v_cache, Int4Layer)
+        k_mode, k_floats, v_floats = _MODE_INT4, _NO_FLOATS, _NO_FLOATS
+        # (num_blocks, 1, 1, row_bytes): four dimensions, as the other dtypes' bits
+        k_bits, v_bits = (layer.rows.reshape(layer.rows.shape[0], 1, 1, -1)
+                          for layer in (k_cache, v_cache))
+        int4 = (k_cache.window.view(np.uint16), v_cache.window.view(np.uint16),
+                k_cache.window_slot, v_cache.group)
+    else:
+        assert not isinstance(v_cache, Int4Layer)
+        k_mode, k_floats, k_bits = _cache_mode(k_cache)  # type: ignore[misc]
+        _, v_floats, v_bits = _cache_mode(v_cache)  # type: ignore[misc]
+        int4 = _NO_INT4
     # scale and k_scale folded into the queries: score = (q * scale * k_scale) . stored key
     q = np.multiply(query, np.float32(scale * k_scale), dtype=np.float32)  # (T, H, D) dense
     tables = np.ascontiguousarray(block_tables, dtype=np.int32)
@@ -157,7 +178,7 @@ def paged_attention(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     kernel.set_threads(threads)
     items, groups, num_rows = kernel.work_items(lens, starts, k_cache.shape[1], window, threads)
     out = np.empty(q.shape, np.float32)  # (T, H, D)
-    kernel.run(q, k_floats, v_floats, k_bits, v_bits, k_mode, tables, lens, starts, window,
+    kernel.run(q, k_floats, v_floats, k_bits, v_bits, k_mode, int4, tables, lens, starts, window,
                items, groups, num_rows, float(v_scale), out)
     return out
 
@@ -185,12 +206,40 @@ def warm_up(cache_dtypes: tuple[np.dtype, ...] = (np.dtype(np.float32),)) -> flo
 
 def warm_up_cpu_kernels(cache_dtype: str) -> float:
     """What the engine calls once at construction, before it takes requests: the compiled
-    attention for its cache dtype ("fp32", "fp16", "bf16" or "fp8"), loaded from numba's disk
-    cache or compiled. Returns the seconds it took."""
+    attention for its cache dtype ("fp32", "fp16", "bf16", "fp8" or "int4"), loaded from
+    numba's disk cache or compiled. Returns the seconds it took."""
+    if cache_dtype == "int4":
+        return warm_up_int4()
     if cache_dtype not in CPU_CACHE_DTYPES:
-        raise ValueError(f"cache_dtype must be one of {tuple(CPU_CACHE_DTYPES)}, "
+        raise ValueError(f"cache_dtype must be one of {(*CPU_CACHE_DTYPES, 'int4')}, "
                          f"got {cache_dtype!r}")
     return warm_up((CPU_CACHE_DTYPES[cache_dtype],))
+
+
+def warm_up_int4() -> float:
+    """warm_up for an int4 cache: its attention variant (a sealed and an open block) and the
+    sealing quantizer."""
+    start = time.perf_counter()
+    if active():
+        from kvcore.kernels import int4_numba
+
+        bs, heads, dim, group = 4, 1, 8, 8
+        window = np.zeros((2, bs, heads, dim), np.float16)  # (slots, bs, Hkv, D)
+        k_rows = np.zeros((3, int4_numba.key_row_bytes(bs, heads, dim)), np.uint8)
+        v_rows = np.zeros((3, int4_numba.value_row_bytes(bs, heads, dim, group)), np.uint8)
+        slots = np.array([-1, 0, 1], np.int32)
+        int4_numba.seal_blocks(window.view(np.uint16), window.view(np.uint16), k_rows, v_rows,
+                               np.array([0], np.int64), np.array([0], np.int64), group)
+        k = Int4Layer(k_rows, window, slots, True, group)
+        v = Int4Layer(v_rows, window, slots, False, group)
+        query = np.ones((4, 2, dim), np.float32)  # (T, H, D): 3 + 1 tokens
+        tables = np.array([[0, 1], [2, 1]], np.int32)
+        for sliding in (None, 2):
+            paged_attention(query, k, v, tables, np.array([3, 5], np.int32),
+                            np.array([0, 3, 4], np.int32), 0.3, sliding, 1.0, 1.0)
+    seconds = time.perf_counter() - start
+    log.info("CPU paged attention (int4)", path=path_name(), warm_up_s=round(seconds, 2))
+    return seconds
 
 
 FEW_ROWS_MAX = 16  # up to this many rows the compiled matmul beats OpenBLAS's GEMM
