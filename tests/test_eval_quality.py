@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from int4_sim import Int4SimCache
 from kvcore.cache import int4
 from kvcore.cli import main
-from kvcore.model.int4_sim import Int4SimCache
+from kvcore.model.batch import BatchInput
+from kvcore.model.loader import load_model
 from kvcore.model.quality import (
     Variant,
     greedy_agreement,
@@ -20,6 +23,7 @@ from kvcore.model.quality import (
     next_token_stats,
     replace_kv,
 )
+from kvcore.model.quality_runs import BLOCK_SIZE, CachedModel
 
 
 def test_stats_match_a_hand_computed_case() -> None:
@@ -80,8 +84,9 @@ def _write(cache: Int4SimCache, table: list[int], start: int, values: np.ndarray
 
 @pytest.mark.parametrize(("window", "chunk"), [(0, 1), (0, 5), (6, 1), (6, 3), (4, 8)])
 def test_int4_sim_cache_holds_what_the_int4_cache_reads(window: int, chunk: int) -> None:
-    """After every step: blocks that are full and out of the window hold the reference
-    quantizer's dequantized fp16-rounded tokens, every other token its fp16 rounding."""
+    """During every step: blocks that are full and that the earlier steps wrote `window` tokens
+    past hold the reference quantizer's dequantized fp16-rounded tokens; after the step every
+    other token holds its fp16 rounding."""
     layers, bs, heads, dim, group, n = 2, 4, 2, 8, 4, 23
     rng = np.random.default_rng(5)
     tokens = rng.standard_normal((n, 2, layers, heads, dim)).astype(np.float32) * 3  # (T, K|V, ...)
@@ -90,16 +95,16 @@ def test_int4_sim_cache_holds_what_the_int4_cache_reads(window: int, chunk: int)
     half = tokens.astype(np.float16).astype(np.float32)
     for start in range(0, n, chunk):
         end = min(start + chunk, n)
-        cache.before_step([table], [start], [end])
+        cache.before_step(table, start)
         _write(cache, table, start, tokens[start:end])
-        cache.after_step([table], [start], [end])
-        sealed = max(end - window, 0) // bs
+        cache.after_step(table, start, end)
+        sealed = max(start - window, 0) // bs
         for layer in range(layers):
             for b in range(-(-end // bs)):
                 got_k = cache.key_caches[layer][table[b]]
                 got_v = cache.value_caches[layer][table[b]]
                 want = half[b * bs:(b + 1) * bs, :, layer]  # (<=bs, 2, heads, dim)
-                filled = len(want) if b * bs + len(want) <= end else end - b * bs
+                filled = min(len(want), end - b * bs)
                 if b < sealed:
                     k_ref = int4.dequantize_key_block(int4.quantize_key_block(want[:, 0]),
                                                       bs, heads, dim)
@@ -110,6 +115,33 @@ def test_int4_sim_cache_holds_what_the_int4_cache_reads(window: int, chunk: int)
                 else:
                     np.testing.assert_array_equal(got_k[:filled], want[:filled, 0])
                     np.testing.assert_array_equal(got_v[:filled], want[:filled, 1])
+
+
+@pytest.mark.parametrize("window", [0, 8])
+def test_eval_int4_path_matches_the_model_of_the_cache(tiny_model_dir: Path,
+                                                       window: int) -> None:
+    """eval's int4 runs (the cache's window slots, seals and numba attention, driven by the
+    block manager) give the logits of the independent model above, fed the same blocks."""
+    model = load_model(tiny_model_dir, "cpu")
+    ids = [int(t) for t in np.random.default_rng(3).integers(3, 250, 70)]
+    run = CachedModel(model, Variant("none", "int4"), 8, 8, window)
+    got = run.prefill("s", ids, 0, all_logits=True)  # (70, vocab)
+    kv_heads, width, _ = model.config.kv_layout
+    sim = Int4SimCache(model.config.num_layers, 8, BLOCK_SIZE, kv_heads, width, 8, window)
+    table = list(range(8))
+    want = []
+    for start in range(0, len(ids), BLOCK_SIZE):
+        part = ids[start:start + BLOCK_SIZE]
+        batch = replace(BatchInput.build([part], [start], [table], BLOCK_SIZE),
+                        logits_indices=np.arange(len(part)))
+        sim.before_step(table, start)
+        want.append(model.forward(batch, sim))
+        sim.after_step(table, start, start + len(part))
+    want_logits = np.concatenate(want)
+    # the model reads a step's own tokens in float32, the cache in fp16
+    np.testing.assert_allclose(got, want_logits, atol=2e-3 * np.abs(want_logits).max())
+    fp32 = CachedModel(model, Variant("none"), 8, 8, window).prefill("s", ids, 0, True)
+    assert np.abs(fp32 - want_logits).max() > 10 * np.abs(got - want_logits).max()
 
 
 def test_int4_sim_cache_refuses_a_bad_layout() -> None:
@@ -141,8 +173,8 @@ def test_eval_cli_on_the_tiny_model(tiny_model_dir: Path, tmp_path: Path,
     base = rows["none"]
     assert (base["mean_kl"], base["top1_agreement"], base["greedy_agreement"]) == (0, 1, 1)
     assert base["perplexity_vs_baseline"] == 0 and base["int4"] is None
-    assert rows["none:int4"]["int4"] == {"group": 8, "window": 0, "path": "simulated"}
-    assert rows["none:int4-g16-r4"]["int4"] == {"group": 16, "window": 4, "path": "simulated"}
+    assert rows["none:int4"]["int4"] == {"group": 8, "window": 0, "path": "cache"}
+    assert rows["none:int4-g16-r4"]["int4"] == {"group": 16, "window": 4, "path": "cache"}
     for row in rows.values():
         assert set(row) == {"variant", "weights", "cache_dtype", "int4", "weight_bytes",
                             "perplexity", "perplexity_vs_baseline", "mean_kl", "top1_agreement",
@@ -152,7 +184,8 @@ def test_eval_cli_on_the_tiny_model(tiny_model_dir: Path, tmp_path: Path,
     # random tiny weights: fp16's error is far below int4's
     assert rows["none:fp16"]["mean_kl"] < rows["none:int4"]["mean_kl"]
     out = capsys.readouterr().out
-    assert "mean KL" in out and "greedy agree" in out and "int4: simulated" in out
+    assert "mean KL" in out and "greedy agree" in out
+    assert "none:int4: the int4 cache, values in groups of 8" in out
 
 
 @pytest.mark.parametrize(("flags", "param"), [

@@ -197,9 +197,11 @@ def format_table(results: dict[str, Any]) -> str:
                      f"{row['perplexity']:>12.4f}{row['perplexity_vs_baseline']:>+9.2%}"
                      f"{row['mean_kl']:>10.5f}{row['top1_agreement']:>13.2%}"
                      f"{row['greedy_agreement']:>14.2%}")
-    if any(row["int4"] for row in results["rows"]):
-        lines.append("int4: simulated (the NumPy reference format of kvcore.cache.int4, sealed "
-                     "blocks read back dequantized, the window in fp16)")
+    for row in results["rows"]:
+        if row["int4"]:
+            lines.append(f"{row['variant']}: the int4 cache, values in groups of "
+                         f"{row['int4']['group']}, the {row['int4']['window']} most recent tokens "
+                         "in fp16, fed one block per step")
     for i in range(max((len(r["greedy"]) for r in results["rows"]), default=0)):
         lines.append(f"\nchat prompt {i + 1}:")
         for row in results["rows"]:
