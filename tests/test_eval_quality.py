@@ -161,7 +161,7 @@ def test_eval_cli_on_the_tiny_model(tiny_model_dir: Path, tmp_path: Path,
     text = tmp_path / "text.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 4)
     report = tmp_path / "eval.json"
-    assert _eval(tiny_model_dir, "--text", str(text), "--int4-group", "8",
+    assert _eval(tiny_model_dir, "--text", str(text), "--int4-group", "8", "--int4-window", "0",
                  "--kv-dtypes", "fp32,fp16,bf16,fp8,int4,int4-g16-r4", "--json", str(report)) == 0
     results = json.loads(report.read_text())
     assert {k: results[k] for k in ("tokens", "context", "chunk", "greedy_tokens",

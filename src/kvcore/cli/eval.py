@@ -23,9 +23,10 @@ from tqdm import tqdm
 
 from kvcore.cache import int4
 from kvcore.cli import CLIError
+from kvcore.config import CacheConfig
 
+INT4_WINDOW = CacheConfig().int4_window_tokens  # the engine's default, so eval measures it
 DEFAULT_KV_DTYPES = "fp32,fp16,bf16,fp8,int4"
-INT4_WINDOW = 0  # recent tokens an int4 cache keeps in fp16 (by measurement: docs/benchmarks.md)
 CHAT_PROMPTS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "system", "content": "You are a terse assistant."},
