@@ -48,8 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "q4, auto, each optionally :KV_DTYPE (default none: fp32 weights, whose "
                         "results move only with the cache; quantized weights round activations, "
                         "which turns the cache's small errors into flips of near ties)")
-    parser.add_argument("--tokens", type=int, default=4096, metavar="N",
-                        help="tokens of the text to score (default 4096)")
+    parser.add_argument("--tokens", type=int, default=2048, metavar="N",
+                        help="tokens of the text to score (default 2048: one window)")
     parser.add_argument("--text", metavar="FILE", help="a UTF-8 text to score (default: "
                         "Python's own documentation topics, pydoc_data.topics)")
     parser.add_argument("--context", "--window", dest="context", type=int, default=2048,
