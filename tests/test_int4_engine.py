@@ -150,8 +150,9 @@ def test_no_block_or_slot_leaks(tiny_model_dir: Path, seed: int, n: int, window:
 
 
 def test_window_pool_bound() -> None:
-    # 2 sequences, window 32 over blocks of 16 (2 + 2 + 1 each), a 2,048-token step (128)
-    assert num_window_slots(2, 32, 16, 2048) == 2 * 5 + 128
+    # 2 sequences, window 32 over blocks of 16 (2 + 1 each), a 2,048-token step (128)
+    assert num_window_slots(2, 32, 16, 2048) == 2 * 3 + 128
+    assert num_window_slots(2, 0, 16, 2048) == 2 * 2 + 128  # the partial block + one
     with pytest.raises(ValueError, match="window_tokens must be >= 0"):
         num_window_slots(2, -1, 16, 2048)
 
@@ -169,3 +170,17 @@ def test_planner_agrees_with_the_pool(tiny_model_dir: Path, dtype: str) -> None:
 def test_int4_is_refused_on_the_fp16_gpu_model() -> None:
     with pytest.raises(ValueError, match="int4' runs on the CPU only"):
         engine_cache_dtype("int4", half_model=True)
+
+
+def test_async_scheduling_gives_the_same_tokens(tiny_model_dir: Path) -> None:
+    """Seals run at the start of the step after the one that wrote their tokens, whichever
+    way steps are launched: async scheduling (step N+1 scheduled while N runs) changes no
+    token."""
+    prompts = random_prompts(7, 4, 20, 50)
+    runs = []
+    for async_scheduling in (False, True):
+        engine = make_engine(tiny_model_dir, cache_dtype="int4", int4_window_tokens=4,
+                             max_num_batched_tokens=16, async_scheduling=async_scheduling)
+        runs.append([out.outputs[0].token_ids for out in run_all(engine, prompts, GREEDY)])
+        assert_window_empty(engine)
+    assert runs[0] == runs[1]

@@ -8,9 +8,11 @@ head_dim 64, blocks of 16), fp32, on fresh random data. Prints the median time p
     .venv/bin/python tools/bench_attention.py [--threads N] [--repeats 5] [--gather] [--bound]
 
 `--bound` adds decode attention against its memory bound, per cache dtype (fp32, fp16, bf16,
-fp8) at batch 32 x context 512: the K/V bytes a layer must read divided by the read bandwidth
-measured in the same run (a compiled parallel read of the same caches, same threads), over
-several layers' caches in turn so that each call finds its cache cold, as in a forward pass.
+fp8, int4) at batch 32 x context 512 (`--bound-context` to change it): the K/V bytes a layer
+must read divided by the read bandwidth measured in the same run (a compiled parallel read of
+the same caches, same threads), over several layers' caches in turn so that each call finds its
+cache cold, as in a forward pass. int4 as in decode: every block sealed except each sequence's
+last 32 tokens' blocks (its fp16 window); its bytes are the sealed rows and the window.
 
 `--gather` adds what bounds decode attention: the rate at which one step's K/V blocks are
 gathered (np.take, as the kernel does) from 30 layers' caches (cold, as in a forward pass), with
@@ -86,7 +88,34 @@ def gather_rates(rng: np.random.Generator, repeats: int, num_seqs: int = 64,
     return {name: total_bytes / statistics.median(t) / 1e9 for name, t in times.items()}
 
 
-def bound_rows(rng: np.random.Generator, repeats: int, layers: int = 8) -> list[str]:
+def int4_case(case: tuple, window_tokens: int = 32, group: int = 32) -> tuple:
+    """A decode case's caches as an int4 cache: blocks sealed (the format's bytes), except the
+    blocks of each sequence's last window_tokens tokens, open in an fp16 window."""
+    from kvcore.kernels import int4_numba
+    from kvcore.kernels.int4_kv import Int4Layer
+
+    query, k_cache, v_cache, tables, lens, starts = case
+    num_blocks = k_cache.shape[0]
+    k16, v16 = k_cache.astype(np.float16), v_cache.astype(np.float16)
+    k_rows = np.zeros((num_blocks, int4_numba.key_row_bytes(BLOCK_SIZE, KV_HEADS, HEAD_DIM)),
+                      np.uint8)
+    v_rows = np.zeros((num_blocks, int4_numba.value_row_bytes(BLOCK_SIZE, KV_HEADS, HEAD_DIM,
+                                                              group)), np.uint8)
+    every = np.arange(num_blocks)
+    int4_numba.seal_blocks(k16.view(np.uint16), v16.view(np.uint16), k_rows, v_rows, every,
+                           every, group)
+    open_blocks = np.array([tables[s, b] for s, n in enumerate(lens)
+                            for b in range(max(0, (n - window_tokens) // BLOCK_SIZE),
+                                           -(-n // BLOCK_SIZE))])
+    window_slot = np.full(num_blocks, -1, np.int32)  # (num_blocks,)
+    window_slot[open_blocks] = np.arange(open_blocks.size)
+    return (query, Int4Layer(k_rows, k16[open_blocks], window_slot, True, group),
+            Int4Layer(v_rows, v16[open_blocks], window_slot, False, group), tables, lens,
+            starts)
+
+
+def bound_rows(rng: np.random.Generator, repeats: int, layers: int = 8,
+               context: int = 512) -> list[str]:
     """Compiled decode attention vs the time to read its K/V bytes, per cache dtype."""
     import ml_dtypes
     from numba import njit, prange
@@ -100,17 +129,25 @@ def bound_rows(rng: np.random.Generator, repeats: int, layers: int = 8) -> list[
             total += words[i]
         return total
 
-    base = [decode_case(rng, np.full(32, 512)) for _ in range(layers)]
+    base = [decode_case(rng, np.full(32, context)) for _ in range(layers)]
     rows = ["| cache dtype | K/V bytes per layer | read bandwidth | memory bound | numba | "
             "numba / bound | NumPy |", "|---|---|---|---|---|---|---|"]
     for name, dtype in (("fp32", np.float32), ("fp16", np.float16),
-                        ("bf16", ml_dtypes.bfloat16), ("fp8", ml_dtypes.float8_e4m3fn)):
+                        ("bf16", ml_dtypes.bfloat16), ("fp8", ml_dtypes.float8_e4m3fn),
+                        ("int4", None)):
         scale = 0.05 if name == "fp8" else 1.0
-        cases = [(c[0], (c[1] / scale).astype(dtype), (c[2] / scale).astype(dtype), *c[3:])
-                 for c in base]
-        # the bytes attention must read: each sequence's blocks, K and V (here: every block)
-        nbytes = cases[0][1].nbytes + cases[0][2].nbytes
-        words = [c[i].reshape(-1).view(np.uint64) for c in cases for i in (1, 2)]
+        if dtype is None:  # int4: sealed rows and the fp16 window
+            cases = [int4_case(c) for c in base]
+            held = [(c[i].rows, c[i].window) for c in cases for i in (1, 2)]
+            arrays = [a for pair in held for a in pair]
+            nbytes = sum(a.nbytes for a in arrays) // layers
+        else:
+            cases = [(c[0], (c[1] / scale).astype(dtype), (c[2] / scale).astype(dtype),
+                      *c[3:]) for c in base]
+            arrays = [c[i] for c in cases for i in (1, 2)]
+            # the bytes attention must read: each sequence's blocks, K and V (every block)
+            nbytes = cases[0][1].nbytes + cases[0][2].nbytes
+        words = [a.reshape(-1).view(np.uint64) for a in arrays]
         read(words[0])
 
         def run(compiled: bool, cases: list = cases, scale: float = scale) -> None:
@@ -145,6 +182,9 @@ def main() -> None:
     p.add_argument("--gather", action="store_true", help="also the K/V gather rates")
     p.add_argument("--bound", action="store_true",
                    help="also decode attention vs its memory bound, per cache dtype")
+    p.add_argument("--bound-context", type=int, default=512,
+                   help="--bound's context per sequence (batch 32; default 512)")
+    p.add_argument("--bound-only", action="store_true", help="--bound without the other cases")
     args = p.parse_args()
     if args.threads is not None:
         os.environ["KVCORE_NUM_THREADS"] = str(args.threads)
@@ -163,7 +203,7 @@ def main() -> None:
     }
     print(f"{num_threads()} kernel threads, median of {args.repeats}, ms per layer call: "
           "NumPy, numba, speed-up")
-    for name, case in cases.items():
+    for name, case in ({} if args.bound_only else cases).items():
         times: dict[bool, list[float]] = {False: [], True: []}
         for i in range(args.repeats + 1):  # the first round warms up (plans, scratch, JIT)
             for compiled in (False, True):
@@ -179,9 +219,10 @@ def main() -> None:
         print("K/V gather of a 64 x 128 decode step over 30 layers' caches, GB/s read")
         for name, rate in gather_rates(rng, args.repeats).items():
             print(f"  {name:36s} {rate:8.1f} GB/s")
-    if args.bound:
-        print(f"decode attention, 32 x 512, vs its memory bound ({num_threads()} threads)")
-        bound_rows(rng, args.repeats)
+    if args.bound or args.bound_only:
+        print(f"decode attention, 32 x {args.bound_context}, vs its memory bound "
+              f"({num_threads()} threads)")
+        bound_rows(rng, args.repeats, context=args.bound_context)
 
 
 if __name__ == "__main__":

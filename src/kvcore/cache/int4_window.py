@@ -5,15 +5,17 @@ before its forward pass (KVCache.apply_window_ops).
 A block is open while its tokens may still be written or rolled back: every block handed out
 for writing gets a slot, and its tokens go there in fp16. It is sealed (quantized into its int4
 rows in every layer, its slot freed) once the tokens scheduled for its sequence pass its end by
-`window_tokens`, so a speculative draft (never counted) can never need a sealed block back; and
-when its last reference drops while it is in the prefix cache. An uncached block whose last
-reference drops just gives its slot back.
+`window_tokens`, so a speculative draft (never counted) can never need a sealed block back; when
+its last reference drops while it is in the prefix cache; or early, when an allocation finds no
+free slot and its tokens are all written. An uncached block whose last reference drops just gives
+its slot back.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Protocol
 
 # one slot operation, (kind, a, b); executed in order, before the step's forward pass
 WindowOp = tuple[int, int, int]
@@ -25,20 +27,21 @@ RELEASE = 3  # (block_id, slot): the block's data is dead; it no longer names th
 
 def num_window_slots(max_num_seqs: int, window_tokens: int, block_size: int,
                      max_num_batched_tokens: int) -> int:
-    """Slots enough that the window never runs out. Between two steps a running sequence's
-    open blocks are those from floor((scheduled - R) / bs) to its last block, where scheduled
-    counts the tokens of the steps launched so far: at most ceil(R / bs) + 2 blocks plus
-    ceil(n / bs) for the n tokens (drafts included) the next step schedules for it; the n add
-    up to at most max_num_batched_tokens. Forks count in max_num_seqs, and a shared open block
-    is counted once per holder, so the sum bounds the distinct open blocks."""
+    """The window's blocks: each running sequence's last ceil(R / bs) + 1 blocks (its window
+    and its partial last block, at least 2) and the blocks one step's max_num_batched_tokens
+    open. That is never too few: open blocks whose tokens are all written can always be
+    sealed early (KVCacheManager seals them when an allocation is short of slots, shrinking
+    the window under pressure), and what cannot be sealed, each sequence's blocks from its
+    last written token to the end of this step's tokens (drafts included), is below
+    2 x max_num_seqs + max_num_batched_tokens / bs blocks. Forks count in max_num_seqs."""
     for name, value in (("max_num_seqs", max_num_seqs), ("block_size", block_size),
                         ("max_num_batched_tokens", max_num_batched_tokens)):
         if value <= 0:
             raise ValueError(f"{name} must be >= 1, got {value}")
     if window_tokens < 0:
         raise ValueError(f"window_tokens must be >= 0, got {window_tokens}")
-    per_seq = math.ceil(window_tokens / block_size) + 2
-    return max_num_seqs * (per_seq + 1) + math.ceil(max_num_batched_tokens / block_size)
+    per_seq = max(math.ceil(window_tokens / block_size) + 1, 2)
+    return max_num_seqs * per_seq + math.ceil(max_num_batched_tokens / block_size)
 
 
 class WindowSlots:
@@ -59,6 +62,7 @@ class WindowSlots:
         # scheduled are written before the next step's operations run)
         self.on_take: Callable[[], None] | None = None
         self.num_shortages = 0  # allocations refused for want of a slot (sized to stay 0)
+        self.num_early_seals = 0  # blocks sealed inside the window for want of a slot
 
     @property
     def num_free_slots(self) -> int:
@@ -108,3 +112,39 @@ class WindowSlots:
 
     def num_open_blocks(self) -> int:
         return sum(slot is not None for slot in self.slot_of)
+
+
+class WindowedSequence(Protocol):
+    """What the seal passes read of a sequence of the cache manager."""
+
+    block_ids: list[int | None]  # the block table (None: released by a sliding window)
+    num_scheduled: int  # tokens the steps scheduled so far write (drafts excluded)
+    num_written: int  # of those, the tokens of the steps already launched
+    num_sealed: int  # leading blocks the seal pass has been through
+
+
+def seal_behind_window(window: WindowSlots, seqs: Iterable[WindowedSequence],
+                       block_size: int) -> None:
+    """When a step is launched: its tokens count as written, and every open block that ends
+    at least window_tokens before a sequence's written tokens is sealed (next step)."""
+    for seq in seqs:
+        seq.num_written = seq.num_scheduled
+        limit = (seq.num_written - window.window_tokens) // block_size  # blocks ending by then
+        for block_id in seq.block_ids[seq.num_sealed:limit]:
+            if block_id is not None:
+                window.seal(block_id)
+        seq.num_sealed = max(seq.num_sealed, limit)
+
+
+def seal_early(window: WindowSlots, seqs: Iterable[WindowedSequence], block_size: int,
+               num_needed: int) -> None:
+    """Short of slots: seal open blocks whose tokens the launched steps all wrote, even inside
+    the window, until num_needed slots are free (the window shrinks under pressure rather than
+    an allocation failing; never a block that may still hold a draft)."""
+    for seq in seqs:
+        for block_id in seq.block_ids[seq.num_sealed:seq.num_written // block_size]:
+            if window.num_free_slots >= num_needed:
+                return
+            if block_id is not None and window.slot_of[block_id] is not None:
+                window.seal(block_id)
+                window.num_early_seals += 1

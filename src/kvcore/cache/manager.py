@@ -6,7 +6,7 @@ import enum
 from collections.abc import Sequence
 
 from kvcore.cache.block_pool import Block, BlockHash, BlockPool, salt_key
-from kvcore.cache.int4_window import WindowSlots
+from kvcore.cache.int4_window import WindowSlots, seal_behind_window, seal_early
 
 CopyOp = tuple[int, int]  # (src_block_id, dst_block_id), executed by the runner before forward
 # a token sampled on the device whose id the host does not know yet (async scheduling): only ever
@@ -22,7 +22,7 @@ class Admission(enum.Enum):
 
 class _Sequence:
     __slots__ = ("blocks", "block_ids", "num_tokens", "block_hashes", "salt", "num_released",
-                 "num_scheduled", "num_sealed")
+                 "num_scheduled", "num_written", "num_sealed")
 
     def __init__(self, salt: bytes) -> None:
         self.blocks: list[Block | None] = []  # the block table; None = released (sliding window)
@@ -31,9 +31,10 @@ class _Sequence:
         self.block_hashes: list[BlockHash] = []  # chain hashes of the full blocks, in order
         self.salt = salt  # extra key of the first block's hash (tenant isolation)
         self.num_released = 0  # leading blocks already released by the sliding window
-        # int4 window: tokens the launched steps write (drafts excluded), and the leading
-        # blocks the seal pass has been through
+        # int4 window: tokens the steps scheduled so far write (drafts excluded), those of the
+        # steps already launched, and the leading blocks the seal pass has been through
         self.num_scheduled = 0
+        self.num_written = 0
         self.num_sealed = 0
 
 
@@ -71,20 +72,8 @@ class KVCacheManager:
         """Drive an int4 cache's window slots: open a block handed out for writing, copy it
         on copy-on-write, seal it behind the window or when it leaves for the prefix cache."""
         self.window = window
-        window.on_take = self.seal_behind_window
-
-    def seal_behind_window(self) -> None:
-        """Seal every open block that ends at least window_tokens before the tokens scheduled
-        for one of its sequences (the steps launched so far write them; drafts not counted)."""
-        window = self.window
-        assert window is not None
-        bs, num_window = self.block_size, window.window_tokens
-        for seq in self._seqs.values():
-            limit = (seq.num_scheduled - num_window) // bs  # blocks ending by then
-            for block_id in seq.block_ids[seq.num_sealed:limit]:
-                if block_id is not None:
-                    window.seal(block_id)
-            seq.num_sealed = max(seq.num_sealed, limit)
+        window.on_take = lambda: seal_behind_window(window, self._seqs.values(),
+                                                    self.block_size)
 
     def _drop(self, block: Block) -> None:
         """One reference less; at the last one an open block is sealed or its slot freed."""
@@ -174,8 +163,10 @@ class KVCacheManager:
         num_alloc = num_new_blocks + (1 if copy else 0)
         window = self.window
         if window is not None and window.num_free_slots < num_alloc:
-            window.num_shortages += 1
-            return None  # short of window slots: as short of blocks (preemption frees some)
+            seal_early(window, self._seqs.values(), bs, num_alloc)
+            if window.num_free_slots < num_alloc:  # as short of blocks: preemption frees some
+                window.num_shortages += 1
+                return None
         new = self.pool.allocate(num_alloc)
         if new is None:
             return None
@@ -239,6 +230,7 @@ class KVCacheManager:
                 self._drop(block)
         seq.num_tokens = num_tokens
         seq.num_scheduled = min(seq.num_scheduled, num_tokens)
+        seq.num_written = min(seq.num_written, num_tokens)
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares every block of the parent (refcount + 1); writes copy on demand."""
@@ -252,6 +244,7 @@ class KVCacheManager:
         child.block_hashes = list(parent.block_hashes)
         child.num_released = parent.num_released
         child.num_scheduled, child.num_sealed = parent.num_scheduled, parent.num_sealed
+        child.num_written = parent.num_written
         for block in child.blocks:
             if block is not None:
                 block.ref_count += 1

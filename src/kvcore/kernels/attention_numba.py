@@ -148,6 +148,7 @@ def _attend_item(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     key_block = np.empty((block_size, num_kv_heads, head_dim), np.float32)  # (bs, Hkv, D)
     value_block = np.empty((block_size, num_kv_heads, head_dim), np.float32)
     probs = np.empty((num_vecs, block_size), np.float32)  # (V, bs) this block's scores, weights
+    int4_params = np.empty(2 * num_kv_heads * head_dim, np.float32)  # int4 K: scales, zeros
     # register tiles where the shapes allow (head_dim in 16s; for scores, the block in 8s)
     simd_values = head_dim % LANES == 0
     simd_scores = simd_values and block_size % (LANES // 2) == 0
@@ -170,7 +171,7 @@ def _attend_item(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
         if mode == MODE_FP32:
             keys = k_cache[block_id]
         elif mode == MODE_INT4:
-            load_int4_block(k_bits, k_window, window_slot, block_id, 0, key_block)
+            load_int4_block(k_bits, k_window, window_slot, block_id, 0, int4_params, key_block)
             keys = key_block
         else:
             load_block(k_bits, block_id, mode, key_block)
@@ -204,7 +205,8 @@ def _attend_item(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
         if mode == MODE_FP32:
             values = v_cache[block_id]
         elif mode == MODE_INT4:
-            load_int4_block(v_bits, v_window, window_slot, block_id, value_group, value_block)
+            load_int4_block(v_bits, v_window, window_slot, block_id, value_group, int4_params,
+                            value_block)
             values = value_block
         else:
             load_block(v_bits, block_id, mode, value_block)

@@ -24,6 +24,9 @@ from kvcore.kernels.numba_blocks import FASTMATH, float_from_half_bits
 FP16_MAX = np.float32(65504.0)
 _HALF = np.float32(0.5)
 _FIFTEEN = np.float32(15.0)
+# byte -> its low and high nibbles as two float32 (low first), as one little-endian uint64
+_NIBBLE_PAIRS = np.stack([np.arange(256) & 15, np.arange(256) >> 4], axis=1).astype(
+    np.float32).view(np.uint64).reshape(256)
 
 
 @intrinsic
@@ -145,55 +148,55 @@ def seal_blocks(k_window: np.ndarray, v_window: np.ndarray, k_rows: np.ndarray,
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def load_key_row(rows: np.ndarray, block_id: int, out: np.ndarray) -> None:
-    """A sealed K block as float32 into out (bs, Hkv, D): its per-channel parameters read once,
-    then each byte gives two values."""
+def _unpack_codes(row: np.ndarray, num_bytes: int, dst: np.ndarray) -> None:
+    """Byte c of row -> its two codes as float32 into dst[2c], dst[2c + 1]: one 8-byte store
+    from a 256-entry table per byte (a loop over elements would read each byte twice and
+    shift by its parity)."""
+    pairs = dst.view(np.uint64)  # (bs * Hkv * D / 2,) two float32 each
+    for c in range(num_bytes):
+        pairs[c] = _NIBBLE_PAIRS[row[c]]
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def load_key_row(rows: np.ndarray, block_id: int, params: np.ndarray, out: np.ndarray) -> None:
+    """A sealed K block as float32 into out (bs, Hkv, D): codes unpacked by table, then
+    zero + scale * code in one contiguous pass per token (the per-channel parameters read
+    once), which vectorizes."""
     bs, heads, dim = out.shape
     row = rows[block_id].reshape(rows[block_id].size)  # rows (n, bytes) or (n, 1, 1, bytes)
-    half = dim // 2
-    split = bs * heads * half
-    params = np.empty((2, heads, dim), np.float32)  # (scale, zero) per channel
-    for j in range(2 * heads * dim):
-        params.reshape(2 * heads * dim)[j] = _get_half(row, split + 2 * j)
+    row_elems = heads * dim
+    split = bs * row_elems // 2
+    # params (2 * Hkv * D,) scratch: the scales, then the zeros, as float32
+    for j in range(2 * row_elems):
+        params[j] = _get_half(row, split + 2 * j)
+    dst = out.reshape(out.size)
+    _unpack_codes(row, split, dst)
     for t in range(bs):
-        for h in range(heads):
-            scale, zero = params[0, h], params[1, h]
-            dst = out[t, h]
-            base = (t * heads + h) * half
-            for c in range(half):
-                byte = row[base + c]
-                dst[2 * c] = zero[2 * c] + scale[2 * c] * np.float32(byte & np.uint8(15))
-                dst[2 * c + 1] = zero[2 * c + 1] + scale[2 * c + 1] * np.float32(
-                    byte >> np.uint8(4))
+        base = t * row_elems
+        for j in range(row_elems):
+            dst[base + j] = params[row_elems + j] + params[j] * dst[base + j]
 
 
 @njit(fastmath=FASTMATH, cache=True)
 def load_value_row(rows: np.ndarray, block_id: int, group: int, out: np.ndarray) -> None:
-    """A sealed V block as float32 into out (bs, Hkv, D): one scale and zero per token and
-    group of channels."""
+    """A sealed V block as float32 into out (bs, Hkv, D): codes unpacked by table, then one
+    scale and zero per token and group of channels over the group's contiguous elements."""
     bs, heads, dim = out.shape
     row = rows[block_id].reshape(rows[block_id].size)  # rows (n, bytes) or (n, 1, 1, bytes)
-    half = dim // 2
-    split = bs * heads * half
-    num_groups = dim // group
-    num_params = bs * heads * num_groups
-    for t in range(bs):
-        for h in range(heads):
-            dst = out[t, h]
-            base = (t * heads + h) * half
-            for g in range(num_groups):
-                p = (t * heads + h) * num_groups + g
-                scale = _get_half(row, split + 2 * p)
-                zero = _get_half(row, split + 2 * (num_params + p))
-                for c in range(g * group // 2, (g + 1) * group // 2):
-                    byte = row[base + c]
-                    dst[2 * c] = zero + scale * np.float32(byte & np.uint8(15))
-                    dst[2 * c + 1] = zero + scale * np.float32(byte >> np.uint8(4))
+    split = bs * heads * dim // 2
+    num_params = bs * heads * (dim // group)
+    dst = out.reshape(out.size)
+    _unpack_codes(row, split, dst)
+    for p in range(num_params):  # p = (t * heads + h) * num_groups + g
+        scale = _get_half(row, split + 2 * p)
+        zero = _get_half(row, split + 2 * (num_params + p))
+        for i in range(p * group, (p + 1) * group):
+            dst[i] = zero + scale * dst[i]
 
 
 @njit(fastmath=FASTMATH, cache=True)
 def load_int4_block(rows: np.ndarray, window: np.ndarray, window_slot: np.ndarray,
-                    block_id: int, group: int, out: np.ndarray) -> None:
+                    block_id: int, group: int, params: np.ndarray, out: np.ndarray) -> None:
     """Block block_id of an int4 cache's K (group 0) or V as float32 into out (bs, Hkv, D):
     from its window slot (fp16 bits) while it is open, else from its sealed row."""
     slot = window_slot[block_id]
@@ -203,6 +206,6 @@ def load_int4_block(rows: np.ndarray, window: np.ndarray, window_slot: np.ndarra
         for j in range(dst.shape[0]):
             dst[j] = float_from_half_bits(np.uint16(src[j]))
     elif group == 0:
-        load_key_row(rows, block_id, out)
+        load_key_row(rows, block_id, params, out)
     else:
         load_value_row(rows, block_id, group, out)

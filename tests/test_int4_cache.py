@@ -1,0 +1,148 @@
+"""The int4 cache's arrays, window operations and bookkeeping, and the planner's int4 sizes:
+exact bytes and slot ids."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from kvcore import planner
+from kvcore.cache import KVCacheManager, int4
+from kvcore.cache.int4_window import ASSIGN, COPY, RELEASE, SEAL, WindowSlots
+from kvcore.cache.kv_cache import KVCache
+from kvcore.kernels import cpu
+from kvcore.kernels.int4_kv import Int4Layer
+
+
+def int4_cache(num_blocks: int = 6, num_slots: int = 3) -> KVCache:
+    return KVCache(2, num_blocks, 4, 2, 16, "int4", num_window_slots=num_slots,
+                   window_tokens=4)
+
+
+def test_planner_int4_bytes_match_the_format() -> None:
+    assert planner.INT4_GROUP == int4.DEFAULT_GROUP
+    assert planner.canonical_dtype("int4") == "int4"
+    per_block = planner.bytes_per_block(30, 3, 64, "int4", 16)
+    assert per_block == 30 * (int4.key_row_bytes(16, 3, 64)
+                              + int4.value_row_bytes(16, 3, 64, 32)) + 4
+    assert planner.bytes_per_token(30, 3, 64, "int4", block_size=16) == -(-per_block // 16)
+    result = planner.plan(30, 3, 64, "int4", 2048, memory=2**30, block_size=16, window_slots=100)
+    window = planner.window_bytes(30, 3, 64, 100, 16)
+    assert window == 2 * 30 * 100 * 16 * 3 * 64 * 2 == result.window_bytes
+    assert result.num_blocks == (2**30 - window) // per_block
+    # below fp8's bytes per token even with its scales (fp8: 2 x 30 x 3 x 64 = 11,520)
+    assert result.bytes_per_token < planner.bytes_per_token(30, 3, 64, "fp8")
+    with pytest.raises(ValueError, match="int4 does not hold a shared"):
+        planner.bytes_per_block(30, 1, 576, "int4", 16, shared_kv=True)
+
+
+def test_cache_bytes_match_the_planner() -> None:
+    cache = int4_cache()
+    # head_dim 16 < the default group 32: one group per head, in the cache and the planner
+    assert cache.int4_group == 16
+    expected = 6 * planner.bytes_per_block(2, 2, 16, "int4", 4) + planner.window_bytes(
+        2, 2, 16, 3, 4)
+    assert cache.num_bytes == expected
+    k, v, k_scale, v_scale = cache.layer(1)
+    assert isinstance(k, Int4Layer) and isinstance(v, Int4Layer) and k.window_slot is v.window_slot
+    assert k.shape == (6, 4, 2, 16) and (k_scale, v_scale) == (1.0, 1.0)
+
+
+def test_bad_int4_caches_are_refused() -> None:
+    with pytest.raises(ValueError, match="num_window_slots must be >= 1"):
+        KVCache(2, 6, 4, 2, 16, "int4")
+    with pytest.raises(ValueError, match="shared"):
+        KVCache(2, 6, 4, 1, 16, "int4", shared_kv=True, num_window_slots=2)
+    with pytest.raises(ValueError, match="head_dim must be even"):
+        KVCache(2, 6, 4, 1, 15, "int4", num_window_slots=2)
+
+
+def test_window_ops_write_copy_seal_in_order() -> None:
+    cache = int4_cache()
+    rng = np.random.default_rng(0)
+    cache.apply_window_ops([(ASSIGN, 5, 0), (ASSIGN, 2, 1)])
+    tokens = rng.standard_normal((2, 4, 2, 16)).astype(np.float32)  # (layers, bs, Hkv, D)
+    for layer_id in range(2):
+        k, v, _, _ = cache.layer(layer_id)
+        cpu.reshape_and_cache(tokens[layer_id], -tokens[layer_id], k, v, np.arange(20, 24))
+    # seal block 5 (slot 0), then reuse slot 0 for block 1 as a copy of block 2's slot 1: the
+    # seal reads the slot before the copy overwrites it
+    cache.apply_window_ops([(SEAL, 5, 0), (ASSIGN, 1, 0), (COPY, 1, 0), (RELEASE, 2, 1)])
+    assert cache.window_slot.tolist() == [-1, 0, -1, -1, -1, -1]
+    for layer_id in range(2):
+        window = tokens[layer_id].astype(np.float16)
+        np.testing.assert_array_equal(cache.key_caches[layer_id][5],
+                                      int4.quantize_key_block(window))
+        np.testing.assert_array_equal(cache.value_caches[layer_id][5],
+                                      int4.quantize_value_block(-window, 16))
+        np.testing.assert_array_equal(cache.key_windows[layer_id][0],
+                                      cache.key_windows[layer_id][1])
+
+
+def test_window_slots_bookkeeping() -> None:
+    window = WindowSlots(num_blocks=4, num_slots=2, block_size=4, window_tokens=4)
+    window.open(3)
+    window.open(0)
+    assert window.num_free_slots == 0 and window.slot_of == [1, None, None, 0]
+    window.copy(3, 0)
+    window.retire(3, cached=True)  # into the prefix cache: sealed
+    window.retire(0, cached=False)  # dead: its slot given back
+    window.seal(0)  # already without a slot: nothing
+    assert window.take_ops() == [(ASSIGN, 3, 0), (ASSIGN, 0, 1), (COPY, 0, 1), (SEAL, 3, 0),
+                                 (RELEASE, 0, 1)]
+    assert window.num_free_slots == 2 and window.take_ops() == []
+
+
+def test_a_pool_short_of_slots_allocates_nothing() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    window = WindowSlots(8, 2, 4, 4)
+    kv.attach_window(window)
+    kv.allocate_prefix("a", list(range(12)))
+    assert kv.allocate_slots("a", list(range(12)), 12) is None  # 3 blocks, 2 slots
+    assert kv.num_free_blocks == 8 and window.num_shortages == 1 and not window.take_ops()
+    assert kv.allocate_slots("a", list(range(12)), 8) == []
+    assert window.slot_of[:2] == [0, 1]
+    window.take_ops()  # the step launched: its 8 tokens are written; the seal pass runs
+    assert window.take_ops() == [(SEAL, 0, 0)]  # 8 tokens - window 4: block 0 is behind it
+    kv.free("a")
+    assert window.take_ops() == [(SEAL, 1, 1)]  # full and cached: sealed as it leaves
+    assert window.num_free_slots == 2
+
+
+def test_short_of_slots_written_blocks_seal_early() -> None:
+    """Inside the window but written by a launched step: sealed to make room; a block whose
+    tokens are not launched yet (or drafts) stays open."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    window = WindowSlots(8, 3, 4, window_tokens=100)
+    kv.attach_window(window)
+    tokens = list(range(20))
+    kv.allocate_prefix("a", tokens)
+    assert kv.allocate_slots("a", tokens, 10) == []  # blocks 0-2 open, 2 tokens in block 2
+    window.take_ops()  # launched: 10 tokens written; nothing behind a 100-token window
+    assert kv.allocate_slots("a", tokens, 6) == []  # block 3 needs a slot: block 0 seals
+    assert window.take_ops() == [(SEAL, 0, 0), (ASSIGN, 3, 0)]
+    assert window.num_early_seals == 1 and window.num_shortages == 0
+    # 4 more tokens need block 4: the oldest open written block (1) seals
+    assert kv.allocate_slots("a", tokens, 4) == []
+    assert window.take_ops() == [(SEAL, 1, 1), (ASSIGN, 4, 1)]
+
+
+def test_kvcore_plan_int4(capsys: pytest.CaptureFixture[str]) -> None:
+    """`kvcore plan --dtype int4`: the window pool as `kvcore serve` sizes it, set aside."""
+    from kvcore.cli import main
+
+    assert main(["plan", "--layers", "30", "--kv-heads", "3", "--head-dim", "64", "--dtype",
+                 "int4", "--memory", "1GiB", "--context", "2048", "--max-num-seqs", "8",
+                 "--kv-int4-window", "32", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    slots = 8 * 3 + 128  # 8 x (2 + 1) + 2,048 / 16
+    assert out["window_slots"] == slots
+    assert out["window_bytes"] == planner.window_bytes(30, 3, 64, slots, 16)
+    per_block = planner.bytes_per_block(30, 3, 64, "int4", 16)
+    assert out["bytes_per_block"] == per_block
+    assert out["num_blocks"] == (2**30 - out["window_bytes"]) // per_block
+    assert main(["plan", "--layers", "30", "--kv-heads", "3", "--head-dim", "64", "--dtype",
+                 "int4", "--memory", "1GiB"]) == 0
+    assert "fp16 window:" in capsys.readouterr().out
