@@ -5,9 +5,9 @@ so that the cache's own error is measured; or --formats' "none", "int8", "q4", "
 optionally ":KV_DTYPE") is scored on the same text against the first (the baseline, the fp32
 cache by default): perplexity, mean KL divergence of the next-token distributions, top-1
 agreement, then the chat prompts' greedy outputs (agreement before the first difference, and the
-texts side by side). The text: --text FILE, or by
-default the documentation topics that ship with Python itself (pydoc_data.topics, English prose
-and code), the first --tokens tokens, in windows of --context tokens.
+texts side by side). The text: --text FILE, or by default the documentation topics that ship
+with Python itself (pydoc_data.topics, English prose and code), the first --tokens tokens, in
+windows of --context tokens.
 """
 
 from __future__ import annotations
