@@ -182,7 +182,7 @@ def build_only(num_blocks: int, repeats: int) -> None:
 
     from kvcore.cache import KVCacheManager
     from kvcore.engine.kv_snapshot import pool_snapshot
-    from kvcore.request import Request
+    from kvcore.request import Sequence, SequenceStatus
     from kvcore.sampling.params import SamplingParams
     from kvcore.scheduler import Scheduler
 
@@ -193,11 +193,11 @@ def build_only(num_blocks: int, repeats: int) -> None:
     for i in range(256):
         own = [rng.randrange(1, 1000) for _ in range(tokens_per_seq - len(prefix))]
         prompt = (prefix if i % 2 else own[:len(prefix)]) + own
-        scheduler.add_request(Request(request_id=f"r{i}", prompt_token_ids=prompt,
-                                      params=SamplingParams(max_tokens=8), max_tokens=8))
+        scheduler.add(Sequence(seq_id=f"r{i}", request_id=f"r{i}", prompt_token_ids=prompt,
+                               params=SamplingParams(max_tokens=8), max_tokens=8))
     scheduler.schedule()
-    for request in rng.sample(scheduler.running, 64):
-        scheduler.abort_request(request.request_id)
+    for seq in rng.sample(scheduler.running, 64):
+        scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()

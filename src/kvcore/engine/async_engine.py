@@ -17,7 +17,6 @@ from kvcore.cache import CacheEvent
 from kvcore.config import EngineConfig, ModelConfig, ParamError
 from kvcore.engine.engine import Engine, EngineStats
 from kvcore.engine.kv_snapshot import KVProbe
-from kvcore.engine.setup import check_prompt
 from kvcore.model.tokenizer import Tokenizer
 from kvcore.request import RequestOutput
 from kvcore.sampling import BeamSearchParams, SamplingParams
@@ -36,14 +35,15 @@ class _Stream:
     then the consumer's outputs (a list and, while the consumer waits, a future to wake it). A
     step hands over with one append (and at most one wake-up), cheaper than an asyncio.Queue."""
 
-    __slots__ = ("request_id", "prompt", "prompt_ids", "params", "priority", "cache_salt",
-                 "items", "waiter")
+    __slots__ = ("request_id", "prompt", "prompt_ids", "params", "max_tokens", "priority",
+                 "cache_salt", "items", "waiter")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int],
-                 params: SamplingParams | BeamSearchParams, priority: int,
+                 params: SamplingParams | BeamSearchParams, max_tokens: int, priority: int,
                  cache_salt: str | None) -> None:
         self.request_id, self.prompt, self.prompt_ids = request_id, prompt, prompt_ids
-        self.params, self.priority, self.cache_salt = params, priority, cache_salt
+        self.params, self.max_tokens = params, max_tokens
+        self.priority, self.cache_salt = priority, cache_salt
         self.items: list[RequestOutput | BaseException] = []
         self.waiter: asyncio.Future[None] | None = None
 
@@ -98,17 +98,6 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
-
-    def _check(self, prompt_ids: Sequence[int], params: SamplingParams | BeamSearchParams
-               ) -> None:
-        """The request against the engine's fixed configuration (context length, vocabulary,
-        pool size, its constraint compiled and cached): ParamError naming the parameter. Reads
-        only what never changes after start-up, so it runs on the event loop."""
-        engine = self.engine
-        check_prompt(prompt_ids, params, engine.max_model_len, engine.model_config.vocab_size,
-                     engine.kv)
-        if params.constraint is not None:
-            engine.constraints.matcher(params.constraint)
 
     def stats(self) -> EngineStats:
         """The engine's counters as of the last step (published by the driver between steps)."""
@@ -175,14 +164,15 @@ class AsyncEngine:
         parameter) raises from this call for token ids, so a server refuses bad input before
         it queues anything, and on the first __anext__ for a text (tokenized first).
         Cancelling the consumer or closing the iterator aborts the request."""
-        prompt_ids = None
+        prompt_ids, max_tokens = None, 0
         if not isinstance(prompt, str):
             prompt_ids = list(prompt)
-            self._check(prompt_ids, params)
-        return self._generate(prompt, prompt_ids, params, request_id or uuid.uuid4().hex,
-                              priority, cache_salt)
+            max_tokens = self.engine.check_request(prompt_ids, params, priority, cache_salt)
+        return self._generate(prompt, prompt_ids, max_tokens, params,
+                              request_id or uuid.uuid4().hex, priority, cache_salt)
 
     async def _generate(self, prompt: str | Sequence[int], prompt_ids: list[int] | None,
+                        max_tokens: int,
                         params: SamplingParams | BeamSearchParams, request_id: str,
                         priority: int, cache_salt: str | None) -> AsyncIterator[RequestOutput]:
         if not self.running or self._wakeup is None:
@@ -192,13 +182,13 @@ class AsyncEngine:
             encode = self.engine.tokenizer.encode
             prompt_ids = (encode(prompt) if len(prompt) < _INLINE_CHARS
                           else await asyncio.to_thread(encode, prompt))
-            self._check(prompt_ids, params)
+            max_tokens = self.engine.check_request(prompt_ids, params, priority, cache_salt)
         # what depends on the engine's state (request ids, max_num_seqs) is checked by
-        # Engine.add_request when the driver adds the request: out of the first __anext__
+        # Engine.add_checked when the driver adds the request: out of the first __anext__
         if request_id in self._streams:
             raise ParamError("request_id", f"request_id {request_id!r} is already in use")
         stream = _Stream(request_id, prompt if isinstance(prompt, str) else None, prompt_ids,
-                         params, priority, cache_salt)
+                         params, max_tokens, priority, cache_salt)
         self._streams[request_id] = stream
         self._adds.append(stream)
         self._wakeup.set()
@@ -294,8 +284,9 @@ class AsyncEngine:
             if self._streams.get(s.request_id) is not s:
                 continue  # the consumer went away before its request was added
             try:
-                self.engine.add_request(s.request_id, s.prompt_ids, s.params, priority=s.priority,
-                                        cache_salt=s.cache_salt, prompt_text=s.prompt)
+                self.engine.add_checked(s.request_id, s.prompt_ids, s.params, s.max_tokens,
+                                        priority=s.priority, cache_salt=s.cache_salt,
+                                        prompt_text=s.prompt)
             except ValueError as e:
                 s.put(e)
 

@@ -111,22 +111,43 @@ class Engine:
     def add_request(self, request_id: str, prompt: str | Seq[int],
                     params: SamplingParams | BeamSearchParams, *, priority: int = 0,
                     cache_salt: str | None = None, prompt_text: str | None = None) -> None:
-        """Queue a request; every check of a request happens here, once. ParamError (a
-        ValueError naming the parameter; nothing left allocated) for an empty prompt, one
-        longer than max_model_len, prompt + max_tokens > max_model_len, more sequences than
-        max_num_seqs or blocks than the pool holds, or a duplicate request_id. `prompt_text`:
-        the text of a pre-tokenized `prompt`."""
+        """Queue a request: `check_request`, then `add_checked`. ParamError (a ValueError naming
+        the parameter; nothing left allocated) for an empty prompt, one longer than
+        max_model_len, prompt + max_tokens > max_model_len, more sequences than max_num_seqs or
+        blocks than the pool holds, or a duplicate request_id. `prompt_text`: the text of a
+        pre-tokenized `prompt`."""
+        text = prompt if isinstance(prompt, str) else prompt_text
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        max_tokens = self.check_request(prompt_ids, params, priority, cache_salt)
+        self.add_checked(request_id, prompt_ids, params, max_tokens, priority=priority,
+                         cache_salt=cache_salt, prompt_text=text)
+
+    def check_request(self, prompt_ids: Seq[int], params: SamplingParams | BeamSearchParams,
+                      priority: int = 0, cache_salt: str | None = None) -> int:
+        """Every check of a request against the engine's fixed configuration (vocabulary,
+        context, pool size, the constraint compiled and cached), once: the resolved max_tokens,
+        or ParamError. Reads only what never changes after start-up, so any thread may call it
+        (AsyncEngine does, on the event loop, before it queues the request)."""
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ParamError("priority", f"priority must be an integer, got {priority!r}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ParamError("cache_salt", f"cache_salt must be a string or None, "
                              f"got {cache_salt!r}")
-        if request_id in self.output_processor:
-            raise ParamError("request_id", f"request_id {request_id!r} is already in use")
-        text = prompt if isinstance(prompt, str) else prompt_text
-        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         max_tokens = check_prompt(prompt_ids, params, self.max_model_len,
                                   self.model_config.vocab_size, self.kv)
+        if params.constraint is not None:  # ParamError with the compiler's message
+            self.constraints.matcher(params.constraint)
+        return max_tokens
+
+    def add_checked(self, request_id: str, prompt_ids: list[int],
+                    params: SamplingParams | BeamSearchParams, max_tokens: int, *,
+                    priority: int = 0, cache_salt: str | None = None,
+                    prompt_text: str | None = None) -> None:
+        """Queue a request `check_request` passed (with the max_tokens it returned); only what
+        depends on the engine's state is checked here (a duplicate request_id, admission)."""
+        if request_id in self.output_processor:
+            raise ParamError("request_id", f"request_id {request_id!r} is already in use")
+        text = prompt_text
         eos = frozenset(self.eos_token_ids)
         policy = None
         if isinstance(params, SamplingParams):
@@ -141,7 +162,7 @@ class Engine:
                        params=params, max_tokens=max_tokens, priority=priority,
                        cache_salt=cache_salt, stop_token_ids=stop_ids, eos_token_ids=eos_ids,
                        num_pending_forks=num_seqs - 1)
-        if params.constraint is not None:  # ParamError with the compiler's message
+        if params.constraint is not None:  # compiled by check_request: a cache hit
             seq.matcher = self.constraints.matcher(params.constraint)
         self.output_processor.add(request_id, text, prompt_ids, params)
         try:
