@@ -26,6 +26,7 @@ from kvcore.kernels import cpu, int4_kv, int4_numba
 from kvcore.kernels.cuda_ops import CudaOps
 from kvcore.kernels.int4_kv import Int4Layer
 from kvcore.model import load_model
+from kvcore.model.half_llama import HalfLlamaModel
 from kvcore.sampling import SamplingParams
 from tiny_model import make_tiny_model
 
@@ -171,3 +172,20 @@ def test_cpu_and_emulated_cuda_int4_attention_agree(model_dir: Path,
                               v, **meta)
     assert isinstance(got, np.ndarray) and got.dtype == np.float16
     np.testing.assert_allclose(got.astype(np.float32), want, rtol=3e-3, atol=3e-3)
+
+
+def test_graphed_decode_with_an_int4_cache_equals_eager(model_dir: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA graphs of decode steps (the stand-in capturer) over an int4 cache: the graphs read
+    the window_slot table and windows that the window operations update in place between
+    replays, so the tokens are the eager run's."""
+    from graph_helpers import StandInCapturer
+
+    route_int4_kernels_through_emulation(monkeypatch)
+    want, _ = run(int4_engine(model_dir))
+    engine = int4_engine(model_dir)
+    assert isinstance(engine.model, HalfLlamaModel)
+    graphs = engine.model.enable_cuda_graphs(8, 256, BLOCK_SIZE, StandInCapturer())
+    got, _ = run(engine)
+    assert got == want
+    assert graphs.num_replays >= 20
