@@ -6,7 +6,6 @@ an open block; and the two attentions agree on one cache state."""
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 from pathlib import Path
 from typing import Any
@@ -15,8 +14,8 @@ import numpy as np
 import pytest
 
 import kvcore.kernels as kernels
-from engine_helpers import assert_pool_empty, run_all
-from kvcore.cache.int4_window import COPY, SEAL, WindowOp
+from int4_engine_runs import run
+from kvcore.cache.int4_window import COPY, SEAL
 from kvcore.cache.kv_cache import KVCache
 from kvcore.config import ModelConfig
 from kvcore.engine import Engine
@@ -27,7 +26,6 @@ from kvcore.kernels.cuda_ops import CudaOps
 from kvcore.kernels.int4_kv import Int4Layer
 from kvcore.model import load_model
 from kvcore.model.half_llama import HalfLlamaModel
-from kvcore.sampling import SamplingParams
 from tiny_model import make_tiny_model
 
 pytest.importorskip("cupy", reason="cupy's CCCL headers provide <nv/target> for cuda_fp16.h")
@@ -50,30 +48,6 @@ def int4_engine(model_dir: Path) -> Engine:
                            cache_dtype="int4", int4_window_tokens=4, max_num_seqs=8,
                            max_num_batched_tokens=24, enable_prefix_caching=True, seed=0)
     return Engine(config, model=load_model(model_dir, device="cpu", half=True))
-
-
-def run(engine: Engine) -> tuple[list[list[int]], list[WindowOp]]:
-    """Two prompts sharing 24 tokens (the second hits the first's sealed blocks), then n = 2
-    forks of a prompt ending inside a block (copy-on-write of an open block); greedy, 12
-    tokens each. Returns every sequence's tokens and the window operations the steps ran."""
-    ops: list[WindowOp] = []
-    apply = engine.kv_cache.apply_window_ops
-
-    def recording(step_ops: list[WindowOp]) -> None:
-        ops.extend(step_ops)
-        apply(step_ops)
-    engine.kv_cache.apply_window_ops = recording  # type: ignore[method-assign]
-    rng = np.random.default_rng(11)
-    shared = rng.integers(3, 259, 24).tolist()
-    prompts = [shared + rng.integers(3, 259, 13).tolist(),
-               shared + rng.integers(3, 259, 6).tolist(), rng.integers(3, 259, 21).tolist()]
-    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    tokens: list[list[int]] = []
-    for prompt, n in zip(prompts, (1, 1, 2), strict=True):  # one after another: cache hits
-        (out,) = run_all(engine, [prompt], dataclasses.replace(greedy, n=n))
-        tokens += [c.token_ids for c in out.outputs]
-    assert_pool_empty(engine)
-    return tokens, ops
 
 
 def route_int4_kernels_through_emulation(monkeypatch: pytest.MonkeyPatch,
