@@ -167,9 +167,9 @@ def test_planner_agrees_with_the_pool(tiny_model_dir: Path, dtype: str) -> None:
     assert (view["window_bytes"] > 0) == (dtype == "int4")
 
 
-def test_int4_is_refused_on_the_fp16_gpu_model() -> None:
-    with pytest.raises(ValueError, match="int4' runs on the CPU only"):
-        engine_cache_dtype("int4", half_model=True)
+def test_int4_pairs_with_the_fp16_gpu_model() -> None:
+    assert engine_cache_dtype("int4", half_model=True) == "int4"
+    assert engine_cache_dtype("int4", half_model=False) == "int4"
 
 
 def test_async_scheduling_gives_the_same_tokens(tiny_model_dir: Path) -> None:

@@ -6,7 +6,9 @@
 # token agreement on fp32 and fp16 logits), then the engine end to end (tools/gpu_e2e.py:
 # decode tok/s at batch 1, 64, 256, device-busy fraction, greedy tokens vs the CPU engine),
 # and speculative decoding off / ngram / suffix at batch 1 and 64 (tools/bench_spec.py: tokens
-# identical to off, output tok/s, acceptance); the timeouts add up to 9 min 40 s (a 10-minute
+# identical to off, output tok/s, acceptance), and the int4 KV cache end to end
+# (tests/test_int4_gpu.py: the cuda engine with --kv-cache-dtype int4 vs the CPU engine, device
+# window operations and attention vs the CPU); the timeouts add up to 9 min 40 s (a 10-minute
 # call). Without a usable CUDA GPU it says so
 # and exits 2 at once.
 #
@@ -32,7 +34,7 @@ if [ "${1:-}" = "--fetch-wheels" ]; then
     exit $?
 fi
 
-if ! timeout 30 "$PY" -c 'import cupy, sys; sys.exit(0 if cupy.cuda.runtime.getDeviceCount() > 0 else 1)' \
+if ! timeout 20 "$PY" -c 'import cupy, sys; sys.exit(0 if cupy.cuda.runtime.getDeviceCount() > 0 else 1)' \
         >/dev/null 2>&1; then
     echo "gpu_check: no CUDA GPU available (cupy cannot see a device); nothing was run" >&2
     exit 2
@@ -53,9 +55,11 @@ echo "== MLA v3 (DeepSeek): the kernel at 512 + 64 vs the float64 oracle, its ke
 timeout 60 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_mla_gpu.py || status=1
 timeout 45 "$PY" tools/bench_mla.py --quick --iters 10 || status=1
 echo "== tools/bench_kernels.py"
-timeout 100 "$PY" tools/bench_kernels.py --iters 10 || status=1
+timeout 85 "$PY" tools/bench_kernels.py --iters 10 || status=1
 echo "== tools/check_sampler_devices.py"
 timeout 45 "$PY" tools/check_sampler_devices.py || status=1
+echo "== int4 KV cache end to end (tests/test_int4_gpu.py)"
+timeout 40 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_int4_gpu.py || status=1
 echo "== tools/gpu_e2e.py (the engine on the GPU: tok/s, busy fraction, greedy vs the CPU engine)"
 if [ -f "$MODEL/model.safetensors" ]; then
     SOURCE=(--model "$MODEL")
@@ -65,7 +69,7 @@ else
     SOURCE=()
 fi
 if [ ${#SOURCE[@]} -gt 0 ]; then
-    timeout 140 "$PY" tools/gpu_e2e.py "${SOURCE[@]}" || status=1
+    timeout 125 "$PY" tools/gpu_e2e.py "${SOURCE[@]}" || status=1
     echo "== tools/bench_spec.py (speculative decoding at batch 1 and 64: identical tokens, tok/s)"
     timeout 40 "$PY" tools/bench_spec.py "${SOURCE[@]}" --device cuda --num-prompts 4 \
         --max-tokens 32 --streams 1,64 || status=1

@@ -148,3 +148,36 @@ def seal_early(window: WindowSlots, seqs: Iterable[WindowedSequence], block_size
             if block_id is not None and window.slot_of[block_id] is not None:
                 window.seal(block_id)
                 window.num_early_seals += 1
+
+
+def batch_window_ops(ops: Iterable[WindowOp]
+                     ) -> tuple[list[tuple[int, list[tuple[int, int]]]], dict[int, int]]:
+    """Operations in order -> (stages, table): stages run in order, each (SEAL, [(block_id,
+    slot)]) or (COPY, [(src_slot, dst_slot)]), consecutive operations of one kind merged into
+    one launch while they cannot see each other's writes; table: each touched block's final
+    window_slot value (-1: sealed or released). Seals and copies name their slots, so the
+    table is written once, after them."""
+    stages: list[tuple[int, list[tuple[int, int]]]] = []
+    table: dict[int, int] = {}
+    for kind, a, b in ops:
+        if kind == ASSIGN:
+            table[a] = b
+            continue
+        if kind == RELEASE:
+            table[a] = -1
+            continue
+        stage = stages[-1][1] if stages and stages[-1][0] == kind else None
+        if kind == SEAL:
+            table[a] = -1
+            if stage is not None and any(block_id == a for block_id, _ in stage):
+                stage = None  # a block sealed twice: the second seal runs after the first
+        else:
+            assert kind == COPY, f"unknown window operation {kind}"
+            # a copy reading or overwriting a slot another copy of the stage writes waits
+            if stage is not None and any(a == dst or b in (src, dst) for src, dst in stage):
+                stage = None
+        if stage is None:
+            stage = []
+            stages.append((kind, stage))
+        stage.append((a, b))
+    return stages, table

@@ -12,7 +12,7 @@ import numpy as np
 
 from kvcore import kernels
 from kvcore.cache import int4
-from kvcore.cache.int4_window import ASSIGN, COPY, RELEASE, SEAL, WindowOp, WindowSlots
+from kvcore.cache.int4_window import SEAL, WindowOp, WindowSlots, batch_window_ops
 from kvcore.device import get_xp, resolve_device
 from kvcore.kernels.int4_kv import Int4Layer
 
@@ -151,8 +151,10 @@ class KVCache:
                 self.k_scales[layer_id], self.v_scales[layer_id])
 
     def copy_blocks(self, ops: Sequence[tuple[int, int]]) -> None:
-        """Execute copy-on-write ops: block src's K/V -> block dst, in every layer."""
-        if not ops:
+        """Execute copy-on-write ops: block src's K/V -> block dst, in every layer. int4: none
+        to run, a copied block is always open (WindowSlots.copy): the window operations copy
+        its tokens, and its rows are stale until it is sealed."""
+        if not ops or self.window is not None:
             return
         mapping = np.asarray(ops, dtype=np.int64).reshape(-1, 2)  # (M, 2) src -> dst
         if mapping.min() < 0 or mapping.max() >= self.num_blocks:
@@ -166,36 +168,20 @@ class KVCache:
         return [] if self.window is None else self.window.take_ops()
 
     def apply_window_ops(self, ops: Sequence[WindowOp]) -> None:
-        """Run window operations in order: slot assignments, copies, seals (each block's slot
-        quantized into its rows in every layer) and releases."""
-        table = self.window_slot
-        seal_blocks: list[int] = []
-        seal_slots: list[int] = []
-        for kind, a, b in ops:
-            if kind == COPY:
-                self._seal(seal_blocks, seal_slots)  # a sealed slot's data before it is reused
-                for windows in (self.key_windows, self.value_windows):
-                    for window in windows:
-                        window[b] = window[a]
-            elif kind == SEAL:
-                seal_blocks.append(a)
-                seal_slots.append(b)
-                table[a] = -1
-            elif kind == ASSIGN:
-                table[a] = b
-            else:
-                assert kind == RELEASE
-                table[a] = -1
-        self._seal(seal_blocks, seal_slots)
-
-    def _seal(self, block_ids: list[int], slots: list[int]) -> None:
-        if not block_ids:
-            return
-        blocks = self.xp.asarray(block_ids, dtype=np.int64)
-        where = self.xp.asarray(slots, dtype=np.int64)
-        for layer_id in range(self.num_layers):
-            kernels.seal_int4_blocks(self.key_windows[layer_id], self.value_windows[layer_id],
-                                     self.key_caches[layer_id], self.value_caches[layer_id],
-                                     blocks, where, self.int4_group)
-        block_ids.clear()
-        slots.clear()
+        """Run window operations in order: slot assignments, copies (of the fp16 window, every
+        layer), seals (each block's slot quantized into its rows, every layer) and releases.
+        Batched (int4_window.batch_window_ops): one launch per run of seals or copies and one
+        write of the window_slot table, however many operations (on cuda: few small copies)."""
+        stages, table = batch_window_ops(ops)
+        for kind, pairs in stages:
+            # host pairs: the CUDA wrappers check them on the host before they upload them
+            mapping = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)  # (M, 2)
+            if kind == SEAL:  # (block_id, slot)
+                kernels.seal_int4_layers(self.key_windows, self.value_windows, self.key_caches,
+                                         self.value_caches, mapping, self.int4_group)
+            else:  # (src slot, dst slot)
+                kernels.copy_blocks(self.key_windows, self.value_windows, mapping)
+        if table:
+            update = self.xp.asarray(np.array([list(table), list(table.values())],
+                                              np.int32))  # (2, N) one copy to the device
+            self.window_slot[update[0]] = update[1]

@@ -68,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pool.add_argument("--kv-cache-memory", metavar="SIZE",
                       help="KV cache budget, e.g. 2GiB (default: the device's default)")
     parser.add_argument("--kv-cache-dtype", default="auto",
-                        help="auto (fp16), fp32, fp16, bf16, fp8 or int4 (CPU: 4-bit blocks "
+                        help="auto (fp16), fp32, fp16, bf16, fp8 or int4 (4-bit blocks "
                              "beside an fp16 window of recent tokens)")
     parser.add_argument("--kv-int4-window", type=int, default=32, metavar="TOKENS",
                         help="int4: the most recent tokens of a sequence kept in fp16 until "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -9,7 +10,7 @@ import numpy as np
 import structlog
 
 from kvcore import kernels
-from kvcore.cache import KVCacheManager
+from kvcore.cache import KVCacheManager, int4
 from kvcore.cache.int4_window import num_window_slots
 from kvcore.cache.kv_cache import KVCache
 from kvcore.config import EngineConfig, ModelConfig, ParamError
@@ -24,8 +25,6 @@ log = structlog.get_logger("kvcore.engine")
 
 CPU_KV_CACHE_MEMORY = 2 * 2**30  # the CPU default budget: 2 GiB, or less when that is plenty
 GPU_KV_CACHE_FRACTION = 0.5  # of the device memory still free after the weights
-# devices with kernels for an int4 cache (its fp16 window, sealing and attention)
-INT4_DEVICES = ("cpu",)
 
 
 class EngineModel(Protocol):
@@ -45,11 +44,8 @@ def engine_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int
 def engine_cache_dtype(cache_dtype: str, half_model: bool) -> str:
     """The KV cache dtype: "auto" is fp16 on both devices (the fp16 GPU model's own dtype; on
     the CPU, beside fp32 compute, half the bytes per token of fp32 with the default model's
-    greedy outputs unchanged, see docs/benchmarks.md); the fp16 model pairs only with fp16 or
-    fp8 caches (ValueError otherwise)."""
-    if cache_dtype == "int4" and half_model and "cuda" not in INT4_DEVICES:
-        raise ValueError("cache_dtype 'int4' runs on the CPU only for now (device cpu): the "
-                         "CUDA kernels for int4 blocks are not in this build")
+    greedy outputs unchanged, see docs/benchmarks.md); the fp16 model pairs only with fp16, fp8 or
+    int4 caches (ValueError otherwise)."""
     if not half_model:
         return "fp16" if cache_dtype == "auto" else cache_dtype
     if cache_dtype == "auto":
@@ -125,15 +121,34 @@ def pool_size(config: EngineConfig, model_config: ModelConfig, cache_dtype: str,
     return num_blocks
 
 
+def int4_group(model_config: ModelConfig, block_size: int, device: str) -> int:
+    """An int4 cache's value channels per scale for this model; on cuda, a model the int4
+    kernels do not compile for is a ValueError naming the value, before any allocation."""
+    kv_heads, kv_width, shared_kv = model_config.kv_layout
+    if shared_kv:
+        raise ValueError("cache_dtype 'int4' does not hold a shared (MLA latent) cache; use "
+                         "fp16 or fp8")
+    group = math.gcd(int4.DEFAULT_GROUP, kv_width)  # a head narrower than the group: one group
+    if device == "cuda":
+        from kvcore.kernels.cuda_int4_attention import check_int4_limits
+
+        check_int4_limits(block_size, model_config.num_heads, kv_heads, kv_width, group)
+    return group
+
+
 def make_kv_cache(config: EngineConfig, model_config: ModelConfig, num_blocks: int,
                   cache_dtype: str, device: str, kv: KVCacheManager) -> KVCache:
-    """The pool's K/V arrays; an int4 cache's window slots driven by the block manager."""
+    """The pool's K/V arrays (on cuda CuPy arrays, an int4 cache's rows, windows and
+    window_slot table included); an int4 cache's window slots driven by the block manager."""
     kv_heads, kv_width, shared_kv = model_config.kv_layout  # MLA: one latent K/V "head"
     slots = window_slots(config, cache_dtype)
-    kv_cache = KVCache(model_config.num_layers, num_blocks, config.cache.block_size, kv_heads,
+    block_size = config.cache.block_size
+    group = (int4_group(model_config, block_size, device) if cache_dtype == "int4"
+             else int4.DEFAULT_GROUP)
+    kv_cache = KVCache(model_config.num_layers, num_blocks, block_size, kv_heads,
                        kv_width, cache_dtype, device, shared_kv=shared_kv,
                        num_window_slots=slots or None,
-                       window_tokens=config.cache.int4_window_tokens)
+                       window_tokens=config.cache.int4_window_tokens, int4_group=group)
     if kv_cache.window is not None:
         kv.attach_window(kv_cache.window)
     return kv_cache

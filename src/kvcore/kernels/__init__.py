@@ -79,6 +79,19 @@ def seal_int4_blocks(k_window: Any, v_window: Any, k_rows: Any, v_rows: Any, blo
                            block_ids, slots, group)
 
 
+def seal_int4_layers(k_windows: list[Any], v_windows: list[Any], k_rows: list[Any],
+                     v_rows: list[Any], pairs: Any, group: int) -> None:
+    """seal_int4_blocks in every layer: window slot pairs[m][1] into block pairs[m][0] ((M, 2)
+    int64); on cuda one launch for all layers."""
+    if k_rows and _on_gpu(k_rows[0]):
+        _cuda().seal_blocks(k_rows, v_rows, k_windows, v_windows, pairs, group)
+        return
+    block_ids, slots = pairs[:, 0].copy(), pairs[:, 1].copy()  # (M,) each, contiguous
+    for k_window, v_window, k_row, v_row in zip(k_windows, v_windows, k_rows, v_rows,
+                                                strict=True):
+        seal_int4_blocks(k_window, v_window, k_row, v_row, block_ids, slots, group)
+
+
 def _elementwise(name: str, array: Any) -> Any:
     if _on_gpu(array):
         return getattr(_cuda(), name, getattr(cpu, name))
@@ -98,6 +111,5 @@ def rope(x: Any, positions: Any, cos: Any, sin: Any) -> Any:
 
 
 __all__ = ["cache_latent", "copy_blocks", "mla_paged_attention", "paged_attention",
-           "reshape_and_cache", "rms_norm", "rope", "seal_int4_blocks", "silu_and_mul",
-           "uses_cuda_kernels",
-           "warm_up_cpu_kernels"]
+           "reshape_and_cache", "rms_norm", "rope", "seal_int4_blocks", "seal_int4_layers",
+           "silu_and_mul", "uses_cuda_kernels", "warm_up_cpu_kernels"]

@@ -75,6 +75,25 @@ def int4_defines(head_dim: int, suffix: str, group: int, gqa_group: int | None) 
             f"KVC_INT4_GROUP={group}")
 
 
+def check_int4_limits(block_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                      group: int) -> None:
+    """ValueError naming the first value that the CUDA int4 kernels do not compile for (the
+    engine checks a model against these before it allocates an int4 cache on cuda)."""
+    if head_dim not in INT4_HEAD_DIMS:
+        raise ValueError(f"head_dim {head_dim}: an int4 KV cache on cuda needs head_dim in "
+                         f"{INT4_HEAD_DIMS}")
+    if num_kv_heads <= 0 or num_heads % num_kv_heads or num_heads // num_kv_heads > MAX_GROUP:
+        raise ValueError(f"{num_heads} query heads over {num_kv_heads} KV heads: an int4 KV "
+                         f"cache on cuda needs a GQA group (heads per KV head) of at most "
+                         f"{MAX_GROUP}")
+    if block_size < INT4_MIN_BLOCK_SIZE or block_size & (block_size - 1):
+        raise ValueError(f"block_size {block_size}: an int4 KV cache on cuda needs a power of "
+                         f"two >= {INT4_MIN_BLOCK_SIZE}")
+    if group <= 0 or group % 8 or head_dim % group:
+        raise ValueError(f"int4 group {group}: an int4 KV cache on cuda needs a multiple of 8 "
+                         f"dividing head_dim {head_dim}")
+
+
 def plan_int4_attention(backend: Backend, query: Any, k_cache: Any, v_cache: Any,
                         k_window: Any, v_window: Any, window_slot: Any, block_tables: Any,
                         context_lens: Any, query_start_loc: Any, scale: float,
@@ -95,12 +114,7 @@ def plan_int4_attention(backend: Backend, query: Any, k_cache: Any, v_cache: Any
                          f"{num_kv_heads}")
     num_tokens, num_heads, _ = query.shape
     gqa = num_heads // num_kv_heads
-    if head_dim not in INT4_HEAD_DIMS or gqa > MAX_GROUP:
-        raise ValueError(f"int4 attention compiles for head_dim in {INT4_HEAD_DIMS} and GQA "
-                         f"groups up to {MAX_GROUP}, got {head_dim} and {gqa}")
-    if block_size < INT4_MIN_BLOCK_SIZE or block_size & (block_size - 1):
-        raise ValueError(f"block_size of an int4 cache on CUDA must be a power of two >= "
-                         f"{INT4_MIN_BLOCK_SIZE}, got {block_size}")
+    check_int4_limits(block_size, num_heads, num_kv_heads, head_dim, group)
     if not np.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be a finite number > 0, got {scale}")
     if sliding_window is not None and sliding_window < 1:

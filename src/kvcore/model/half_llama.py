@@ -3,7 +3,7 @@
 `HalfLlamaModel` is LlamaModel with every weight stored as float16 (bf16 and fp32 checkpoints
 are converted on load), so the residual stream, the matmuls (cupy.matmul, i.e. cuBLAS) and the
 kernels (RMSNorm, RoPE, SwiGLU, paged attention) all run in fp16 with fp32 accumulation inside
-the kernels. Its KV cache must be fp16 or fp8 (the kernels pair fp16 activations with those).
+the kernels. Its KV cache must be fp16, fp8 or int4 (the kernels pair fp16 activations with those).
 The engine loads it on cuda (`kvcore.engine.setup.load_engine_model`, cache_dtype auto = fp16)
 and turns on CUDA graphs for pure-decode steps (`enable_cuda_graphs`, kvcore/model/cuda_graph.py)
 unless enforce_eager; every other step runs eagerly. The CPU path keeps LlamaModel in fp32.
@@ -20,7 +20,7 @@ from kvcore.model.batch import BatchInput, InputFill
 from kvcore.model.cuda_graph import CudaGraphCapturer, GraphCapturer, GraphedDecode
 from kvcore.model.llama import LlamaModel
 
-HALF_CACHE_DTYPES = ("fp16", "fp8")
+HALF_CACHE_DTYPES = ("fp16", "fp8", "int4")
 
 
 class HalfLlamaModel(LlamaModel):
