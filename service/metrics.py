@@ -75,6 +75,8 @@ class _EngineCollector(Collector):
         mask = getattr(stats, "mask_seconds", None)
         if mask is not None:
             yield _mask_histogram(name, *mask)
+        yield gauge("kv_cache_bytes", "Bytes held by the KV cache pool (the planner's figure).",
+                    getattr(stats, "kv_cache_bytes", 0))
         info = GaugeMetricFamily("kvcore:cache_config_info", "KV cache configuration.",
                                  labels=["block_size", "cache_dtype", "num_blocks"])
         info.add_metric([str(stats.block_size), str(stats.cache_dtype), str(stats.num_blocks)], 1)

@@ -46,6 +46,10 @@ def test_serve_int4(tiny_model_dir: Path) -> None:
         with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
             metrics = resp.read().decode()
         assert 'cache_dtype="int4"' in metrics
+        # /metrics and the planner agree on the pool's bytes (rows, window and slot table)
+        gauge = [line for line in metrics.splitlines()
+                 if line.startswith("kvcore:kv_cache_bytes{")]
+        assert len(gauge) == 1 and float(gauge[0].rsplit(" ", 1)[1]) == expected
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     finally:

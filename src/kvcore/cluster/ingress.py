@@ -106,7 +106,8 @@ class ClusterEngine:
             prefix_cache_queries=sum(s.prefix_cache_queries for s in reports),
             prefix_cache_hits=sum(s.prefix_cache_hits for s in reports),
             num_preemptions=sum(s.num_preemptions for s in reports),
-            block_size=first.block_size, cache_dtype=first.cache_dtype)
+            block_size=first.block_size, cache_dtype=first.cache_dtype,
+            kv_cache_bytes=sum(s.kv_cache_bytes for s in reports))
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | BeamSearchParams,
                  request_id: str | None = None, *, priority: int = 0,

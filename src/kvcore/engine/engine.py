@@ -48,6 +48,7 @@ class EngineStats:
     num_preemptions: int
     block_size: int
     cache_dtype: str
+    kv_cache_bytes: int = 0  # the pool's arrays (int4: rows, fp16 window and slot table)
     spec_decode: SpecDecodeStats | None = None  # speculative decoding's counters (None: off)
     # structured outputs: seconds per step computing token masks, as (bucket edges, counts
     # per bucket + one above all, sum); None before the first constrained step
@@ -206,5 +207,6 @@ class Engine:
             num_blocks=kv.num_blocks, prefix_cache_queries=kv.num_prefix_queries,
             prefix_cache_hits=kv.num_prefix_hits, num_preemptions=scheduler.num_preemptions,
             block_size=kv.block_size, cache_dtype=self.cache_dtype,
+            kv_cache_bytes=self.kv_cache.num_bytes,
             spec_decode=None if self.core.speculator is None else self.core.speculator.stats,
             mask_seconds=self.core.constrainer.mask_times())
