@@ -30,7 +30,7 @@ from kvcore.kernels.int4_simd import (
     odd_halves,
     total,
 )
-from kvcore.kernels.numba_blocks import FASTMATH, float_from_half_bits
+from kvcore.kernels.numba_blocks import FASTMATH
 from kvcore.kernels.numba_simd import (
     LANES,
     load,
@@ -157,15 +157,11 @@ def sealed_scores(scaled: np.ndarray, offsets: np.ndarray, row: np.ndarray, num_
 
 @njit(fastmath=FASTMATH, cache=True)
 def value_params(row: np.ndarray, num_params: int, out: np.ndarray) -> None:
-    """out (2 * num_params,) = a sealed V row's scales, then zeros, as float32."""
+    """out (2 * num_params,) = a sealed V row's scales, then zeros, as float32 (num_params =
+    bs * Hkv * D / group: a multiple of 8 for shapes that fit)."""
     at = row.shape[0] - 4 * num_params  # bytes: scales, then zeros
-    count = 2 * num_params
-    full = count - count % LANES
-    for p in range(0, full, LANES):
+    for p in range(0, 2 * num_params, LANES):
         store(out, p, halves(row, at + 2 * p))
-    for p in range(full, count):
-        out[p] = float_from_half_bits(np.uint16(row[at + 2 * p])
-                                      | (np.uint16(row[at + 2 * p + 1]) << np.uint16(8)))
 
 
 @njit(fastmath=FASTMATH, cache=True)
