@@ -162,17 +162,8 @@ def _attend_item(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     # queries and their weighted values in its split channel order
     tiles = (mode == MODE_INT4 and (r1 - r0) * group <= TILE_VECTORS
              and int4_tiles.fits(block_size, head_dim, value_group))
-    num_split = num_vecs if tiles else 0
-    split_queries = np.empty((num_split, head_dim), np.float32)  # (V, D) split order
-    if tiles:
-        int4_tiles.split_channels(queries, split_queries)
-    scaled = np.empty((num_split, head_dim), np.float32)  # (V, D) q * key scales, per block
-    offsets = np.empty(num_split, np.float32)  # (V,) q . key zeros, per block
-    key_params = np.empty((2, num_kv_heads if tiles else 0, head_dim), np.float32)  # split
-    split_acc = np.zeros((num_split, head_dim), np.float32)  # (V, D) sealed blocks' values
-    # a V row's scales and zeros (2, bs, Hkv, D / value_group)
-    value_params = np.empty(2 * block_size * num_kv_heads * (head_dim // value_group)
-                            if tiles else 0, np.float32)
+    split_queries, scaled, offsets, key_params, split_acc, value_params = \
+        int4_tiles.item_scratch(queries, num_kv_heads, block_size, value_group, tiles)
     last_pos = first_pos + r1 - 1
     last_block = (k1 - 1) // block_size
     for b in range(k0 // block_size, last_block + 1):

@@ -68,6 +68,27 @@ def add_joined(split: np.ndarray, out: np.ndarray) -> None:
                 out[i, c + 2 * j + 1] += split[i, c + LANES + j]
 
 
+@njit(cache=True)
+def item_scratch(queries: np.ndarray, num_kv_heads: int, block_size: int, value_group: int,
+                 used: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+                                      np.ndarray, np.ndarray]:
+    """A work item's arrays for the tiles (queries (V, D) its query vectors), empty when they
+    are not used: (the queries in split order, q * key scales (V, D), q . key zeros (V,), a K
+    row's scales and zeros (2, Hkv, D) split, the sealed blocks' weighted values (V, D) split,
+    a V row's scales and zeros (2 * bs * Hkv * D / value_group,))."""
+    num_vecs, head_dim = queries.shape if used else (0, queries.shape[1])
+    split_queries = np.empty((num_vecs, head_dim), np.float32)  # (V, D)
+    if used:
+        split_channels(queries, split_queries)
+    scaled = np.empty((num_vecs, head_dim), np.float32)  # (V, D)
+    offsets = np.empty(num_vecs, np.float32)  # (V,)
+    key_params = np.empty((2, num_kv_heads if used else 0, head_dim), np.float32)
+    split_acc = np.zeros((num_vecs, head_dim), np.float32)  # (V, D)
+    num_value_params = 2 * block_size * num_kv_heads * (head_dim // value_group) if used else 0
+    return (split_queries, scaled, offsets, key_params, split_acc,
+            np.empty(num_value_params, np.float32))
+
+
 @njit(fastmath=FASTMATH, cache=True)
 def key_queries(queries: np.ndarray, row: np.ndarray, num_heads: int, group: int,
                 params: np.ndarray, scaled: np.ndarray, offsets: np.ndarray) -> None:
