@@ -67,7 +67,7 @@ def test_scores_match_float64(num_heads: int, num_kv_heads: int, head_dim: int, 
     params = np.empty((2, num_kv_heads, head_dim), np.float32)
     scaled = np.empty_like(queries)
     offsets = np.empty(queries.shape[0], np.float32)
-    int4_tiles.key_queries(split, row, num_heads, group, params, scaled, offsets)
+    int4_tiles.key_queries(split, row, num_heads, group, bs, params, scaled, offsets)
     scores = np.full((queries.shape[0], bs), np.nan, np.float32)  # (V, bs)
     int4_tiles.sealed_scores(scaled, offsets, row, num_heads, group, num_kv_heads, scores)
     heads = kv_heads(queries.shape[0], num_heads, group)
@@ -95,7 +95,8 @@ def test_values_match_float64(num_heads: int, num_kv_heads: int, head_dim: int, 
     acc = split_order(start)
     row_sum = np.ones(num_vecs, np.float32)
     params = np.empty(2 * bs * num_kv_heads * (head_dim // value_group), np.float32)
-    int4_tiles.value_params(row, params.shape[0] // 2, params)
+    int4_tiles.value_params(row, bs * num_kv_heads * head_dim // 2, params.shape[0] // 2,
+                            params)
     int4_tiles.sealed_values(probs, row, params, num_heads, group, num_kv_heads, value_group,
                              acc, row_sum)
     out = np.zeros_like(start)

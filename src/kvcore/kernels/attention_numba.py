@@ -183,8 +183,8 @@ def _attend_item(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
         sealed_tile = tiles and window_slot[block_id] < 0
         if sealed_tile:
             k_row = k_bits[block_id].reshape(k_bits.shape[3])
-            int4_tiles.key_queries(split_queries, k_row, num_heads, group, key_params, scaled,
-                                   offsets)
+            int4_tiles.key_queries(split_queries, k_row, num_heads, group, block_size,
+                                   key_params, scaled, offsets)
             int4_tiles.sealed_scores(scaled, offsets, k_row, num_heads, group, num_kv_heads,
                                      probs)
         else:
@@ -228,7 +228,8 @@ def _attend_item(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
         exp_rows(probs, row_max)
         if sealed_tile:  # (a sealed block's scales and zeros are finite: masked keys add 0)
             v_row = v_bits[block_id].reshape(v_bits.shape[3])
-            int4_tiles.value_params(v_row, value_params.shape[0] // 2, value_params)
+            int4_tiles.value_params(v_row, block_size * num_kv_heads * head_dim // 2,
+                                    value_params.shape[0] // 2, value_params)
             int4_tiles.sealed_values(probs, v_row, value_params, num_heads, group,
                                      num_kv_heads, value_group, split_acc, row_sum)
             continue

@@ -91,14 +91,15 @@ def item_scratch(queries: np.ndarray, num_kv_heads: int, block_size: int, value_
 
 @njit(fastmath=FASTMATH, cache=True)
 def key_queries(queries: np.ndarray, row: np.ndarray, num_heads: int, group: int,
-                params: np.ndarray, scaled: np.ndarray, offsets: np.ndarray) -> None:
+                block_size: int, params: np.ndarray, scaled: np.ndarray,
+                offsets: np.ndarray) -> None:
     """For each query vector i (split order, V x D) of KV head h: scaled[i] = queries[i] * the
     block's key scales of h, offsets[i] = queries[i] . its key zeros (row: the sealed K row;
     params: (2, Hkv, D) scratch for its scales and zeros in split order)."""
     num_vecs, head_dim = queries.shape
     num_kv_heads = params.shape[1]
     flat_params = params.reshape(params.size)
-    scales_at = row.shape[0] - 2 * flat_params.shape[0]  # bytes: scales, then zeros
+    scales_at = block_size * num_kv_heads * head_dim // 2  # after the codes: scales, zeros
     for c in range(0, flat_params.shape[0], CHUNK):
         store(flat_params, c, even_halves(row, scales_at + 2 * c))
         store(flat_params, c + LANES, odd_halves(row, scales_at + 2 * c))
@@ -177,10 +178,10 @@ def sealed_scores(scaled: np.ndarray, offsets: np.ndarray, row: np.ndarray, num_
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def value_params(row: np.ndarray, num_params: int, out: np.ndarray) -> None:
-    """out (2 * num_params,) = a sealed V row's scales, then zeros, as float32 (num_params =
-    bs * Hkv * D / group: a multiple of 8 for shapes that fit)."""
-    at = row.shape[0] - 4 * num_params  # bytes: scales, then zeros
+def value_params(row: np.ndarray, at: int, num_params: int, out: np.ndarray) -> None:
+    """out (2 * num_params,) = a sealed V row's scales, then zeros (from byte `at`, after the
+    codes), as float32 (num_params = bs * Hkv * D / group: a multiple of 8 for shapes that
+    fit)."""
     for p in range(0, 2 * num_params, LANES):
         store(out, p, halves(row, at + 2 * p))
 
