@@ -21,6 +21,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from kvcore.kernels import int4_tiles
 from kvcore.kernels.int4_numba import load_int4_block
 from kvcore.kernels.numba_blocks import (
     FASTMATH,
@@ -40,6 +41,11 @@ from kvcore.kernels.numba_tiles import tile_scores, tile_values
 Int4Args = tuple[np.ndarray, np.ndarray, np.ndarray, int]
 ROWS_PER_TILE = 16  # query rows of a prefill chunk per item: 16 x group vectors share each block
 MIN_SPLIT_KEYS = 256  # a key range is split only into pieces at least this long
+# sealed int4 blocks are read in place (kvcore.kernels.int4_tiles) by items of at most this
+# many query vectors per KV head: past it, converting a block's codes once per pair or four of
+# vectors costs more than unpacking it once (measured: 18 vectors 0.86x the unpacking's time,
+# 30 about even, 48 1.17x)
+TILE_VECTORS = 24
 ITEMS_PER_THREAD = 8  # split key ranges until the batch has about this many items per thread
 
 
@@ -152,6 +158,12 @@ def _attend_item(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     # register tiles where the shapes allow (head_dim in 16s; for scores, the block in 8s)
     simd_values = head_dim % LANES == 0
     simd_scores = simd_values and block_size % (LANES // 2) == 0
+    # sealed int4 blocks read in place by kvcore.kernels.int4_tiles where the shapes allow:
+    # queries and their weighted values in its split channel order
+    tiles = (mode == MODE_INT4 and (r1 - r0) * group <= TILE_VECTORS
+             and int4_tiles.fits(block_size, head_dim, value_group))
+    split_queries, scaled, offsets, key_params, split_acc, value_params = \
+        int4_tiles.item_scratch(queries, num_kv_heads, block_size, value_group, tiles)
     last_pos = first_pos + r1 - 1
     last_block = (k1 - 1) // block_size
     for b in range(k0 // block_size, last_block + 1):
@@ -168,18 +180,27 @@ def _attend_item(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
         first_key = b * block_size
         t0 = max(k0, first_key) - first_key  # the item's keys in this block: [t0, t1)
         t1 = min(k1, first_key + block_size) - first_key
-        if mode == MODE_FP32:
-            keys = k_cache[block_id]
-        elif mode == MODE_INT4:
-            load_int4_block(k_bits, k_window, window_slot, block_id, 0, int4_params, key_block)
-            keys = key_block
+        sealed_tile = tiles and window_slot[block_id] < 0
+        if sealed_tile:
+            k_row = k_bits[block_id].reshape(k_bits.shape[3])
+            int4_tiles.key_queries(split_queries, k_row, num_heads, group, block_size,
+                                   key_params, scaled, offsets)
+            int4_tiles.sealed_scores(scaled, offsets, k_row, num_heads, group, num_kv_heads,
+                                     probs)
         else:
-            load_block(k_bits, block_id, mode, key_block)
-            keys = key_block
-        if simd_scores:
-            tile_scores(queries, keys, num_heads, group, probs)
-        else:
-            block_scores(queries, keys, num_heads, group, probs)
+            if mode == MODE_FP32:
+                keys = k_cache[block_id]
+            elif mode == MODE_INT4:
+                load_int4_block(k_bits, k_window, window_slot, block_id, 0, int4_params,
+                                key_block)
+                keys = key_block
+            else:
+                load_block(k_bits, block_id, mode, key_block)
+                keys = key_block
+            if simd_scores:
+                tile_scores(queries, keys, num_heads, group, probs)
+            else:
+                block_scores(queries, keys, num_heads, group, probs)
         # outside the item's keys, the future of the tile's first row, or keys behind its
         # last row's window
         if t0 > 0 or t1 < block_size or first_key + t1 - 1 > first_pos + r0 or (
@@ -200,8 +221,18 @@ def _attend_item(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                 row_sum[i] *= alpha
                 for d in range(head_dim):
                     acc[i, d] *= alpha
+                if tiles:
+                    for d in range(head_dim):
+                        split_acc[i, d] *= alpha
                 row_max[i] = top
         exp_rows(probs, row_max)
+        if sealed_tile:  # (a sealed block's scales and zeros are finite: masked keys add 0)
+            v_row = v_bits[block_id].reshape(v_bits.shape[3])
+            int4_tiles.value_params(v_row, block_size * num_kv_heads * head_dim // 2,
+                                    value_params.shape[0] // 2, value_params)
+            int4_tiles.sealed_values(probs, v_row, value_params, num_heads, group,
+                                     num_kv_heads, value_group, split_acc, row_sum)
+            continue
         if mode == MODE_FP32:
             values = v_cache[block_id]
         elif mode == MODE_INT4:
@@ -222,6 +253,8 @@ def _attend_item(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
             tile_values(probs, values, num_heads, group, acc, row_sum)
         else:
             block_values(probs, values, num_heads, group, acc, row_sum)
+    if tiles:
+        int4_tiles.add_joined(split_acc, acc)
     start = offset * num_heads
     part_max[start:start + num_vecs] = row_max
     part_sum[start:start + num_vecs] = row_sum
