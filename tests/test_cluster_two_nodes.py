@@ -200,9 +200,9 @@ def _streamed(url: str, prompt: list[int], max_tokens: int = 4) -> tuple[str, in
     out: dict[str, Any] = {}
     _stream(url, prompt, max_tokens, out)
     after = _routed(url)
-    (replica,) = [r for r in after if after[r] > before.get(r, 0.0)]
     assert out["events"][-1] == "[DONE]"
     usage = json.loads(out["events"][-2])["usage"]
+    (replica,) = [r for r in after if after[r] > before.get(r, 0.0)]
     return replica, usage["prompt_tokens_details"]["cached_tokens"]
 
 
@@ -266,6 +266,16 @@ def test_losing_a_node_ends_only_its_replicas_streams(two_nodes: TwoNodes,
     assert all("error" not in json.loads(e) for e in kept[:-1])
     finish = [c["finish_reason"] for e in kept[:-1] for c in json.loads(e).get("choices", [])]
     assert finish[-1] == "length" and len(kept) > 100
-    for _ in range(3):  # serving continues on the head's replica, the lost prefix included
-        replica, _ = _streamed(ingress.url, held[worker] + _tokens(rng, 8))
-        assert on_node[replica] == head
+    # serving continues on the head's replica, the lost prefix included. Right after the loss
+    # Serve may re-sync the ingress's replica set while a request is routed (its routed count
+    # then restarts), so a request whose replica the counts cannot name is retried, not judged
+    served = []
+    for _ in range(6):
+        try:
+            replica, _ = _streamed(ingress.url, held[worker] + _tokens(rng, 8))
+        except ValueError:  # served ([DONE], usage) but no replica's routed count moved
+            continue
+        served.append(on_node.get(replica))
+        if len(served) == 3:
+            break
+    assert served == [head] * 3, served
