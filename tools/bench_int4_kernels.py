@@ -22,36 +22,15 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_kernels import copy_bandwidth, time_ms  # noqa: E402
 from kvcore.device import cuda_available  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, GROUP = 32, 8, 128, 16, 32
 BATCHES = (1, 16, 64)
 CONTEXTS = (4096, 16384)
 TOL = 3e-3
-
-
-def time_ms(cp: Any, fn: Any, iters: int, warmup: int = 3) -> float:
-    """Median milliseconds of fn() between CUDA events."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, stop = cp.cuda.Event(), cp.cuda.Event()
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, stop))
-    return float(np.median(times))
-
-
-def copy_bandwidth(cp: Any, iters: int) -> float:
-    """GB/s of a 2 GiB device-to-device copy, counting bytes read plus bytes written."""
-    src = cp.ones(1 << 30, dtype=cp.uint16)
-    dst = cp.empty_like(src)
-    ms = time_ms(cp, lambda: dst.data.copy_from_device_async(src.data, src.nbytes), iters)
-    return 2 * src.nbytes / ms / 1e6
 
 
 def in_order(launches: list[Any]) -> Any:

@@ -15,9 +15,9 @@ from kvcore.kernels.cuda_launch import (
     SMEM_LIMIT,
     Backend,
     Launch,
+    batch_shape,
     cache_suffix_of,
     check_contiguous,
-    check_seq_metadata,
     suffix_of,
     upload_seq_metadata,
 )
@@ -181,24 +181,11 @@ def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: An
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     window = int(sliding_window or 0)
-    num_seqs, max_blocks, host_lens = check_seq_metadata(
-        backend, block_tables, context_lens, query_start_loc, num_tokens, block_size,
-        host_metadata)
-    if host_lens is not None:
-        q_lens, ctx = host_lens
-        decode_ctx = ctx[q_lens == 1]
-        num_decode: int | None = int(decode_ctx.shape[0])
-        decode_span = int((decode_ctx - np.maximum(decode_ctx - window, 0) if window
-                           else decode_ctx).max(initial=0))
-        max_q_len = int(q_lens.max(initial=0))
-        has_prefill = max_q_len > 1
-    else:
-        # bounds from the shapes: every other sequence holds at least one of the T tokens
-        decode_span = max_blocks * block_size if not window else min(window,
-                                                                      max_blocks * block_size)
-        max_q_len = num_tokens - num_seqs + 1
-        num_decode = None  # unknown: every sequence may be a decode row
-        has_prefill = num_tokens > num_seqs
+    shape = batch_shape(backend, block_tables, context_lens, query_start_loc, num_tokens,
+                        block_size, host_metadata, window)
+    num_seqs, max_blocks, num_decode = shape.num_seqs, shape.max_blocks, shape.num_decode
+    decode_span, max_q_len = shape.decode_span, shape.max_q_len
+    has_prefill = max_q_len > 1
     xp = backend.xp
     if num_tokens == 0 or num_seqs == 0:
         return xp.empty((num_tokens, num_heads, head_dim), dtype=query.dtype), []

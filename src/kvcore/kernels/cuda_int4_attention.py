@@ -27,8 +27,8 @@ from kvcore.kernels.cuda_int4 import INT4_MIN_BLOCK_SIZE, check_int4_cache
 from kvcore.kernels.cuda_launch import (
     Backend,
     Launch,
+    batch_shape,
     check_contiguous,
-    check_seq_metadata,
     suffix_of,
     upload_seq_metadata,
 )
@@ -124,20 +124,10 @@ def plan_int4_attention(backend: Backend, query: Any, k_cache: Any, v_cache: Any
                          f"{num_partitions}")
     check_contiguous("query", query)
     window = int(sliding_window or 0)
-    num_seqs, max_blocks, host_lens = check_seq_metadata(
-        backend, block_tables, context_lens, query_start_loc, num_tokens, block_size,
-        host_metadata)
-    if host_lens is not None:
-        q_lens, ctx = host_lens
-        decode_ctx = ctx[q_lens == 1]
-        num_decode: int | None = int(decode_ctx.shape[0])
-        decode_span = int((np.minimum(decode_ctx, window) if window else decode_ctx)
-                          .max(initial=0))
-        max_q_len = int(q_lens.max(initial=0))
-    else:
-        decode_span = max_blocks * block_size if not window else min(window,
-                                                                     max_blocks * block_size)
-        num_decode, max_q_len = None, num_tokens - num_seqs + 1
+    shape = batch_shape(backend, block_tables, context_lens, query_start_loc, num_tokens,
+                        block_size, host_metadata, window)
+    num_seqs, max_blocks, num_decode = shape.num_seqs, shape.max_blocks, shape.num_decode
+    decode_span, max_q_len = shape.decode_span, shape.max_q_len
     if max_q_len > 1 and head_dim > PREFILL_MMA_MAX_HEAD_DIM:
         raise ValueError(f"int4 prefill on CUDA compiles for head_dim up to "
                          f"{PREFILL_MMA_MAX_HEAD_DIM}, got {head_dim}")

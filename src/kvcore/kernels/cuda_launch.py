@@ -108,6 +108,35 @@ def check_seq_metadata(backend: Backend, block_tables: Any, context_lens: Any,
     return num_seqs, max_blocks, (q_lens, ctx)
 
 
+@dataclass(frozen=True, slots=True)
+class BatchShape:
+    """What sizes a paged-attention launch: exact from host metadata, else bounds from the
+    shapes alone (every other sequence holds at least one of the T tokens)."""
+    num_seqs: int
+    max_blocks: int
+    num_decode: int | None  # decode rows (one query token); None: unknown, any may be
+    decode_span: int  # most keys one decode row attends to (the sliding window included)
+    max_q_len: int
+
+
+def batch_shape(backend: Backend, block_tables: Any, context_lens: Any, query_start_loc: Any,
+                num_tokens: int, block_size: int, host_metadata: bool | None,
+                window: int) -> BatchShape:
+    """check_seq_metadata, then the batch's decode rows, decode span and longest query."""
+    num_seqs, max_blocks, host_lens = check_seq_metadata(
+        backend, block_tables, context_lens, query_start_loc, num_tokens, block_size,
+        host_metadata)
+    if host_lens is None:
+        span = max_blocks * block_size
+        return BatchShape(num_seqs, max_blocks, None, min(window, span) if window else span,
+                          num_tokens - num_seqs + 1)
+    q_lens, ctx = host_lens
+    decode_ctx = ctx[q_lens == 1]
+    span = int((np.minimum(decode_ctx, window) if window else decode_ctx).max(initial=0))
+    return BatchShape(num_seqs, max_blocks, int(decode_ctx.shape[0]), span,
+                      int(q_lens.max(initial=0)))
+
+
 def upload_seq_metadata(xp: Any, block_tables: Any, context_lens: Any, query_start_loc: Any,
                         num_seqs: int) -> tuple[Any, Any, Any]:
     """The metadata on the device (one upload each, a no-op for device arrays), dtypes and
