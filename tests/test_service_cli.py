@@ -48,8 +48,12 @@ def test_serve_process(tiny_model_dir: Path, tmp_path: Path) -> None:
          "--served-model-name", "tiny", "--admin-key", "kadm"],
         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     try:
-        url = _events(proc, "serving")[-1]["url"]
-        pool = _events(proc, "engine ready")[-1]
+        events = _events(proc, "serving")
+        url = events[-1]["url"]
+        events += _events(proc, "engine ready")
+        pool = events[-1]
+        # the library's own log lines (kvcore.logs) come out as the CLI's JSON lines too
+        assert any(e["event"] == "kv cache pool" and e["level"] == "info" for e in events)
         # 64 blocks of 4 tokens; a sequence of max_model_len=128 needs 32 of them
         assert pool["num_blocks"] == 64 and pool["max_concurrency"] == 2
         assert pool["pool_size"] == "64 KiB"  # 64 x 4 tokens x (2 x 2 layers x 2 heads x 16 x 2 B)

@@ -1,5 +1,6 @@
 """The engine layer: Engine (one step at a time), LLM (offline batches), AsyncEngine (asyncio)."""
 
+import kvcore.logs  # noqa: F401  (kvcore writes no log line unless the program configures it)
 from kvcore.engine.async_engine import AsyncEngine, RequestFailed
 from kvcore.engine.client import EngineClient
 from kvcore.engine.engine import Engine, EngineStats
