@@ -13,11 +13,8 @@ from kvcore.model.hub import resolve_model
 
 
 async def complete(engine: AsyncEngine, prompt: str, params: SamplingParams) -> str:
-    final = None
-    async for output in engine.generate(prompt, params):
-        final = output
-    assert final is not None
-    return final.outputs[0].text
+    # each output carries what is new: the answer is their text joined
+    return "".join([output.outputs[0].text async for output in engine.generate(prompt, params)])
 
 
 async def main(model: str | None) -> None:
@@ -30,7 +27,7 @@ async def main(model: str | None) -> None:
         params = SamplingParams(max_tokens=24, temperature=0)
         # deltas as the engine produces them (the driver batches this with any other request)
         async for output in engine.generate(prompt, params):
-            print(output.outputs[0].delta_text, end="", flush=True)
+            print(output.outputs[0].text, end="", flush=True)
         print()
         # concurrent requests share the continuous batch
         questions = ["Name a fruit.", "Name a river.", "Name a planet."]

@@ -113,8 +113,8 @@ async def drain(app: web.Application, timeout: float) -> int:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(state.idle.wait(), timeout)
     left = list(state.in_flight.items())
-    for _, generation in left:
-        await generation.abort()
+    for _, call in left:
+        await call.abort()
     if left:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(state.idle.wait(), ABORT_GRACE_S)

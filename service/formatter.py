@@ -1,24 +1,21 @@
-"""The OpenAI objects of one call, formatted from the engine's outputs: stream chunks, msgpack
-frames and the final response. The text and tokens of a choice live in the engine's output
-records; this keeps only what the wire needs: which choices have finished (and how), whose
-first chunk went out, completions' logprob offsets and the tool-call parser of each choice."""
+"""The wire formats of a Call's answer: OpenAI's chat and completions objects (SSE chunks and the
+whole response) and msgpack frames. A format keeps only what its wire needs (whose first chunk
+went out, completions' logprob offsets, each choice's tool-call parser); the text, tokens and
+finish of every choice come from the Call's deltas. A new protocol is a parser to a Call and a
+class with these methods (service.openai_routes.respond runs any of them)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from kvcore.model.tokenizer import Tokenizer
-from kvcore.request import CompletionOutput, RequestOutput
-from kvcore.sampling.params import BeamSearchParams, TokenLogprob
-from kvcore.service.generation import Generation, Job
-from kvcore.service.protocol import Call
-from kvcore.service.streaming import msgpack_frame, sse_event
+from kvcore.sampling.params import TokenLogprob
+from kvcore.service.call import Call, Delta
+from kvcore.service.errors import APIError
+from kvcore.service.streaming import MSGPACK_TYPE, SSE_DONE, msgpack_frame, sse_event
 from kvcore.service.tool_format import FORMATS, CallStream
 
-# (choice index, new text, new token ids, new logprobs, the choice's output)
-Delta = tuple[int, str, list[int], list[TokenLogprob], CompletionOutput]
 # JSON has no -inf; OpenAI-compatible servers report impossible tokens at this floor (as vLLM does)
 LOGPROB_FLOOR = -9999.0
 
@@ -27,42 +24,68 @@ def _lp(value: float) -> float:
     return value if value > LOGPROB_FLOOR else LOGPROB_FLOOR  # also maps NaN and -inf
 
 
-class Formatter:
-    def __init__(self, call: Call, gen: Generation, call_id: str, model: str,
-                 tokenizer: Tokenizer) -> None:
-        self.call, self.gen, self.call_id, self.model = call, gen, call_id, model
+class WireFormat(Protocol):
+    content_type: str
+    streams_only: bool  # answers in chunks even when the call does not ask to stream
+
+    def open(self) -> bytes: ...  # the stream's first bytes
+
+    def chunk(self, delta: Delta) -> bytes: ...
+
+    def close(self) -> bytes: ...  # the stream's last bytes
+
+    def error(self, error: APIError) -> bytes: ...  # an error after the stream's headers
+
+    def final(self) -> dict[str, Any]: ...  # the whole answer (the call's deltas all taken)
+
+
+class MsgpackFrames:
+    """`{"index", "token_ids", "text", "finish_reason"}` frames, one per delta."""
+
+    content_type = MSGPACK_TYPE
+    streams_only = True
+
+    def __init__(self, call: Call) -> None:
+        self.call = call
+
+    def open(self) -> bytes:
+        return b""
+
+    def chunk(self, delta: Delta) -> bytes:
+        return msgpack_frame({"index": delta.index, "token_ids": delta.token_ids,
+                              "text": delta.text, "finish_reason": delta.finish_reason})
+
+    def close(self) -> bytes:
+        return b""
+
+    def error(self, error: APIError) -> bytes:
+        return msgpack_frame(error.body())
+
+    def final(self) -> dict[str, Any]:
+        raise AssertionError("msgpack answers are always frames")
+
+
+class OpenAIFormat:
+    """chat.completion(.chunk) and text_completion objects of one call."""
+
+    content_type = "text/event-stream"
+    streams_only = False
+
+    def __init__(self, call: Call, model: str, tokenizer: Tokenizer) -> None:
+        self.call, self.model, self.tokenizer = call, model, tokenizer
         self.n = call.n
         self.created = int(time.time())
-        self.tokenizer = tokenizer
         self.token_texts: dict[int, str] = {}
         self.chat = call.kind == "chat"
         self.object = "chat.completion" if self.chat else "text_completion"
-        self.finish_reasons: dict[int, str] = {}  # choice index -> the reason sent
         self.started: set[int] = set()  # choices whose first chunk (role, echo) went out
         self.offsets: dict[int, int] = {}  # completions logprobs: characters before the next
         self.tool_streams: dict[int, CallStream] = {}
 
-    def deltas(self, job: Job, output: RequestOutput) -> Iterator[Delta]:
-        """What is new for each choice of an engine output; a choice once, until it finishes.
-        Beams reorder while they run: only their final ranking is an answer."""
-        beam = isinstance(job.params, BeamSearchParams)
-        if beam and not output.finished:
-            return
-        for position, c in enumerate(output.outputs[:self.n]):
-            index = job.index * self.n + (position if beam else c.index)
-            if index in self.finish_reasons:
-                continue  # the final output repeats every choice
-            if c.finish_reason is not None:
-                self.finish_reasons[index] = c.finish_reason
-            if beam:
-                yield index, c.text, c.token_ids, [], c
-            elif c.delta_text or c.delta_token_ids or c.finish_reason is not None:
-                yield index, c.delta_text, c.delta_token_ids, c.delta_logprobs or [], c
-
     def _envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
         suffix = ".chunk" if chunk and self.chat else ""
-        return {"id": self.call_id, "object": self.object + suffix, "created": self.created,
-                "model": self.model, "choices": choices}
+        return {"id": self.call.call_id, "object": self.object + suffix,
+                "created": self.created, "model": self.model, "choices": choices}
 
     def _echo(self, index: int) -> str:
         if not self.call.echo:
@@ -85,7 +108,7 @@ class Formatter:
     def _logprobs(self, index: int, logprobs: list[TokenLogprob]) -> dict[str, Any] | None:
         """Chat's {content: [{token, logprob, bytes, top_logprobs}]}, or completions'
         {tokens, token_logprobs, top_logprobs, text_offset}; None when not asked for."""
-        if self.call.logprobs is None:
+        if self.call.params.logprobs is None:
             return None
         if self.chat:
             return {"content": [{
@@ -130,10 +153,12 @@ class Formatter:
             content["tool_calls"] = calls
         return content, "tool_calls" if finish_reason == "stop" and num_calls else finish_reason
 
-    def role_chunks(self) -> bytes:
+    def open(self) -> bytes:
         """Chat streams open every choice with its role (vLLM and OpenAI do)."""
+        if not self.chat:
+            return b""
         events = []
-        for index in range(len(self.gen.jobs) * self.n):
+        for index in range(len(self.call.prompt_ids) * self.n):
             self.started.add(index)
             delta = {"role": "assistant", "content": self._echo(index)}
             events.append(sse_event(self._envelope(
@@ -141,16 +166,12 @@ class Formatter:
                 True)))
         return b"".join(events)
 
-    def chunk(self, delta: Delta, binary: bool) -> bytes:
-        index, text, token_ids, logprobs, c = delta
-        if binary:
-            return msgpack_frame({"index": index, "token_ids": token_ids, "text": text,
-                                  "finish_reason": c.finish_reason})
+    def chunk(self, delta: Delta) -> bytes:
+        index, text, finish_reason = delta.index, delta.text, delta.finish_reason
         if index not in self.started:
             self.started.add(index)
             text = self._echo(index) + text
         entry: dict[str, Any] = {"index": index}
-        finish_reason = c.finish_reason
         if self.chat:
             content, finish_reason = self._content(index, text, finish_reason, False)
             if self.call.tools is None and not text and finish_reason is not None:
@@ -158,31 +179,36 @@ class Formatter:
             entry["delta"] = content
         else:
             entry["text"] = text
-        entry["logprobs"] = self._logprobs(index, logprobs)
+        entry["logprobs"] = self._logprobs(index, delta.logprobs)
         entry["finish_reason"] = finish_reason
-        entry["stop_reason"] = c.stop_reason if c.finish_reason else None
+        entry["stop_reason"] = delta.stop_reason if delta.finish_reason else None
         return sse_event(self._envelope([entry], True))
 
-    def usage_chunk(self) -> bytes:
-        return sse_event(self._envelope([], True) | {"usage": self.gen.usage()})
+    def close(self) -> bytes:
+        usage = (sse_event(self._envelope([], True) | {"usage": self.call.usage()})
+                 if self.call.include_usage else b"")
+        return usage + SSE_DONE
+
+    def error(self, error: APIError) -> bytes:
+        return sse_event(error.body()) + SSE_DONE
 
     def final(self) -> dict[str, Any]:
-        """The whole answer, from each request's final output (its cumulative fields)."""
+        """The whole answer, from the Call's text and logprobs of each choice."""
+        call = self.call
         choices = []
-        for job in self.gen.jobs:
-            assert job.last_output is not None and job.last_output.finished
-            for position, c in enumerate(job.last_output.outputs[:self.n]):
-                index = job.index * self.n + position
-                text = self._echo(index) + c.text
-                entry: dict[str, Any] = {"index": index}
-                finish_reason = c.finish_reason
-                if self.chat:
-                    content, finish_reason = self._content(index, text, finish_reason, True)
-                    entry["message"] = {"role": "assistant", **content}
-                else:
-                    entry["text"] = text
-                entry["logprobs"] = self._logprobs(index, c.logprobs or [])
-                entry["finish_reason"] = finish_reason
-                entry["stop_reason"] = c.stop_reason
-                choices.append(entry)
-        return self._envelope(choices, False) | {"usage": self.gen.usage()}
+        for index in range(len(call.prompt_ids) * self.n):
+            if index not in call.finish_reasons:
+                continue  # a beam search that found fewer hypotheses than beams
+            text = self._echo(index) + "".join(call.texts.get(index, ()))
+            entry: dict[str, Any] = {"index": index}
+            finish_reason: str | None = call.finish_reasons[index]
+            if self.chat:
+                content, finish_reason = self._content(index, text, finish_reason, True)
+                entry["message"] = {"role": "assistant", **content}
+            else:
+                entry["text"] = text
+            entry["logprobs"] = self._logprobs(index, call.choice_logprobs.get(index, []))
+            entry["finish_reason"] = finish_reason
+            entry["stop_reason"] = call.stop_reasons[index]
+            choices.append(entry)
+        return self._envelope(choices, False) | {"usage": call.usage()}

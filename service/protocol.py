@@ -6,12 +6,11 @@ SamplingParams / BeamSearchParams (its ParamError names the field, which becomes
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvcore.config import ParamError
 from kvcore.sampling.params import BeamSearchParams, SamplingParams
+from kvcore.service.call import Call, Prompt
 from kvcore.service.errors import bad_request
 from kvcore.service.fields import (
     as_int,
@@ -39,46 +38,6 @@ UNSUPPORTED: dict[str, Any] = {
 # chat only: a completions body with these is refused by name
 CHAT_ONLY: dict[str, Any] = {"tools": (None, []), "tool_choice": (None, "none", "auto"),
                              "parallel_tool_calls": (None, True, False)}
-
-Prompt = str | list[int]
-
-
-@dataclass(frozen=True, slots=True)
-class Call:
-    """One API call, translated: the engine params of each of its prompts, and the options
-    that shape the answer on the wire."""
-
-    kind: Literal["completion", "chat"]
-    model: str | None
-    prompts: list[Prompt]  # completions: one or more; chat: empty (see messages)
-    messages: list[dict[str, Any]]  # chat only
-    add_generation_prompt: bool
-    params: SamplingParams | BeamSearchParams
-    fill_max_tokens: bool  # beams without max_tokens: the context's room (params_for)
-    stream: bool = False
-    include_usage: bool = False
-    echo: bool = False
-    priority: int = 0
-    cache_salt: str | None = None
-    user: str | None = None
-    tools: ToolRequest | None = None  # chat with tools (tool_choice other than "none")
-
-    @property
-    def n(self) -> int:
-        return self.params.n if isinstance(self.params, SamplingParams) else self.params.beam_width
-
-    @property
-    def logprobs(self) -> int | None:
-        return self.params.logprobs if isinstance(self.params, SamplingParams) else None
-
-    def params_for(self, num_prompt_tokens: int, max_model_len: int
-                   ) -> SamplingParams | BeamSearchParams:
-        """The params of one prompt: a beam search with no max_tokens fills the context."""
-        if not self.fill_max_tokens:
-            return self.params
-        room = max(max_model_len - num_prompt_tokens, 1)
-        return dataclasses.replace(self.params, max_tokens=room)
-
 
 def _prompts(body: dict[str, Any]) -> list[Prompt]:
     raw = body.get("prompt")
@@ -181,9 +140,8 @@ def _sampling(body: dict[str, Any], vocab_size: int) -> dict[str, Any]:
 
 def _params(body: dict[str, Any], kind: str, vocab_size: int, max_tokens_param: str,
             max_tokens: int | None, logprobs: int | None, tools: ToolRequest | None
-            ) -> tuple[SamplingParams | BeamSearchParams, bool]:
-    """The engine params (and whether a beam search fills the context): a 400 naming the
-    body's field when a value is out of its range."""
+            ) -> SamplingParams | BeamSearchParams:
+    """The engine params: a 400 naming the body's field when a value is out of its range."""
     sampling = _sampling(body, vocab_size)
     if tools is not None:
         if sampling["constraint"] is not None:
@@ -203,15 +161,15 @@ def _params(body: dict[str, Any], kind: str, vocab_size: int, max_tokens_param: 
     try:
         params: SamplingParams | BeamSearchParams = SamplingParams(
             n=n, max_tokens=max_tokens, logprobs=logprobs, **sampling)
-        if beam:  # max_tokens 1 until params_for fills the context's room
+        if beam:
             params = BeamSearchParams(
-                beam_width=n, max_tokens=max_tokens or 1,  # type: ignore[arg-type]
+                beam_width=n, max_tokens=max_tokens,
                 length_penalty=_value(body, "length_penalty", 1.0),
                 early_stopping=early_stopping, ignore_eos=sampling["ignore_eos"],
                 stop_token_ids=sampling["stop_token_ids"], constraint=sampling["constraint"])
     except ParamError as e:
         raise bad_request(str(e), names.get(e.param, e.param)) from None
-    return params, beam and max_tokens is None
+    return params
 
 
 def _call(body: dict[str, Any], kind: Literal["completion", "chat"], vocab_size: int,
@@ -229,11 +187,10 @@ def _call(body: dict[str, Any], kind: Literal["completion", "chat"], vocab_size:
             if name in body and body[name] not in allowed:
                 raise bad_request(f"{name} is only supported on /v1/chat/completions", name)
     tools = parse_tools(body) if kind == "chat" else None
-    params, fill = _params(body, kind, vocab_size, max_tokens_param, max_tokens, logprobs,
-                           tools)
+    params = _params(body, kind, vocab_size, max_tokens_param, max_tokens, logprobs, tools)
     call = Call(kind=kind, model=get_str(body, "model"), prompts=prompts, messages=messages,
                 add_generation_prompt=get_bool(body, "add_generation_prompt", True),
-                params=params, fill_max_tokens=fill, stream=stream,
+                params=params, stream=stream,
                 include_usage=get_bool(options or {}, "include_usage", False), echo=echo,
                 priority=get_int(body, "priority", 0) or 0,
                 cache_salt=get_str(body, "cache_salt", non_empty=True), user=_user(body),

@@ -9,10 +9,11 @@ from aiohttp import web
 import kvcore
 from kvcore.model.tokenizer import Tokenizer
 from kvcore.service.auth import ANONYMOUS_TENANT
+from kvcore.service.call import Call
 from kvcore.service.errors import bad_request
 from kvcore.service.fields import as_int, get_bool
 from kvcore.service.openapi import openapi_document
-from kvcore.service.protocol import Call, check_prompt_chars, parse_chat
+from kvcore.service.protocol import check_prompt_chars, parse_chat
 from kvcore.service.state import READY, STATE_KEY, TENANT_KEY, read_json
 from kvcore.service.tool_format import chat_text
 

@@ -14,9 +14,9 @@ from aiohttp import web
 from kvcore.engine import EngineClient
 from kvcore.service.admission import Admission
 from kvcore.service.auth import TenantAuth
+from kvcore.service.call import Call
 from kvcore.service.errors import APIError, bad_request
 from kvcore.service.fair_queue import FairQueue
-from kvcore.service.generation import Generation
 from kvcore.service.metrics import ServiceMetrics
 
 LOADING, READY, DRAINING, FAILED = "loading", "ready", "draining", "failed"
@@ -39,8 +39,8 @@ class ServiceState:
     load_error: str | None = None
     max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
     body_timeout: float | None = None  # seconds for a request body to arrive; None: no limit
-    # in-flight generation calls: their handler task -> the Generation (drain aborts it)
-    in_flight: dict[asyncio.Task[Any], Generation] = field(default_factory=dict)
+    # in-flight generation calls: their handler task -> the Call (drain aborts it)
+    in_flight: dict[asyncio.Task[Any], Call] = field(default_factory=dict)
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # set while nothing is in flight
     cpu_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         CPU_WORKERS, thread_name_prefix="kvcore-cpu"))
@@ -80,8 +80,8 @@ class ServiceState:
                            code="model_not_found")
         return requested
 
-    def track(self, task: asyncio.Task[Any], generation: Generation) -> None:
-        self.in_flight[task] = generation
+    def track(self, task: asyncio.Task[Any], call: Call) -> None:
+        self.in_flight[task] = call
         self.idle.clear()
 
     def untrack(self, task: asyncio.Task[Any]) -> None:

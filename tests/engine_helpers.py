@@ -10,7 +10,7 @@ import numpy as np
 
 from kvcore.engine import Engine
 from kvcore.engine.llm import engine_config
-from kvcore.request import RequestOutput
+from kvcore.request import RequestOutput, merge_outputs
 from kvcore.sampling import BeamSearchParams, SamplingParams, SamplingRow
 
 
@@ -45,12 +45,11 @@ def run_all(engine: Engine, prompts: list[list[int]] | list[str],
     ids = [f"r{base}-{i}" for i in range(len(prompts))]
     for request_id, prompt, p in zip(ids, prompts, per, strict=True):
         engine.add_request(request_id, prompt, p)
-    done: dict[str, RequestOutput] = {}
+    outputs: dict[str, list[RequestOutput]] = {i: [] for i in ids}
     while engine.has_unfinished_requests():
         for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[i] for i in ids]
+            outputs[out.request_id].append(out)
+    return [merge_outputs(outputs[i]) for i in ids]
 
 
 def assert_pool_empty(engine: Engine) -> None:
@@ -67,3 +66,10 @@ def allowed_tokens(filler: Any, matcher: Any) -> set[int]:
     mask = filler.fill([matcher])[0]
     bits = np.unpackbits(mask.view(np.uint8), bitorder="little")
     return set(np.flatnonzero(bits).tolist())
+
+
+def collect(seen: dict[str, list[RequestOutput]], out: RequestOutput) -> RequestOutput | None:
+    """Keep a request's outputs in `seen`; once it finishes, all of them merged (each output
+    carries only what changed)."""
+    seen.setdefault(out.request_id, []).append(out)
+    return merge_outputs(seen.pop(out.request_id)) if out.finished else None

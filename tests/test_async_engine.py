@@ -11,7 +11,7 @@ import pytest
 from engine_helpers import assert_pool_empty, make_engine, run_all
 from kvcore.config import ParamError
 from kvcore.engine import AsyncEngine
-from kvcore.request import RequestOutput
+from kvcore.request import RequestOutput, merge_outputs
 from kvcore.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -33,12 +33,10 @@ def test_embedding_example_streams_the_same_tokens_and_never_blocks_the_loop(
                 await asyncio.sleep(0)
 
         async def consume(engine: AsyncEngine, prompt: str) -> tuple[str, list[int], str]:
-            streamed, last = "", None
-            async for out in engine.generate(prompt, GREEDY):
-                streamed += out.outputs[0].delta_text
-                last = out
-            assert last is not None and last.finished
-            return streamed, last.outputs[0].token_ids, last.outputs[0].text
+            outputs = [out async for out in engine.generate(prompt, GREEDY)]
+            assert outputs[-1].finished and all(not o.finished for o in outputs[:-1])
+            whole = merge_outputs(outputs).outputs[0]
+            return "".join(o.outputs[0].text for o in outputs), whole.token_ids, whole.text
 
         async with AsyncEngine(make_engine(tiny_model_dir)) as engine:
             tick_task = asyncio.create_task(ticker())
@@ -92,12 +90,11 @@ def test_abort_and_stop_end_streams_with_reason_abort(tiny_model_dir: Path) -> N
         long = SamplingParams(max_tokens=500, ignore_eos=True)
 
         async def last_of(request_id: str, started: asyncio.Event) -> RequestOutput:
-            last = None
+            outputs = []
             async for out in engine.generate("abc", long, request_id=request_id):
                 started.set()
-                last = out
-            assert last is not None
-            return last
+                outputs.append(out)
+            return merge_outputs(outputs)
 
         a_started, b_started = asyncio.Event(), asyncio.Event()
         a = asyncio.create_task(last_of("a", a_started))

@@ -11,7 +11,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine_helpers import assert_pool_empty, inject_sampling_fault, make_engine, random_prompts
+from engine_helpers import (
+    assert_pool_empty,
+    collect,
+    inject_sampling_fault,
+    make_engine,
+    random_prompts,
+)
 from fake_device import WorkerStream, fake_engine
 from kvcore.cache import PENDING_TOKEN_ID, KVCacheManager
 from kvcore.config import EngineConfig
@@ -46,15 +52,16 @@ def _run(engine: Engine, requests: list[tuple[str, list[int], Any]],
     for request_id, prompt, params in requests:
         engine.add_request(request_id, prompt, params)
     done: dict[str, Any] = {}
+    seen: dict[str, list[RequestOutput]] = {}
     num_steps = 0
     while engine.has_unfinished_requests():
         for request_id in (aborts or {}).get(num_steps, []):
             out = engine.abort_request(request_id)
-            if out is not None:
-                done[request_id] = _summary(out)
+            if out is not None and (whole := collect(seen, out)) is not None:
+                done[request_id] = _summary(whole)
         for out in engine.step():
-            if out.finished:
-                done[out.request_id] = _summary(out)
+            if (whole := collect(seen, out)) is not None:
+                done[out.request_id] = _summary(whole)
         num_steps += 1
     return done
 

@@ -88,7 +88,7 @@ def test_beams_share_blocks_and_survive_preemption(tiny_model_dir: Path) -> None
     engine.add_request("b", prompts[2], params)
     for _ in range(4):
         engine.step()
-    tables = [engine.kv.block_table(s.seq_id) for s in engine.core._groups["b"].seqs]
+    tables = [engine.kv.block_table(s.seq_id) for s in engine.beams._policies["b"].live]
     assert len(tables) == 4
     first_blocks = {t[0] for t in tables}
     assert len(first_blocks) == 1 and engine.kv.pool.blocks[first_blocks.pop()].ref_count == 4

@@ -34,9 +34,9 @@ STATS = EngineStats(num_running=1, num_waiting=0, kv_cache_usage=0.1, num_free_b
 
 def _output(request_id: str, prompt: list[int], tokens: list[int], finished: bool,
             cached: int) -> RequestOutput:
-    return RequestOutput(request_id, None, prompt, [CompletionOutput(
-        0, "", list(tokens), "", tokens[-1:], None, None, None, "length" if finished else None,
-        None)], finished, cached, RequestMetrics(arrival_time=0.0))
+    return RequestOutput(request_id, None, prompt, [CompletionOutput(  # tokens: the new ones
+        0, "", list(tokens), None, None, "length" if finished else None, None)], finished, cached,
+        RequestMetrics(arrival_time=0.0))
 
 
 class FakeStream:
@@ -108,7 +108,7 @@ class FakeHandle:
         items = [(_output(request_id, prompt, [7], False, cached),
                   ReplicaReport(replica, 1, events, STATS))]
         if fail is None and not hang:
-            items.append((_output(request_id, prompt, [7, 8], True, cached),
+            items.append((_output(request_id, prompt, [8], True, cached),
                           ReplicaReport(replica, 1, (), STATS)))
         stream = FakeStream(items, fail, hang)
         self.streams.append(stream)
@@ -165,7 +165,7 @@ def test_abort_ends_the_stream_with_finish_reason_abort(
         await ce.abort("slow")
         last = await gen.__anext__()
         assert last.finished and last.outputs[0].finish_reason == "abort"
-        assert last.outputs[0].token_ids == [7]
+        assert last.outputs[0].token_ids == []  # nothing new: only the finish
         with pytest.raises(StopAsyncIteration):
             await gen.__anext__()
         assert handle.streams[-1].cancelled.is_set()

@@ -109,8 +109,7 @@ def _engine_tokens(model_dir: Path, device: str, prompts: list[list[int]], max_t
     done: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
+            done.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
     return [done[f"r{i}"] for i in range(len(prompts))], engine
 
 

@@ -11,9 +11,15 @@ from typing import Any
 
 import pytest
 
-from engine_helpers import assert_pool_empty, inject_sampling_fault, make_engine, random_prompts
+from engine_helpers import (
+    assert_pool_empty,
+    collect,
+    inject_sampling_fault,
+    make_engine,
+    random_prompts,
+)
 from kvcore.engine import AsyncEngine, Engine, RequestFailed
-from kvcore.request import RequestOutput
+from kvcore.request import RequestOutput, merge_outputs
 from kvcore.sampling import BeamSearchParams, SamplingParams
 
 
@@ -43,10 +49,11 @@ def _run(engine: Engine, requests: list[tuple[str, list[int], Any]],
     if inject is not None:
         inject(engine)
     done: dict[str, RequestOutput] = {}
+    seen: dict[str, list[RequestOutput]] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
+            if (whole := collect(seen, out)) is not None:
+                done[out.request_id] = whole
     return done
 
 
@@ -81,7 +88,7 @@ def _detokenizer_fault(engine: Engine) -> None:
     real = choice.detokenizer.add
 
     def add(token_id: int) -> str:
-        if len(choice.token_ids) >= 3:
+        if choice.num_tokens >= 3:
             raise Boom("detokenizer")
         return real(token_id)
 
@@ -100,8 +107,7 @@ def _stop_check_fault(engine: Engine) -> None:
 
 
 def _beam_fault(engine: Engine) -> None:
-    policy = engine.core._groups["bad"].policy
-    assert policy is not None
+    policy = engine.beams._policies["bad"]
     real = policy.search.step
     calls = []
 
@@ -193,11 +199,8 @@ def test_async_engine_streams_the_error_to_its_consumer_only(tiny_model_dir: Pat
     async def main() -> tuple[list[int], BaseException | None]:
         async with AsyncEngine(engine) as ae:
             async def good() -> list[int]:
-                last = None
-                async for out in ae.generate(PROMPTS[1], greedy):
-                    last = out
-                assert last is not None
-                return last.outputs[0].token_ids
+                outputs = [out async for out in ae.generate(PROMPTS[1], greedy)]
+                return merge_outputs(outputs).outputs[0].token_ids
 
             async def bad() -> BaseException | None:
                 try:

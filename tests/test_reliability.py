@@ -271,9 +271,9 @@ async def test_d8_waiting_sequences_are_counted_and_429s_are_logged(aiohttp_clie
     model.forward = slow_forward  # type: ignore[method-assign]
     long = {"prompt": "a", "max_tokens": 60, "ignore_eos": True}
     first = asyncio.create_task(client.post("/v1/completions", json=long | {"n": 2}))
-    for _ in range(200):  # until the first call runs (2 of max_num_seqs 3: the next 3 wait)
-        await asyncio.sleep(0.01)
-        if engine_of(app).stats().num_running == 2:
+    for _ in range(200):  # until the first call runs (2 of max_num_seqs 3: the next 3 wait),
+        await asyncio.sleep(0.01)  # as the engine published it (what admission reads)
+        if app[STATE_KEY].engine.stats().num_running == 2:  # type: ignore[union-attr]
             break
     queued = asyncio.create_task(client.post("/v1/completions", json=long | {"n": 3}))
     for _ in range(200):
@@ -315,8 +315,9 @@ def test_async_engine_num_waiting_counts_sequences(tiny_model_dir) -> None:
     async def main() -> int:
         engine = AsyncEngine(make_engine(tiny_model_dir))
         await engine.start()
-        try:
-            engine._adds.append(type("A", (), {"params": SamplingParams(n=5)})())  # type: ignore
+        try:  # a request checked and queued to be added: its 5 sequences wait
+            seq = engine.engine.check_request("r", [5, 6], SamplingParams(n=5))
+            engine._adds.append((seq, None))  # type: ignore[arg-type]
             return engine.num_waiting
         finally:
             engine._adds.clear()

@@ -75,7 +75,7 @@ def test_greedy_property() -> None:
 
 BAD_BEAM: list[tuple[str, Any]] = [
     ("beam_width", 0), ("beam_width", 129), ("beam_width", 2.0),
-    ("max_tokens", 0), ("max_tokens", None),
+    ("max_tokens", 0), ("max_tokens", 1.5),  # None: until max_model_len, as SamplingParams
     ("length_penalty", math.nan), ("length_penalty", math.inf), ("length_penalty", "1"),
     ("early_stopping", "always"), ("early_stopping", 1), ("early_stopping", None),
     ("ignore_eos", "no"), ("stop_token_ids", (-2,)),

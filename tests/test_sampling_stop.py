@@ -7,11 +7,19 @@ import numpy as np
 import pytest
 
 from kvcore.engine.output import _Choice
-from kvcore.engine.records import SeqOutput
 from kvcore.request import Sequence, SequenceStatus
 from kvcore.sampling import SamplingParams, find_stop_string, num_holdback_chars
 
 EOS = frozenset({2})
+
+
+class _NoTokenizer:
+    """What a choice's detokenizer reads of its tokenizer before the test swaps in _Pieces."""
+
+    byte_fallback_ids = frozenset({0})  # (the Python detokenizer: no native decode stream)
+
+
+NO_TOKENIZER = _NoTokenizer()
 
 
 class _Pieces:
@@ -32,17 +40,17 @@ def stream(pieces: list[str], stops: tuple[str, ...], include: bool = False
     """Feed `pieces` (one per token) through a choice of the output processor as the engine
     would; returns what was streamed so far after each token, the final text and the stop."""
     choice = _Choice(0, SamplingParams(stop=stops, include_stop_str_in_output=include,
-                                       max_tokens=None), None)  # type: ignore[arg-type]
+                                       max_tokens=None), NO_TOKENIZER)  # type: ignore[arg-type]
     choice.detokenizer = _Pieces(pieces)  # type: ignore[assignment]
     streamed, so_far = [], ""
     for i in range(len(pieces)):
-        stopped = choice.add(SeqOutput("s", "r", 0, [100 + i], None, None, None, 0, None))
-        so_far += choice.delta(False).delta_text
+        stopped = choice.add(100 + i, None, None, None)
+        so_far += choice.delta(False).text
         streamed.append(so_far)
         if stopped:
             final = choice.delta(True)
-            assert final.finish_reason == "stop" and final.text == so_far
-            return streamed, final.text, choice.stop_reason  # type: ignore[return-value]
+            assert final.finish_reason == "stop" and final.text == ""  # all streamed already
+            return streamed, so_far, choice.stop_reason  # type: ignore[return-value]
     return streamed, "".join(pieces), None
 
 
@@ -134,14 +142,15 @@ def test_ignore_eos_min_tokens_and_stop_string_over_length() -> None:
     assert gated.append_token(2) is None and gated.append_token(9) is None
     assert gated.append_token(9) is SequenceStatus.FINISHED_STOPPED and gated.stop_reason == 9
     # a stop string completed by the last token wins over the length that token reached
-    choice = _Choice(0, SamplingParams(max_tokens=2, stop=("end",)), None)  # type: ignore
+    choice = _Choice(0, SamplingParams(max_tokens=2, stop=("end",)), NO_TOKENIZER)  # type: ignore
     choice.detokenizer = _Pieces(["the e", "nd."])  # type: ignore[assignment]
-    assert not choice.add(SeqOutput("s", "r", 0, [100], None, None, None, 0, None))
-    assert choice.add(SeqOutput("s", "r", 0, [101], None, "length", None, 0, None))
+    assert not choice.add(100, None, None, None)
+    assert choice.add(101, None, SequenceStatus.FINISHED_LENGTH, None)
     final = choice.delta(True)
     assert (final.finish_reason, final.stop_reason, final.text) == ("stop", "end", "the ")
     # min_tokens gates stop strings too
-    gated_text = _Choice(0, SamplingParams(min_tokens=2, stop=("z",)), None)  # type: ignore
+    gated_text = _Choice(0, SamplingParams(min_tokens=2, stop=("z",)),
+                         NO_TOKENIZER)  # type: ignore[arg-type]
     gated_text.detokenizer = _Pieces(["z", "z"])  # type: ignore[assignment]
-    assert not gated_text.add(SeqOutput("s", "r", 0, [100], None, None, None, 0, None))
-    assert gated_text.add(SeqOutput("s", "r", 0, [101], None, None, None, 0, None))
+    assert not gated_text.add(100, None, None, None)
+    assert gated_text.add(101, None, None, None)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import structlog
 
+from kvcore.config import ParamError
+from kvcore.engine.setup import check_capacity
 from kvcore.request import SequenceStatus
 from scheduler_helpers import (
     append,
@@ -71,9 +73,19 @@ def test_prefix_hit_skips_computed_tokens_and_recomputes_the_last() -> None:
 
 
 def test_admission_control_rejects_what_can_never_run() -> None:
+    # the engine refuses it before the scheduler sees it (Engine.check_request)
+    with pytest.raises(ParamError, match="whole pool") as err:
+        check_capacity(30, 3, 1, max_num_seqs=4, num_blocks=8, block_size=4)  # 33 tokens
+    assert err.value.param == "max_tokens"
+    with pytest.raises(ParamError, match="max_num_seqs=4") as err:
+        check_capacity(3, 3, 5, max_num_seqs=4, num_blocks=8, block_size=4)
+    assert err.value.param == "n"
+    with pytest.raises(ParamError, match="whole pool") as err:  # 1 + 3 x (1 + 1) blocks
+        check_capacity(3, 3, 3, max_num_seqs=4, num_blocks=6, block_size=4)
+    assert err.value.param == "n"
+    check_capacity(3, 3, 3, max_num_seqs=4, num_blocks=7, block_size=4)
+    check_capacity(29, 3, 1, max_num_seqs=4, num_blocks=8, block_size=4)
     s = make_scheduler(num_blocks=8, block_size=4)
-    with pytest.raises(ValueError, match="whole pool"):
-        s.add(make_request("big", 30, max_tokens=3))  # 33 tokens > 8 blocks of 4
     s.add(make_request("ok", 29, max_tokens=3))  # 32 tokens: exactly the pool
     with pytest.raises(ValueError, match="already in use"):
         s.add(make_request("ok", 3))

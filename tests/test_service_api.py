@@ -10,7 +10,7 @@ import msgpack
 import pytest
 import pytest_asyncio
 
-from kvcore.request import RequestOutput
+from kvcore.request import RequestOutput, merge_outputs
 from kvcore.sampling.params import SamplingParams
 from kvcore.service import STATE_KEY
 from service_fixtures import MODEL_NAME, engine_of, tiny_app, wait_pool_idle
@@ -49,11 +49,8 @@ async def client(aiohttp_client, tiny_model_dir):
 
 async def _offline(client, prompt_ids: list[int], params: SamplingParams) -> RequestOutput:
     """The same request straight through the engine (no HTTP), as the oracle."""
-    final = None
-    async for output in client.server.app[STATE_KEY].engine.generate(prompt_ids, params):
-        final = output
-    assert final is not None
-    return final
+    engine = client.server.app[STATE_KEY].engine
+    return merge_outputs([output async for output in engine.generate(prompt_ids, params)])
 
 
 async def test_completion_json_matches_engine(client) -> None:

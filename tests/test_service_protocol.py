@@ -9,7 +9,7 @@ import struct
 import msgpack
 import pytest
 
-from kvcore.sampling.params import SamplingParams
+from kvcore.sampling.params import BeamSearchParams, SamplingParams
 from kvcore.service.auth import TenantAuth, keys_from_list, read_keys_file
 from kvcore.service.errors import APIError
 from kvcore.service.metrics import ServiceMetrics
@@ -154,23 +154,24 @@ def test_chat_fields() -> None:
                       "max_tokens": 9, "max_completion_tokens": 4, "logprobs": True,
                       "top_logprobs": 2}, VOCAB)
     assert req.messages == [{"role": "user", "content": "ab"}]
-    assert req.params.max_tokens == 4 and req.logprobs == 2  # max_completion_tokens wins
+    assert req.params.max_tokens == 4 and req.params.logprobs == 2  # max_completion_tokens wins
     plain = parse_chat({"messages": [{"role": "user", "content": "x"}]}, VOCAB)
     assert plain.params.max_tokens is None
 
 
-def test_max_tokens_is_passed_on_and_beams_fill_the_room() -> None:
+def test_max_tokens_is_passed_on_for_beams_too() -> None:
     req = parse_chat({"messages": [{"role": "user", "content": "x"}]}, VOCAB)
-    assert req.params_for(10, 64).max_tokens is None  # the engine fills the context
+    assert req.params.max_tokens is None  # the engine fills the context
     beams = parse_chat({"messages": [{"role": "user", "content": "x"}], "use_beam_search": True,
                         "n": 2}, VOCAB)
-    assert beams.params_for(10, 64).max_tokens == 54
+    assert beams.params.max_tokens is None and beams.params.num_seqs == 2
 
 
 def test_beam_search_params() -> None:
     req = parse_completion({"prompt": "a", "use_beam_search": True, "n": 3, "max_tokens": 5,
                             "length_penalty": 0.5, "early_stopping": True}, VOCAB)
-    params = req.params_for(1, 64)
+    params = req.params
+    assert isinstance(params, BeamSearchParams)
     assert (params.beam_width, params.max_tokens, params.length_penalty) == (3, 5, 0.5)
     assert params.early_stopping is True
     req = parse_completion({"prompt": "a", "use_beam_search": True, "early_stopping": "never"},

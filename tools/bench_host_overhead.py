@@ -165,7 +165,7 @@ def greedy_params(max_tokens: int) -> Any:
 def read_delta(output: Any) -> tuple[list[int], str]:
     """(new token ids, new text) of one streamed output of a single-choice request."""
     choice = output.outputs[0]
-    return choice.delta_token_ids, choice.delta_text
+    return choice.token_ids, choice.text
 
 
 def profile_steps(engine: Any) -> cProfile.Profile:

@@ -32,9 +32,8 @@ def peak_blocks(model_dir: Path, prompt: list[int], n: int, max_tokens: int,
                                                        ignore_eos=True))
     peak = tokens = 0
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                tokens += sum(len(c.token_ids) for c in out.outputs)
+        for out in engine.step():  # each output carries the tokens new since the last
+            tokens += sum(len(c.token_ids) for c in out.outputs)
         peak = max(peak, engine.kv.num_blocks - engine.kv.num_free_blocks)
     return peak, tokens
 

@@ -70,13 +70,12 @@ def run_round(engine: Any, prompts: dict[int, str], params: Any, tally: Tally) -
         outputs = engine.step()
         now = time.perf_counter()
         for out in outputs:
-            num_new = len(out.outputs[0].delta_token_ids)
+            num_new = len(out.outputs[0].token_ids)
             if num_new and out.request_id in last:
                 tally.gaps.extend([(now - last[out.request_id]) / num_new] * num_new)
             last[out.request_id] = now
-            if out.finished:
-                tally.tokens[int(out.request_id[1:])] = list(out.outputs[0].token_ids)
-                tally.num_tokens += len(out.outputs[0].token_ids)
+            tally.tokens.setdefault(int(out.request_id[1:]), []).extend(out.outputs[0].token_ids)
+            tally.num_tokens += num_new
     tally.seconds += time.perf_counter() - start
     spec = engine.stats().spec_decode
     if spec is not None and before is not None:

@@ -73,7 +73,7 @@ def run(engine: Engine, prompts: list[list[int]], params: SamplingParams
         step = engine.step()
         if decoding:
             decode_wall += time.perf_counter() - t0
-            decode_tokens += sum(len(c.delta_token_ids) for o in step for c in o.outputs)
+            decode_tokens += sum(len(c.token_ids) for o in step for c in o.outputs)
         started |= {o.request_id for o in step}
         outputs += [o for o in step if o.finished]
     return time.perf_counter() - start, outputs, (decode_wall, decode_tokens)

@@ -151,9 +151,8 @@ def greedy(engine: Any, prompts: list[list[int]], num: int) -> list[list[int]]:
         engine.add_request(f"greedy-{i}", p, params)
     out: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                out[o.request_id] = o.outputs[0].token_ids
+        for o in engine.step():  # each output carries the tokens new since the last
+            out.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
     return [out[f"greedy-{i}"] for i in range(len(prompts))]
 
 

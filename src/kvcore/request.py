@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvcore.sampling.constraints import SeqMatcher
@@ -50,18 +51,14 @@ class RequestMetrics:
 
 @dataclass(slots=True)
 class CompletionOutput:
-    """One choice of a request. Streaming outputs carry what is new in the delta fields; the
-    cumulative `text`, `token_ids` and `logprobs` are filled in the final output (finished)
-    and in beam results, so a step never copies what came before."""
+    """One choice of a request: what is new since the request's previous output (a beam search
+    reports once, each beam whole). merge_outputs accumulates a request's outputs."""
 
     index: int
-    text: str  # cumulative, in the final output
-    token_ids: list[int]  # cumulative, in the final output
-    delta_text: str  # new since the previous output of this request
-    delta_token_ids: list[int]
-    logprobs: list[TokenLogprob] | None  # cumulative in the final output, when asked for
-    delta_logprobs: list[TokenLogprob] | None
-    cumulative_logprob: float | None
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None  # when asked for
+    cumulative_logprob: float | None  # of every token so far (logprobs asked, or beams)
     finish_reason: str | None  # "stop", "length", "abort", "error" or None while running
     stop_reason: int | str | None  # the stop token id or stop string that ended it
 
@@ -71,11 +68,33 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]  # the request's own list (not a copy): do not modify
-    outputs: list[CompletionOutput]  # n choices (or the beams, best first, when finished)
+    outputs: list[CompletionOutput]  # the choices that changed (the beams, best first, at the end)
     finished: bool
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     metrics: RequestMetrics
     error: str | None = None  # set (and finished) when the engine failed this request
+
+
+def merge_outputs(outputs: Iterable[RequestOutput]) -> RequestOutput:
+    """One request's outputs in order -> one output holding every choice whole (by index)."""
+    parts: dict[int, tuple[list[str], list[int], list[TokenLogprob] | None]] = {}
+    last: dict[int, CompletionOutput] = {}
+    out: RequestOutput | None = None
+    for out in outputs:
+        for c in out.outputs:
+            text, token_ids, logprobs = parts.setdefault(
+                c.index, ([], [], None if c.logprobs is None else []))
+            text.append(c.text)
+            token_ids.extend(c.token_ids)
+            if logprobs is not None and c.logprobs is not None:
+                logprobs.extend(c.logprobs)
+            last[c.index] = c
+    assert out is not None, "no outputs to merge"
+    choices = [CompletionOutput(i, "".join(parts[i][0]), parts[i][1], parts[i][2],
+                                last[i].cumulative_logprob, last[i].finish_reason,
+                                last[i].stop_reason) for i in sorted(parts)]
+    return RequestOutput(out.request_id, out.prompt, out.prompt_token_ids, choices, out.finished,
+                         out.num_cached_tokens, out.metrics, out.error)
 
 
 @dataclass(eq=False, slots=True)
@@ -98,6 +117,7 @@ class Sequence:
     index: int = 0  # choice index (n > 1) or beam number within its request
     priority: int = 0  # lower runs first (as vLLM)
     cache_salt: str | None = None
+    prompt: str | None = None  # the prompt's text, when it came as text (the outputs carry it)
     arrival_time: float = field(default_factory=time.monotonic)
     stop_token_ids: frozenset[int] = frozenset()  # end it (after min_tokens): EOS, stop ids
     eos_token_ids: frozenset[int] = frozenset()  # of those, EOS (reported as stop_reason None)
@@ -107,6 +127,8 @@ class Sequence:
     # sequences this one will still fork (n - 1 before an n > 1 request's first token;
     # beam_width - 1 before a beam search's first step): counted toward max_num_seqs
     num_pending_forks: int = 0
+    # its tokens are chosen on the host from its logits rows (a beam search's policy), not drawn
+    host_decides: bool = False
     # structured output: where its tokens stand in the request's constraint (None: none)
     matcher: SeqMatcher | None = None
     # mutable state
@@ -131,8 +153,7 @@ class Sequence:
             self.token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.length_limit = self.num_prompt_tokens + self.max_tokens
-        self.min_tokens = (self.params.min_tokens if isinstance(self.params, SamplingParams)
-                           else 0)
+        self.min_tokens = self.params.min_tokens
 
     @property
     def num_tokens(self) -> int:

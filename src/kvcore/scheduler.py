@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 import structlog
 
 from kvcore.cache import Admission, CopyOp, KVCacheManager
-from kvcore.config import ParamError
 from kvcore.request import Sequence, SequenceStatus
 
 log = structlog.get_logger(__name__)
@@ -73,18 +72,12 @@ class Scheduler:
     # --- sequences in and out ---
 
     def add(self, seq: Sequence) -> None:
-        """Queue a sequence; ParamError when it can never run (it is then not queued)."""
+        """Queue a sequence that can run (Engine.check_request refused the others: too long,
+        more sequences than max_num_seqs, more blocks than the pool)."""
         if seq.seq_id in self.seqs:
-            raise ValueError(f"seq_id {seq.seq_id!r} is already in use")
-        # (prompt and max_tokens against max_model_len: Engine.add_request checked them)
-        worst = seq.num_tokens + seq.max_tokens - seq.num_output_tokens
-        if seq.num_seqs > self.max_num_seqs:
-            raise ParamError("n", f"{seq.seq_id!r} runs {seq.num_seqs} "
-                             f"sequences at once, more than max_num_seqs={self.max_num_seqs}")
-        if self.kv.admission(worst) is Admission.NEVER:
-            raise ParamError("max_tokens", f"{seq.seq_id!r} needs {worst} tokens of KV cache, "
-                             f"more than the whole pool ({self.kv.num_blocks} blocks of "
-                             f"{self.kv.block_size})")
+            raise ValueError("seq_id is already in use")
+        assert seq.num_seqs <= self.max_num_seqs
+        assert self.kv.admission(seq.num_prompt_tokens + seq.max_tokens) is not Admission.NEVER
         self._arrivals += 1
         seq.arrival_seq = self._arrivals
         self._enqueue(seq)
@@ -93,7 +86,7 @@ class Scheduler:
     def add_running(self, seq: Sequence, parent: Sequence) -> None:
         """A fork of a running sequence: it shares every block of `parent`."""
         if seq.seq_id in self.seqs:
-            raise ValueError(f"seq_id {seq.seq_id!r} is already in use")
+            raise ValueError("seq_id is already in use")
         self.kv.fork(parent.seq_id, seq.seq_id)
         if parent.num_pending_forks > 0:
             parent.num_pending_forks -= 1

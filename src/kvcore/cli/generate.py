@@ -63,6 +63,7 @@ def _generate(args: argparse.Namespace, model: str | None, prompt: str) -> int:
     from kvcore.engine import Engine
     from kvcore.engine.llm import engine_config
     from kvcore.model.hub import resolve_model
+    from kvcore.request import merge_outputs
     from kvcore.sampling import SamplingParams
 
     try:
@@ -83,13 +84,15 @@ def _generate(args: argparse.Namespace, model: str | None, prompt: str) -> int:
         engine.add_request("cli", prompt, params)
     except (ValueError, OSError) as e:
         raise CLIError(str(e)) from e
-    out = None
+    outputs = []
     while engine.has_unfinished_requests():
         for out in engine.step():
-            sys.stdout.write(out.outputs[0].delta_text)
+            outputs.append(out)
+            sys.stdout.write(out.outputs[0].text if out.outputs else "")
             sys.stdout.flush()
     sys.stdout.write("\n")
-    if args.verbose and out is not None:
+    if args.verbose and outputs:
+        out = merge_outputs(outputs)
         m = out.metrics
         choice = out.outputs[0]
         elapsed = (m.finished_time or 0.0) - (m.first_token_time or 0.0)

@@ -123,7 +123,7 @@ class ClusterEngine:
                               priority, cache_salt)
 
     def _check(self, prompt_ids: list[int], params: SamplingParams | BeamSearchParams) -> None:
-        check_prompt(prompt_ids, params, self.max_model_len, self.model_config.vocab_size, None)
+        check_prompt(prompt_ids, params, self.max_model_len, self.model_config.vocab_size)
 
     async def _generate(self, prompt: str | Sequence[int], prompt_ids: list[int] | None,
                         params: SamplingParams | BeamSearchParams, request_id: str,
@@ -139,23 +139,25 @@ class ClusterEngine:
         info = self._model.info
         # the blocks a replica could serve: never the last prompt token (it is recomputed)
         num_blocks = (len(prompt_ids) - 1) // info.block_size if info.prefix_caching else 0
-        num_seqs = params.n if isinstance(params, SamplingParams) else params.beam_width
         route = Route(request_id, tuple(chain_hashes(prompt_ids, info.block_size, cache_salt,
-                                                     num_blocks)), info.block_size, num_seqs)
+                                                     num_blocks)), info.block_size,
+                      params.num_seqs)
         arrival = time.monotonic()
         stream = self._handle.generate.remote(prompt_ids, params, request_id, priority,
                                               cache_salt, route=route)
         self._streams[request_id] = stream
         last: RequestOutput | None = None
+        finished: set[int] = set()  # choices that ended
         try:
             async for output, report in _items(stream, request_id):
                 self._state.apply(report)
                 last = output
+                finished.update(c.index for c in output.outputs if c.finish_reason)
                 yield output
                 if output.finished:
                     return
             if request_id in self._aborted:
-                yield _aborted(request_id, prompt_ids, params, last, arrival)
+                yield _aborted(request_id, prompt_ids, params, last, finished, arrival)
                 return
             raise RequestFailed("the replica's stream ended without a final output")
         finally:
@@ -202,20 +204,10 @@ async def _items(stream: Any,
 
 
 def _aborted(request_id: str, prompt_ids: list[int], params: SamplingParams | BeamSearchParams,
-             last: RequestOutput | None, arrival: float) -> RequestOutput:
+             last: RequestOutput | None, finished: set[int], arrival: float) -> RequestOutput:
     """The final output of an aborted request: every unfinished choice ends with "abort"."""
-    num = params.n if isinstance(params, SamplingParams) else params.beam_width
-    previous = {c.index: c for c in last.outputs} if last is not None else {}
-    outputs = []
-    for index in range(num):
-        c = previous.get(index)
-        outputs.append(CompletionOutput(
-            index=index, text=c.text if c else "", token_ids=list(c.token_ids) if c else [],
-            delta_text="", delta_token_ids=[], logprobs=c.logprobs if c else None,
-            delta_logprobs=[] if c and c.logprobs is not None else None,
-            cumulative_logprob=c.cumulative_logprob if c else None,
-            finish_reason=c.finish_reason if c and c.finish_reason else "abort",
-            stop_reason=c.stop_reason if c else None))
+    outputs = [CompletionOutput(index, "", [], None, None, "abort", None)
+               for index in range(params.num_seqs) if index not in finished]
     metrics = last.metrics if last is not None else RequestMetrics(arrival_time=arrival)
     metrics.finished_time = time.monotonic()
     return RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=prompt_ids,

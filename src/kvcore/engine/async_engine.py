@@ -19,6 +19,7 @@ from kvcore.engine.engine import Engine, EngineStats
 from kvcore.engine.kv_snapshot import KVProbe
 from kvcore.model.tokenizer import Tokenizer
 from kvcore.request import RequestOutput
+from kvcore.request import Sequence as Seq
 from kvcore.sampling import BeamSearchParams, SamplingParams
 
 log = structlog.get_logger(__name__)
@@ -31,19 +32,13 @@ class RequestFailed(RuntimeError):
 
 
 class _Stream:
-    """One request between the event loop and the driver: what the driver adds between steps,
-    then the consumer's outputs (a list and, while the consumer waits, a future to wake it). A
-    step hands over with one append (and at most one wake-up), cheaper than an asyncio.Queue."""
+    """One request's consumer side: its outputs (a list) and, while the consumer waits, a
+    future to wake it. A step hands over with one append (and at most one wake-up), cheaper
+    than an asyncio.Queue."""
 
-    __slots__ = ("request_id", "prompt", "prompt_ids", "params", "max_tokens", "priority",
-                 "cache_salt", "items", "waiter")
+    __slots__ = ("items", "waiter")
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int],
-                 params: SamplingParams | BeamSearchParams, max_tokens: int, priority: int,
-                 cache_salt: str | None) -> None:
-        self.request_id, self.prompt, self.prompt_ids = request_id, prompt, prompt_ids
-        self.params, self.max_tokens = params, max_tokens
-        self.priority, self.cache_salt = priority, cache_salt
+    def __init__(self) -> None:
         self.items: list[RequestOutput | BaseException] = []
         self.waiter: asyncio.Future[None] | None = None
 
@@ -65,7 +60,7 @@ class AsyncEngine:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._adds: list[_Stream] = []  # to add between steps
+        self._adds: list[tuple[Seq, _Stream]] = []  # checked requests to add between steps
         self._aborts: list[str] = []
         self._streams: dict[str, _Stream] = {}
         self._executor: ThreadPoolExecutor | None = None
@@ -115,7 +110,7 @@ class AsyncEngine:
     def num_waiting(self) -> int:
         """Sequences waiting to run: the scheduler's (as of the last step) and those queued to
         be added (n > 1 and beams count every sequence)."""
-        return self._num_waiting_seqs + sum(_num_seqs(stream.params) for stream in self._adds)
+        return self._num_waiting_seqs + sum(seq.num_seqs for seq, _ in self._adds)
 
     @property
     def running(self) -> bool:
@@ -149,7 +144,7 @@ class AsyncEngine:
             await asyncio.get_running_loop().run_in_executor(executor, lambda: None)
             executor.shutdown()
             self._executor = None
-        for stream in self._adds:
+        for _, stream in self._adds:
             stream.put(RuntimeError("the engine stopped"))
         self._adds.clear()
         self._aborts.extend(self._streams)
@@ -159,38 +154,35 @@ class AsyncEngine:
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | BeamSearchParams,
                  request_id: str | None = None, *, priority: int = 0,
                  cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as it progresses (the last one has finished=True).
-        The request is checked once, here: a refusal (ParamError, a ValueError naming the
-        parameter) raises from this call for token ids, so a server refuses bad input before
-        it queues anything, and on the first __anext__ for a text (tokenized first).
-        Cancelling the consumer or closing the iterator aborts the request."""
-        prompt_ids, max_tokens = None, 0
+        """Outputs of one request as it progresses, each with what changed since the one
+        before (the last has finished=True; kvcore.request.merge_outputs joins them). The
+        request is checked once, here (Engine.check_request): a refusal (ParamError, a
+        ValueError naming the parameter) raises from this call for token ids, so a server
+        refuses bad input before it queues anything, and on the first __anext__ for a text
+        (tokenized first). Cancelling the consumer or closing the iterator aborts the request."""
+        request_id = request_id or uuid.uuid4().hex
+        seq = None
         if not isinstance(prompt, str):
-            prompt_ids = list(prompt)
-            max_tokens = self.engine.check_request(prompt_ids, params, priority, cache_salt)
-        return self._generate(prompt, prompt_ids, max_tokens, params,
-                              request_id or uuid.uuid4().hex, priority, cache_salt)
+            seq = self.engine.check_request(request_id, prompt, params, priority=priority,
+                                            cache_salt=cache_salt)
+        return self._generate(seq, prompt, params, request_id, priority, cache_salt)
 
-    async def _generate(self, prompt: str | Sequence[int], prompt_ids: list[int] | None,
-                        max_tokens: int,
+    async def _generate(self, seq: Seq | None, prompt: str | Sequence[int],
                         params: SamplingParams | BeamSearchParams, request_id: str,
                         priority: int, cache_salt: str | None) -> AsyncIterator[RequestOutput]:
         if not self.running or self._wakeup is None:
             raise RuntimeError("AsyncEngine is not started (use `async with` or start())")
-        if prompt_ids is None:  # a long text tokenizes off the event loop
+        if seq is None:  # a long text tokenizes off the event loop
             assert isinstance(prompt, str)
             encode = self.engine.tokenizer.encode
             prompt_ids = (encode(prompt) if len(prompt) < _INLINE_CHARS
                           else await asyncio.to_thread(encode, prompt))
-            max_tokens = self.engine.check_request(prompt_ids, params, priority, cache_salt)
-        # what depends on the engine's state (request ids, max_num_seqs) is checked by
-        # Engine.add_checked when the driver adds the request: out of the first __anext__
+            seq = self.engine.check_request(request_id, prompt_ids, params, priority=priority,
+                                            cache_salt=cache_salt, prompt_text=prompt)
         if request_id in self._streams:
-            raise ParamError("request_id", f"request_id {request_id!r} is already in use")
-        stream = _Stream(request_id, prompt if isinstance(prompt, str) else None, prompt_ids,
-                         params, max_tokens, priority, cache_salt)
-        self._streams[request_id] = stream
-        self._adds.append(stream)
+            raise ParamError("request_id", "request_id is already in use")
+        stream = self._streams[request_id] = _Stream()
+        self._adds.append((seq, stream))
         self._wakeup.set()
         loop = asyncio.get_running_loop()
         finished = False
@@ -280,15 +272,13 @@ class AsyncEngine:
 
     def _apply_adds(self) -> None:
         adds, self._adds = self._adds, []
-        for s in adds:
-            if self._streams.get(s.request_id) is not s:
+        for seq, stream in adds:
+            if self._streams.get(seq.request_id) is not stream:
                 continue  # the consumer went away before its request was added
             try:
-                self.engine.add_checked(s.request_id, s.prompt_ids, s.params, s.max_tokens,
-                                        priority=s.priority, cache_salt=s.cache_salt,
-                                        prompt_text=s.prompt)
+                self.engine.add(seq)
             except ValueError as e:
-                s.put(e)
+                stream.put(e)
 
     def _publish(self) -> None:
         """Between steps (the worker is idle): the figures the event loop may read."""
@@ -303,6 +293,3 @@ class AsyncEngine:
             if output is not None and stream is not None:
                 stream.put(output)
 
-
-def _num_seqs(params: SamplingParams | BeamSearchParams) -> int:
-    return params.n if isinstance(params, SamplingParams) else params.beam_width

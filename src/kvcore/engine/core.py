@@ -1,15 +1,17 @@
 """The engine core: schedule -> run -> sample -> update, over sequences only.
 
-Token ids and parameters go in; each step gives plain records out (new token ids, logprobs,
-finish reasons). Forking (n > 1 choices, beams) is one generic operation; beam search decides
-what to fork, append and end through its policy object. Text is not the core's business: the
-output processor detokenizes, finds stop strings and aborts sequences through `finish_seq`.
+Token ids and parameters go in; each step gives plain records out (the tokens each sequence got,
+finish statuses). Forking is one generic operation: an n > 1 request forks its choices when its
+prompt's last chunk is launched, so every choice draws its first token in that step. Rows whose
+tokens the host decides (a beam search's) go to one seam, `decide_host`, after their step. Text
+is not the core's business: the output processor detokenizes, finds stop strings and ends
+sequences through `finish`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -17,23 +19,18 @@ import structlog
 
 from kvcore.cache import PENDING_TOKEN_ID
 from kvcore.device import array_module
-from kvcore.engine.beam import BeamPolicy
-from kvcore.engine.constrain import Constrainer, append_beam_token
+from kvcore.engine.constrain import Constrainer
 from kvcore.engine.draw import draw_rows, sampling_row
-from kvcore.engine.records import Drawn, Group, Launched, SeqOutput, StepOutput
+from kvcore.engine.records import Drawn, Launched, StepOutput
 from kvcore.engine.runner import ModelRunner
 from kvcore.request import Sequence, SequenceStatus
-from kvcore.sampling import (
-    RowSampler,
-    SamplingParams,
-    SamplingRow,
-    TokenLogprob,
-    make_seed,
-)
+from kvcore.sampling import RowSampler, SamplingRow, TokenLogprob, make_seed
 from kvcore.scheduler import Scheduler, SchedulerOutput
 from kvcore.speculation import Speculator, draft_rows
 
 log = structlog.get_logger(__name__)
+# decides a step's host rows: (their sequences, their (H, V) logits rows, the step's output)
+HostDecider = Callable[[list[Sequence], Any, StepOutput], None]
 
 
 class EngineCore:
@@ -50,48 +47,52 @@ class EngineCore:
         self.async_scheduling = async_scheduling
         self.step = self.step_async if async_scheduling else self.step_sync
         self.speculator = speculator  # drafts verified in the step (None: no speculation)
+        self.decide_host: HostDecider | None = None  # the engine's beam searches
         self._seeds = np.random.SeedSequence(seed)
-        self._groups: dict[str, Group] = {}
+        self._live: dict[str, list[Sequence]] = {}  # request id -> its unfinished sequences
         self._inflight: Launched | None = None  # launched, not collected yet
         self.constrainer = Constrainer(vocab_size)  # structured outputs' token masks
 
     # --- sequences in and out ---
 
-    def add(self, seq: Sequence, policy: BeamPolicy | None = None) -> None:
-        """Queue a request's first sequence (ParamError from admission: nothing queued)."""
-        if seq.seed is None and isinstance(seq.params, SamplingParams) and (
-                not seq.params.greedy):
+    def add(self, seq: Sequence) -> None:
+        """Queue a request's first sequence (checked by Engine.check_request)."""
+        if seq.seed is None and not seq.params.greedy:
             seq.seed = make_seed(seq.params.seed, self._seeds)
         self.scheduler.add(seq)
-        self._groups[seq.request_id] = Group(seq.request_id, [seq], policy)
+        self._live[seq.request_id] = [seq]
 
     def abort(self, request_id: str, status: SequenceStatus = SequenceStatus.FINISHED_ABORTED,
-              uncache: bool = False) -> list[list[int]] | None:
-        """End every sequence of a request now (blocks freed). Returns the output token ids of
-        the sequences it still had (a beam search's live beams, in order); None: unknown id."""
-        group = self._groups.pop(request_id, None)
-        if group is None:
-            return None
-        for seq in group.seqs:
-            if seq.seq_id in self.scheduler.seqs:
+              uncache: bool = False) -> bool:
+        """End every sequence of a request now (blocks freed); False: no such request."""
+        live = self._live.pop(request_id, None)
+        for seq in live or ():
+            if not seq.finished:
                 self.scheduler.finish(seq, status, uncache)
-        return [seq.output_token_ids for seq in group.seqs]
+        return live is not None
 
-    def finish_seq(self, seq_id: str, status: SequenceStatus) -> None:
-        """End one sequence (the output processor found its stop string)."""
-        seq = self.scheduler.seqs.get(seq_id)
-        if seq is not None:
-            self._finish(seq, status)
-
-    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        """End one sequence; its request ends with its last one (a beam search's by its
-        policy)."""
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """End one sequence (a stop string, a dropped beam); its request ends with its last."""
+        if seq.finished:
+            return
         self.scheduler.finish(seq, status)
-        group = self._groups.get(seq.request_id)
-        if group is not None:
-            group.seqs.remove(seq)
-            if not group.seqs and group.policy is None:
-                del self._groups[seq.request_id]
+        live = self._live.get(seq.request_id)
+        if live is not None:
+            live.remove(seq)
+            if not live:
+                del self._live[seq.request_id]
+
+    def fork(self, parent: Sequence, seq_id: str, index: int) -> Sequence:
+        """The generic fork: a new sequence with the parent's tokens, its place in a constraint
+        and every one of its blocks (shared by refcount; a shared, partially filled last block
+        is copied when written). The scheduler sets its scheduling state."""
+        child = dataclasses.replace(
+            parent, seq_id=seq_id, index=index, token_ids=list(parent.token_ids),
+            num_pending_forks=0, num_preemptions=0,
+            matcher=None if parent.matcher is None else parent.matcher.fork())
+        self.scheduler.add_running(child, parent)
+        self._live[parent.request_id].append(child)
+        return child
 
     # --- one step ---
 
@@ -101,14 +102,14 @@ class EngineCore:
         out = self._schedule()
         if out.scheduled:
             launched = self._launch(out)  # execute and sample (the device half)
-            self._collect(launched, result)  # update: append, stop checks, forks, beams
+            self._collect(launched, result)  # update: append, stop checks, host rows
         return result
 
     def step_async(self) -> StepOutput:
         """Async scheduling: schedule and launch step N+1 while the device runs N, then collect
         N (the caller processes N's outputs while N+1 runs). A sequence whose token N samples
         goes into N+1 with a pending token (PENDING_TOKEN_ID) that the device fills from N's
-        sampled ids; a step with rows that need the host between steps (forks, beams, drafts,
+        sampled ids; a step with rows that need the host between steps (beams, drafts,
         history-reading samplers) is collected before the next one is scheduled."""
         result = StepOutput()
         prev, self._inflight = self._inflight, None
@@ -141,7 +142,7 @@ class EngineCore:
         plain: list[Sequence] = []  # drawn on the device, in row order
         plain_logits: list[int] = []  # their logits rows
         rows: list[SamplingRow] = []  # built now: the histories as they are
-        host: list[Sequence] = []  # decided on the host after the step (forks, beams)
+        host: list[Sequence] = []  # decided on the host after the step (beams)
         host_logits: list[int] = []
         drafts: dict[str, list[int]] = {}  # the draft tokens each speculating row verifies
         i = 0
@@ -150,7 +151,7 @@ class EngineCore:
                 continue
             seq = seqs[item.seq_id]
             k = item.num_draft_tokens
-            if seq.num_pending_forks or self._groups[seq.request_id].policy is not None:
+            if seq.host_decides:
                 host.append(seq)
                 host_logits.append(i)
             elif k:  # a row after its last token and after each draft token
@@ -158,6 +159,11 @@ class EngineCore:
                 rows.extend(draft_rows(seq, draft, sampling_row(seq)))
                 plain.extend([seq] * (1 + k))
                 plain_logits.extend(range(i, i + 1 + k))
+            elif seq.num_pending_forks:  # n > 1: every choice's first token, from one row
+                for choice in self._fork_choices(seq, len(item.token_ids)):
+                    rows.append(sampling_row(choice))
+                    plain.append(choice)
+                    plain_logits.append(i)
             else:
                 rows.append(sampling_row(seq))
                 plain.append(seq)
@@ -165,9 +171,9 @@ class EngineCore:
             i += 1 + k
         # computed while the forward pass runs (after the pending tokens' step, if any)
         masks = self.constrainer.start(plain, prev)
-        # collected before the next step is scheduled: a step with rows that the host decides
-        # (forks, beams), drafts to verify or a sampler reading the history, and one after
-        # which the next may draft (a sequence's number of new tokens is known only then)
+        # collected before the next step is scheduled: a step with rows that the host decides,
+        # drafts to verify or a sampler reading the history, and one after which the next may
+        # draft (a sequence's number of new tokens is known only then)
         needs_host = bool(host or drafts) or any(r.prompt_token_ids for r in rows) or (
             self.speculator is not None and self.speculator.active(len(self.scheduler.running)))
 
@@ -184,9 +190,23 @@ class EngineCore:
         self.scheduler.advance(out)
         return launched
 
+    def _fork_choices(self, parent: Sequence, num_new: int) -> list[Sequence]:
+        """n > 1: the prompt is prefilled once; its n - 1 forks share its blocks, with the K/V
+        this step computes (`num_new` tokens of the parent) counted as theirs."""
+        forks = [parent]
+        params = parent.params
+        for index in range(1, parent.num_pending_forks + 1):
+            child = self.fork(parent, f"{parent.request_id}#n{index}", index)
+            child.num_computed_tokens += num_new
+            if not params.greedy:
+                child.seed = make_seed(None if params.seed is None else params.seed + index,
+                                       self._seeds)
+            forks.append(child)
+        return forks
+
     def _collect(self, launched: Launched, result: StepOutput,
                  after: Launched | None = None) -> bool:
-        """Wait for a launched step and apply it: append tokens, stop checks, forks, beams.
+        """Wait for a launched step and apply it: append tokens, stop checks, host rows.
         `after`: the step launched after it, still on the device, rolled back when this one
         failed. False: it failed."""
         try:
@@ -205,82 +225,32 @@ class EngineCore:
             self.scheduler.settle_drafts(launched.drafts)
         else:
             self._append(zip(launched.plain, token_ids, logprobs, strict=True), result)
-        if launched.host:
-            self._decide_host(launched.host, drawn.host_logits, result)
+        host = launched.host
+        live = [i for i, seq in enumerate(host)
+                if not seq.finished and seq.request_id not in result.failed]
+        if live:  # (else aborted, or failed)
+            assert self.decide_host is not None, "host rows and nobody to decide them"
+            logits = drawn.host_logits
+            self.decide_host([host[i] for i in live],
+                             logits if len(live) == len(host) else logits[live], result)
         return True
-
-    def _decide_host(self, host: list[Sequence], logits: Any, result: StepOutput) -> None:
-        """An n > 1 request's first token: its forks, then every choice's token drawn here. A
-        beam's row: to its policy, which decides once every live beam of the request has one."""
-        live = [(i, seq, self._groups[seq.request_id]) for i, seq in enumerate(host)
-                if not seq.finished and seq.request_id in self._groups]  # else aborted, failed
-        beams = [(i, seq) for i, seq, group in live if group.policy is not None]
-        # the policy ranks a constrained beam's allowed tokens only
-        self.constrainer.mask_logits([seq for _, seq in beams], logits, [i for i, _ in beams])
-        choices: list[Sequence] = []
-        choice_logits: list[int] = []
-        for i, seq, group in live:
-            if group.policy is not None:
-                group.policy.rows[seq.seq_id] = logits[i]
-            else:
-                forks = self._fork_choices(group, seq)
-                choices.extend(forks)
-                choice_logits.extend([i] * len(forks))
-        if choices:
-            self._sample(logits, choice_logits, choices, result)
-        for group in {g.request_id: g for _, _, g in live if g.policy is not None}.values():
-            self._step_beams(group, result)
 
     def _roll_back(self, launched: Launched, failed: Launched) -> None:
         """`failed` (the step before `launched`) failed on the device: `launched` was computed
         on K/V it never wrote, and on tokens it never sampled. Its sequences of other requests
-        are recomputed: back to waiting, their new blocks uncached (a draw depends only on the
-        sequence's seed and output position: the same tokens again)."""
+        (and the forks it made) are recomputed: back to waiting, their new blocks uncached (a
+        draw depends only on the sequence's seed and output position: the same tokens again)."""
         launched.future.exception()  # wait: it ran (or failed); its results are dropped
         seqs = self.scheduler.seqs
         failing = {seqs[item.seq_id].request_id
                    for item in failed.out.scheduled if item.seq_id in seqs}
-        for item in launched.out.scheduled:
-            other = seqs.get(item.seq_id)
-            if (other is not None and other.status is SequenceStatus.RUNNING
-                    and other.request_id not in failing):
-                assert other.token_ids[-1] != PENDING_TOKEN_ID
-                self.scheduler.preempt(other, uncache=True)
-
-    def _fork_choices(self, group: Group, parent: Sequence) -> list[Sequence]:
-        """n > 1: the prompt was prefilled once; n - 1 forks share its blocks."""
-        params = parent.params
-        assert isinstance(params, SamplingParams)
-        forks = [parent]
-        for index in range(1, parent.num_pending_forks + 1):
-            child = self._fork(parent, f"{parent.request_id}#n{index}", index)
-            if not params.greedy:
-                child.seed = make_seed(None if params.seed is None else params.seed + index,
-                                       self._seeds)
-            group.seqs.append(child)
-            forks.append(child)
-        return forks
-
-    def _fork(self, parent: Sequence, seq_id: str, index: int) -> Sequence:
-        """The generic fork: a new sequence with the parent's tokens, its place in a constraint
-        and every one of its blocks (shared by refcount; a shared, partially filled last block
-        is copied when written). The scheduler sets its scheduling state."""
-        child = dataclasses.replace(
-            parent, seq_id=seq_id, index=index, token_ids=list(parent.token_ids),
-            num_pending_forks=0, num_preemptions=0,
-            matcher=None if parent.matcher is None else parent.matcher.fork())
-        self.scheduler.add_running(child, parent)
-        return child
-
-    def _sample(self, logits: Any, row_logits: list[int], rows: list[Sequence],
-                result: StepOutput) -> None:
-        """Draw every row's token on the host and append it (a fork's first token)."""
-        _, read, failed = draw_rows(self.sampler, logits, row_logits, rows,
-                                    self.constrainer.masked_rows(
-                                        rows, [sampling_row(s) for s in rows]))
-        drawn, logprobs = read()
-        self._fail_rows(rows, failed, result)
-        self._append(zip(rows, drawn, logprobs, strict=True), result)
+        others = {seq.seq_id: seq for seq in launched.plain + launched.host}
+        others.update((item.seq_id, seqs[item.seq_id]) for item in launched.out.scheduled
+                      if item.seq_id in seqs)
+        for seq in others.values():
+            if seq.status is SequenceStatus.RUNNING and seq.request_id not in failing:
+                assert seq.token_ids[-1] != PENDING_TOKEN_ID
+                self.scheduler.preempt(seq, uncache=True)
 
     def _append(self, drawn: Iterable[tuple[Sequence, int, TokenLogprob | None]],
                 result: StepOutput) -> None:
@@ -289,6 +259,7 @@ class EngineCore:
         computed one token more than needed, never a wrong one."""
         kv = self.scheduler.kv
         block_size = kv.block_size
+        emitted = result.tokens
         for seq, token_id, logprob in drawn:
             if seq.finished or seq.request_id in result.failed:
                 continue
@@ -300,57 +271,19 @@ class EngineCore:
             if (pending and status is None and len(token_ids) % block_size == 0
                     and seq.status is SequenceStatus.RUNNING):
                 kv.cache_blocks(seq.seq_id, token_ids)  # its last block waited for the token
-            result.seqs.append(SeqOutput(
-                seq.seq_id, seq.request_id, seq.index, [token_id],
-                None if logprob is None else [logprob],
-                None if status is None else status.finish_reason,
-                None if status is None else seq.stop_reason,  # type: ignore[arg-type]
-                seq.num_cached_tokens, seq.first_scheduled_time, seq.num_draft_tokens,
-                seq.num_accepted_tokens))
+            emitted.append((seq, token_id, logprob, status))
             if status is not None:
                 # frees its blocks now, while the step launched after this one may still write
                 # its pending row into them: device work runs in launch order (a CUDA stream,
                 # the fake device's one FIFO thread), so a later step given these blocks
                 # writes them only after that
-                self._finish(seq, status)
-
-    def _step_beams(self, group: Group, result: StepOutput) -> None:
-        policy = group.policy
-        assert policy is not None
-        live = group.seqs
-        if group.request_id in result.failed or not policy.ready(live):
-            return
-        try:
-            decision = policy.decide([s.seq_id for s in live])
-        except Exception as e:
-            self._fail(group.request_id, "beam search", e, result)
-            return
-        finish = self.scheduler.finish
-        if decision.results is not None:
-            for seq in live:
-                finish(seq, SequenceStatus.FINISHED_STOPPED)
-            del self._groups[group.request_id]
-            result.beams[group.request_id] = decision.results
-            return
-        # fork before any token is appended, so a child copies its parent's tokens as they were
-        next_live: list[tuple[Sequence, int]] = []
-        for move in decision.moves:
-            parent = live[move.parent]
-            if move.fork:
-                group.num_forks += 1
-                parent = self._fork(parent, f"{group.request_id}#b{group.num_forks}",
-                                    group.num_forks)
-            next_live.append((parent, move.token_id))
-        for i in decision.dropped:
-            finish(live[i], SequenceStatus.FINISHED_STOPPED)  # dropped: blocks freed
-        for seq, token_id in next_live:
-            append_beam_token(seq, token_id)  # the policy decides when beams end
-        group.seqs = [seq for seq, _ in next_live]
+                self.finish(seq, status)
 
     # --- failures ---
 
-    def _fail(self, request_id: str, stage: str, error: BaseException, result: StepOutput,
-              uncache: bool = False) -> None:
+    def fail(self, request_id: str, stage: str, error: BaseException, result: StepOutput,
+             uncache: bool = False) -> None:
+        """One request failed at `stage`: it ends (its blocks freed), the others go on."""
         log.error("request failed", request_id=request_id, stage=stage,
                   error=f"{type(error).__name__}: {error}")
         result.failed[request_id] = f"{stage} failed: {type(error).__name__}: {error}"
@@ -362,7 +295,7 @@ class EngineCore:
         for i, error in failed.items():
             seq = rows[i]
             if not seq.finished and seq.request_id not in result.failed:
-                self._fail(seq.request_id, "sampling", error, result)
+                self.fail(seq.request_id, "sampling", error, result)
 
     def _fail_step(self, out: SchedulerOutput, error: BaseException, result: StepOutput) -> None:
         """The forward pass failed: its requests fail; their blocks leave the prefix cache too,
@@ -371,5 +304,4 @@ class EngineCore:
         for item in out.scheduled:
             seq = self.scheduler.seqs.get(item.seq_id)
             if seq is not None and seq.request_id not in result.failed:
-                self._fail(seq.request_id, "forward pass", error, result, uncache=True)
-
+                self.fail(seq.request_id, "forward pass", error, result, uncache=True)

@@ -66,11 +66,10 @@ def draw(sampler: RowSampler, logits: Any, row_logits: list[int],
 
 
 def sampling_row(seq: Sequence) -> SamplingRow:
-    """The sequence's row for the sampler: its history only when a processor reads it."""
-    params = seq.params
-    assert isinstance(params, SamplingParams)
+    """The sequence's row for the sampler: its history only when a processor reads it (the
+    prompt's own list, never copied; the outputs as they are now)."""
+    params: SamplingParams = seq.params  # type: ignore[assignment]  # beams never draw
     if not params.reads_history:  # the draw needs only the output position
-        return SamplingRow(params, (), (), seq.seed, seq.num_output_tokens)
-    num_prompt = seq.num_prompt_tokens
-    return SamplingRow(params, seq.token_ids[:num_prompt], seq.token_ids[num_prompt:],
+        return SamplingRow(params, (), (), seq.seed, len(seq.token_ids) - seq.num_prompt_tokens)
+    return SamplingRow(params, seq.prompt_token_ids, seq.token_ids[seq.num_prompt_tokens:],
                        seq.seed)

@@ -12,12 +12,13 @@ from kvcore.cache import KVCacheManager
 from kvcore.cache.kv_cache import KVCache
 from kvcore.config import EngineConfig, ModelConfig, ParamError
 from kvcore.device import resolve_device
-from kvcore.engine.beam import BeamPolicy
+from kvcore.engine.beam import BeamSearches
 from kvcore.engine.core import EngineCore
 from kvcore.engine.output import OutputProcessor
 from kvcore.engine.runner import ModelRunner
 from kvcore.engine.setup import (
     EngineModel,
+    check_capacity,
     check_prompt,
     engine_cache_dtype,
     engine_max_model_len,
@@ -28,7 +29,7 @@ from kvcore.engine.setup import (
 from kvcore.model.half_llama import HalfLlamaModel
 from kvcore.model.tokenizer import Tokenizer
 from kvcore.request import RequestOutput, Sequence, SequenceStatus
-from kvcore.sampling import BeamSearch, BeamSearchParams, RowSampler, SamplingParams
+from kvcore.sampling import BeamSearchParams, RowSampler, SamplingParams
 from kvcore.sampling.constraints import ConstraintCompiler
 from kvcore.scheduler import Scheduler
 from kvcore.speculation import SpecDecodeStats, Speculator
@@ -92,6 +93,7 @@ class Engine:
         self.core = EngineCore(scheduler, ModelRunner(self.model, self.kv_cache, block_size),
                                RowSampler(self.eos_token_ids, mc.vocab_size), mc.vocab_size,
                                config.seed, async_scheduling, speculator)
+        self.beams = BeamSearches(self.core, self.eos_token_ids)  # the core's host rows
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
         # structured outputs: constraints compiled against this vocabulary (cached)
         self.constraints = ConstraintCompiler(self.tokenizer.to_json, mc.vocab_size,
@@ -112,71 +114,64 @@ class Engine:
     def add_request(self, request_id: str, prompt: str | Seq[int],
                     params: SamplingParams | BeamSearchParams, *, priority: int = 0,
                     cache_salt: str | None = None, prompt_text: str | None = None) -> None:
-        """Queue a request: `check_request`, then `add_checked`. ParamError (a ValueError naming
-        the parameter; nothing left allocated) for an empty prompt, one longer than
-        max_model_len, prompt + max_tokens > max_model_len, more sequences than max_num_seqs or
-        blocks than the pool holds, or a duplicate request_id. `prompt_text`: the text of a
+        """Queue a request: `check_request`, then `add`. `prompt_text`: the text of a
         pre-tokenized `prompt`."""
         text = prompt if isinstance(prompt, str) else prompt_text
-        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        max_tokens = self.check_request(prompt_ids, params, priority, cache_salt)
-        self.add_checked(request_id, prompt_ids, params, max_tokens, priority=priority,
-                         cache_salt=cache_salt, prompt_text=text)
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        self.add(self.check_request(request_id, prompt_ids, params, priority=priority,
+                                    cache_salt=cache_salt, prompt_text=text))
 
-    def check_request(self, prompt_ids: Seq[int], params: SamplingParams | BeamSearchParams,
-                      priority: int = 0, cache_salt: str | None = None) -> int:
-        """Every check of a request against the engine's fixed configuration (vocabulary,
-        context, pool size, the constraint compiled and cached), once: the resolved max_tokens,
-        or ParamError. Reads only what never changes after start-up, so any thread may call it
-        (AsyncEngine does, on the event loop, before it queues the request)."""
+    def check_request(self, request_id: str, prompt_ids: Seq[int],
+                      params: SamplingParams | BeamSearchParams, *, priority: int = 0,
+                      cache_salt: str | None = None, prompt_text: str | None = None
+                      ) -> Sequence:
+        """Every refusal of a request against the engine's fixed configuration, once, before
+        anything is queued: ParamError (a ValueError naming the parameter) for an empty prompt,
+        a token id outside the vocabulary (prompt, stop_token_ids, logit_bias), a prompt +
+        max_tokens past max_model_len, more sequences than max_num_seqs, more blocks than the
+        whole pool, a constraint that does not compile. Returns the request's first sequence,
+        which `add` queues. Reads only what never changes after start-up, so any thread may
+        call it (AsyncEngine does, on the event loop)."""
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ParamError("priority", f"priority must be an integer, got {priority!r}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ParamError("cache_salt", f"cache_salt must be a string or None, "
                              f"got {cache_salt!r}")
+        prompt_ids = list(prompt_ids)
         max_tokens = check_prompt(prompt_ids, params, self.max_model_len,
-                                  self.model_config.vocab_size, self.kv)
-        if params.constraint is not None:  # ParamError with the compiler's message
-            self.constraints.matcher(params.constraint)
-        return max_tokens
+                                  self.model_config.vocab_size)
+        check_capacity(len(prompt_ids), max_tokens, params.num_seqs,
+                       self.config.scheduler.max_num_seqs, self.kv.num_blocks,
+                       self.kv.block_size)
+        # the constraint compiled against this vocabulary (cached): ParamError with its message
+        matcher = (None if params.constraint is None
+                   else self.constraints.matcher(params.constraint))
+        beams = isinstance(params, BeamSearchParams)  # beams end by their policy, not stop ids
+        eos_ids = frozenset() if beams or params.ignore_eos else frozenset(self.eos_token_ids)
+        return Sequence(seq_id=request_id, request_id=request_id, prompt_token_ids=prompt_ids,
+                        params=params, max_tokens=max_tokens, priority=priority,
+                        cache_salt=cache_salt, prompt=prompt_text,
+                        stop_token_ids=frozenset() if beams else eos_ids | frozenset(
+                            params.stop_token_ids),
+                        eos_token_ids=eos_ids, num_pending_forks=params.num_seqs - 1,
+                        host_decides=beams, matcher=matcher)
 
-    def add_checked(self, request_id: str, prompt_ids: list[int],
-                    params: SamplingParams | BeamSearchParams, max_tokens: int, *,
-                    priority: int = 0, cache_salt: str | None = None,
-                    prompt_text: str | None = None) -> None:
-        """Queue a request `check_request` passed (with the max_tokens it returned); only what
-        depends on the engine's state is checked here (a duplicate request_id, admission)."""
-        if request_id in self.output_processor:
-            raise ParamError("request_id", f"request_id {request_id!r} is already in use")
-        text = prompt_text
-        eos = frozenset(self.eos_token_ids)
-        policy = None
-        if isinstance(params, SamplingParams):
-            eos_ids = frozenset() if params.ignore_eos else eos
-            stop_ids = eos_ids | frozenset(params.stop_token_ids)
-            num_seqs = params.n
-        else:  # beams end by their policy, not by a stop id
-            eos_ids = stop_ids = frozenset()
-            num_seqs = params.beam_width
-            policy = BeamPolicy(BeamSearch(params, self.eos_token_ids))
-        seq = Sequence(seq_id=request_id, request_id=request_id, prompt_token_ids=prompt_ids,
-                       params=params, max_tokens=max_tokens, priority=priority,
-                       cache_salt=cache_salt, stop_token_ids=stop_ids, eos_token_ids=eos_ids,
-                       num_pending_forks=num_seqs - 1)
-        if params.constraint is not None:  # compiled by check_request: a cache hit
-            seq.matcher = self.constraints.matcher(params.constraint)
-        self.output_processor.add(request_id, text, prompt_ids, params)
-        try:
-            self.core.add(seq, policy)  # admission control: nothing allocated on refusal
-        except Exception:
-            self.output_processor.discard(request_id)
-            raise
+    def add(self, seq: Sequence) -> None:
+        """Queue a request `check_request` built; only what depends on the engine's state is
+        checked here (a request id in use)."""
+        if seq.request_id in self.output_processor:
+            raise ParamError("request_id", "request_id is already in use")
+        self.output_processor.add(seq)
+        if seq.host_decides:
+            self.beams.add(seq)
+        self.core.add(seq)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a request now (its blocks return to the pool); unknown id: None. Returns its
         final output (finish_reason "abort") for callers that stream it."""
-        live = self.core.abort(request_id)
-        return self.output_processor.abort(request_id, live)
+        live_beams = self.beams.forget(request_id)
+        self.core.abort(request_id)
+        return self.output_processor.abort(request_id, live_beams)
 
     def has_unfinished_requests(self) -> bool:
         return len(self.output_processor) > 0
@@ -184,16 +179,19 @@ class Engine:
     # --- one step ---
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns the outputs of the requests that progressed or finished.
+        """Run one step; returns the outputs of the requests that progressed or finished (each
+        with what changed since its previous output).
 
         A failure is contained where it happens: an exception in one request's sampling, beam
         step, detokenization or stop checks fails that request only (its output carries the
         error); an exception in the shared forward pass fails the requests of that step, and
         the engine goes on with the others and the queue."""
         core = self.core
+        result = core.step()
+        for request_id in result.failed:
+            self.beams.forget(request_id)
         return self.output_processor.process(
-            core.step(),
-            stop_seq=lambda seq_id: core.finish_seq(seq_id, SequenceStatus.FINISHED_STOPPED),
+            result, stop_seq=lambda seq: core.finish(seq, SequenceStatus.FINISHED_STOPPED),
             fail_request=lambda request_id: core.abort(request_id,
                                                        SequenceStatus.FINISHED_ERROR))
 

@@ -262,7 +262,7 @@ class KVProbe:
         return self.last
 
     def count(self, outputs: Sequence[RequestOutput]) -> None:
-        self.history.num_output_tokens += sum(len(c.delta_token_ids)
+        self.history.num_output_tokens += sum(len(c.token_ids)
                                               for o in outputs for c in o.outputs)
 
     def due(self) -> bool:

@@ -10,7 +10,7 @@ from kvcore.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvcore.config_speculative import SpeculativeConfig
 from kvcore.engine.engine import Engine
 from kvcore.model.hub import resolve_model
-from kvcore.request import RequestOutput
+from kvcore.request import RequestOutput, merge_outputs
 from kvcore.sampling import BeamSearchParams, SamplingParams
 
 Prompt = str | Sequence[int]
@@ -73,12 +73,11 @@ class LLM:
                 request_id = f"llm-{self._counter}"
                 self.engine.add_request(request_id, prompt, p)
                 ids.append(request_id)
-            results: dict[str, RequestOutput] = {}
+            outputs: dict[str, list[RequestOutput]] = {request_id: [] for request_id in ids}
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
-                    if output.finished:
-                        results[output.request_id] = output
-            return [results[i] for i in ids]
+                    outputs[output.request_id].append(output)
+            return [merge_outputs(outputs[i]) for i in ids]
         finally:
             for request_id in ids:  # an error half-way must not leave requests behind
                 self.engine.abort_request(request_id)

@@ -155,21 +155,19 @@ def make_kv_cache(config: EngineConfig, model_config: ModelConfig, num_blocks: i
 
 
 def check_prompt(prompt_ids: Sequence[int], params: SamplingParams | BeamSearchParams,
-                 max_model_len: int, vocab_size: int, kv: KVCacheManager | None) -> int:
-    """The request against the model and the context, before it is queued: token ids in the
-    vocabulary (prompt, stop_token_ids, logit_bias), prompt + max_tokens within max_model_len,
-    the sequences of n > 1 within the pool. Returns the resolved max_tokens; ParamError (a
-    ValueError) names the parameter. `kv` None: no pool-size check (a cluster's ingress, which
-    holds no pool; the replica that takes the request checks it)."""
+                 max_model_len: int, vocab_size: int) -> int:
+    """The request against the model and the context: token ids in the vocabulary (prompt,
+    stop_token_ids, logit_bias), prompt + max_tokens within max_model_len. Returns the resolved
+    max_tokens; ParamError (a ValueError) names the parameter. (A cluster's ingress runs this
+    alone: the replica that takes the request checks the rest.)"""
     if not isinstance(params, SamplingParams | BeamSearchParams):
         raise ParamError("params", f"params must be SamplingParams or BeamSearchParams, "
                          f"got {params!r}")
     num_prompt = len(prompt_ids)
     if num_prompt == 0:
         raise ParamError("prompt", "prompt must not be empty")
-    logit_bias = params.logit_bias if isinstance(params, SamplingParams) else None
     for param, ids in (("prompt", prompt_ids), ("stop_token_ids", params.stop_token_ids),
-                       ("logit_bias", logit_bias or ())):
+                       ("logit_bias", params.logit_bias or ())):
         bad = [t for t in ids if not isinstance(t, int | np.integer) or not 0 <= t < vocab_size]
         if bad:
             raise ParamError(param, f"{param} token id {bad[0]!r} is outside the vocabulary "
@@ -185,13 +183,24 @@ def check_prompt(prompt_ids: Sequence[int], params: SamplingParams | BeamSearchP
                          f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
                          f"{max_tokens} in the completion). Please reduce the length of the "
                          f"prompt or completion.")
-    num_seqs = params.n if isinstance(params, SamplingParams) else params.beam_width
-    if num_seqs > 1 and kv is not None:
-        # the sequences of one request run together: all of them at full length must fit
-        bs = kv.block_size
-        num_blocks = -(-num_prompt // bs) + num_seqs * (-(-max_tokens // bs) + 1)
-        if num_blocks > kv.num_blocks:
-            raise ParamError("n", f"{num_seqs} sequences of {num_prompt} + {max_tokens} tokens "
-                             f"need {num_blocks} KV blocks, more than the whole pool "
-                             f"({kv.num_blocks})")
     return max_tokens
+
+
+def check_capacity(num_prompt: int, max_tokens: int, num_seqs: int, max_num_seqs: int,
+                   num_blocks: int, block_size: int) -> None:
+    """The request against the engine's size: its sequences run together, so all of them
+    within max_num_seqs, and all of them at full length within the pool (n > 1: the prompt's
+    blocks shared, each choice's own and a copy of the shared last block). ParamError naming
+    `n` (or `max_tokens` for one sequence)."""
+    if num_seqs > max_num_seqs:
+        raise ParamError("n", f"n={num_seqs} sequences run at once, more than this server "
+                         f"runs (max_num_seqs={max_num_seqs})")
+    if num_seqs == 1:
+        needed = -(-(num_prompt + max_tokens) // block_size)
+    else:
+        needed = -(-num_prompt // block_size) + num_seqs * (-(-max_tokens // block_size) + 1)
+    if needed > num_blocks:
+        raise ParamError("n" if num_seqs > 1 else "max_tokens",
+                         f"{num_seqs} sequence(s) of {num_prompt} + {max_tokens} tokens need "
+                         f"{needed} KV blocks, more than the whole pool ({num_blocks} blocks "
+                         f"of {block_size} tokens)")

@@ -55,10 +55,16 @@ class BatchInput:
         q_lens = np.array([len(t) for t in token_ids], dtype=np.int64)  # (S,)
         if num_seqs and q_lens.min() <= 0:
             raise ValueError("every sequence of a step needs at least one token")
-        max_blocks = max((len(t) for t in block_tables), default=0)
-        tables = np.full((num_seqs, max(max_blocks, 1)), -1, dtype=np.int32)  # (S, max_blocks)
-        for s, table in enumerate(block_tables):
-            tables[s, :len(table)] = [-1 if b is None else b for b in table]
+        table_lens = np.array([len(t) for t in block_tables], dtype=np.int64)  # (S,)
+        tables = np.full((num_seqs, max(int(table_lens.max(initial=0)), 1)), -1,
+                         dtype=np.int32)  # (S, max_blocks)
+        try:  # one pass over every table's ids (None: a block the sliding window released)
+            flat = np.fromiter((b for t in block_tables for b in t), dtype=np.int32,
+                               count=int(table_lens.sum()))
+        except TypeError:
+            flat = np.array([-1 if b is None else b for t in block_tables for b in t],
+                            dtype=np.int32)
+        tables[np.arange(tables.shape[1]) < table_lens[:, None]] = flat
         query_start_loc = np.zeros(num_seqs + 1, dtype=np.int32)  # (S+1,)
         np.cumsum(q_lens, out=query_start_loc[1:])
         computed = np.asarray(num_computed_tokens, dtype=np.int64).reshape(num_seqs)

@@ -13,8 +13,10 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 _REPLACEMENT = "\ufffd"  # what a decoder writes for an incomplete UTF-8 sequence
+_WINDOW_TOKENS = 64  # the native detokenizer keeps no more of a sequence's tokens than this
 _GIL_FREE_CHARS = 8192  # longer inputs go through the *_batch calls, which release the GIL
 _BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # sentencepiece's byte-fallback pieces
 
@@ -222,6 +224,12 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0  # window start
         self._read_offset = 0  # tokens before it have all been emitted as text
         self._in_byte_run = False  # the last visible token is a byte-fallback piece
+        if not tokenizer.byte_fallback_ids:
+            # the same window in one native call per token (tokenizers' DecodeStream, as vLLM
+            # uses). Not with byte fallback: it emits a byte piece that a later byte turns
+            # into U+FFFD, where this class holds the run back until it ends
+            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+            self.add = self._add_native  # type: ignore[method-assign]
 
     def _decode(self, start: int, end: int) -> str:
         if end - start == 1:  # the usual window start: one token, decoded once per tokenizer
@@ -248,6 +256,18 @@ class IncrementalDetokenizer:
         self._prefix_offset = self._read_offset
         self._read_offset = len(self.token_ids)
         return new_text[len(prefix_text):]
+
+    def _add_native(self, token_id: int) -> str:
+        self.token_ids.append(token_id)
+        text = self._stream.step(self.tokenizer._tokenizer, token_id)
+        if text is None:  # nothing visible yet (an incomplete character, a skipped special)
+            return ""
+        self._read_offset = len(self.token_ids)  # all emitted: flush has nothing to add
+        if self._read_offset > _WINDOW_TOKENS:  # keep the window only
+            del self.token_ids[:-1]
+            self._read_offset = 1
+        self._prefix_offset = self._read_offset - 1
+        return str(text)
 
     def flush(self) -> str:
         """At the end of the sequence: the held-back text (an incomplete character, an open

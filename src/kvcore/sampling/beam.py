@@ -119,8 +119,13 @@ class BeamSearch:
     """One request's beam search. Starts with one live beam (the prompt); call step() with the
     log-softmax rows of the live beams (in `live` order) until it returns done."""
 
-    def __init__(self, params: BeamSearchParams, eos_token_ids: Collection[int]) -> None:
+    def __init__(self, params: BeamSearchParams, eos_token_ids: Collection[int],
+                 max_tokens: int | None = None) -> None:
+        """`max_tokens`: the resolved limit when params.max_tokens is None (the context's room)."""
         self.params = params
+        max_tokens = max_tokens or params.max_tokens
+        assert max_tokens is not None, "a beam search needs its resolved max_tokens"
+        self.max_tokens: int = max_tokens
         eos = () if params.ignore_eos else tuple(eos_token_ids)
         self.stop_ids = frozenset(eos) | frozenset(params.stop_token_ids)
         self.num_candidates = max(2, 1 + len(self.stop_ids)) * params.beam_width
@@ -139,7 +144,7 @@ class BeamSearch:
                              f"got shape {logprobs.shape}")
         p = self.params
         gen_len = self.num_generated + 1
-        at_max = gen_len >= p.max_tokens
+        at_max = gen_len >= self.max_tokens
         cum = np.array([score for _, score in self.live], dtype=np.float32)  # (L,)
         candidates = top_candidates(cum, logprobs, self.num_candidates)
         hits = [at_max or c.token_id in self.stop_ids for c in candidates]
@@ -169,7 +174,7 @@ class BeamSearch:
         if p.early_stopping is True:
             return True
         never = p.early_stopping == "never" and p.length_penalty > 0
-        best_len = p.max_tokens if never else gen_len
+        best_len = self.max_tokens if never else gen_len
         best_possible = length_penalized(best_running, best_len, p.length_penalty)
         return not best_possible > self.finished.worst_score
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
 
 from kvcore.config import ParamError
 from kvcore.sampling.constraints import Constraint
@@ -87,6 +87,14 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     constraint: Constraint | None = None  # structured output: what the text must match
+    # derived once (read per row per step): argmax decoding, no randomness, so no generator
+    greedy: bool = field(init=False, repr=False, compare=False)
+    # a processor reads the sequence's tokens (min_tokens, repetition / frequency / presence
+    # penalties): the sampler needs its history, not only its output position
+    reads_history: bool = field(init=False, repr=False, compare=False)
+    # greedy with no processor (no logit_bias, nothing reading the history): the token is the
+    # raw logits' argmax (logprobs, if asked, are of the raw logits too)
+    argmax_only: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, 1, MAX_N)
@@ -126,25 +134,18 @@ class SamplingParams:
         _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
         _check_bool("skip_special_tokens", self.skip_special_tokens)
         _check_constraint(self.constraint)
+        greedy = self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
+        reads_history = (self.min_tokens > 0 or self.repetition_penalty != 1.0
+                         or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0)
+        object.__setattr__(self, "greedy", greedy)
+        object.__setattr__(self, "reads_history", reads_history)
+        object.__setattr__(self, "argmax_only", greedy and not self.logit_bias
+                           and not reads_history and self.constraint is None)
 
     @property
-    def greedy(self) -> bool:
-        """Argmax decoding: no randomness, so no generator is needed."""
-        return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
-
-    @property
-    def reads_history(self) -> bool:
-        """A processor reads the sequence's tokens (min_tokens, repetition / frequency /
-        presence penalties): the sampler needs its history, not only its output position."""
-        return (self.min_tokens > 0 or self.repetition_penalty != 1.0
-                or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0)
-
-    @property
-    def argmax_only(self) -> bool:
-        """Greedy with no processor (no logit_bias, nothing reading the history): the token is
-        the raw logits' argmax (logprobs, if asked, are of the raw logits too)."""
-        return (self.greedy and not self.logit_bias and not self.reads_history
-                and self.constraint is None)
+    def num_seqs(self) -> int:
+        """Sequences the request runs at once (its n choices)."""
+        return self.n
 
 
 def _check_constraint(value: Any) -> None:
@@ -170,7 +171,7 @@ def _stop_strings(value: Any) -> tuple[str, ...]:
 @dataclass(frozen=True, slots=True)
 class BeamSearchParams:
     beam_width: int
-    max_tokens: int
+    max_tokens: int | None = 16  # None: until max_model_len (as SamplingParams)
     length_penalty: float = 1.0
     # as transformers: True stops as soon as beam_width hypotheses are finished; False stops when
     # the best running beam, scored at its current length, cannot beat the worst finished one;
@@ -179,10 +180,18 @@ class BeamSearchParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     constraint: Constraint | None = None
+    # SamplingParams' fields a beam search does not take, at their defaults, so the engine reads
+    # either params alike: beams are scored on the host from their logits rows
+    min_tokens: ClassVar[int] = 0
+    logprobs: ClassVar[None] = None
+    logit_bias: ClassVar[None] = None
+    seed: ClassVar[None] = None
+    greedy: ClassVar[bool] = True  # no random draws
 
     def __post_init__(self) -> None:
         _check_int("beam_width", self.beam_width, 1, MAX_BEAM_WIDTH)
-        _check_int("max_tokens", self.max_tokens, 1)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1)
         _check_float("length_penalty", self.length_penalty, *LENGTH_PENALTY_RANGE)
         if self.early_stopping not in (True, False, "never") or not isinstance(
                 self.early_stopping, bool | str):
@@ -192,6 +201,11 @@ class BeamSearchParams:
         object.__setattr__(self, "stop_token_ids", _token_ids("stop_token_ids",
                                                               self.stop_token_ids))
         _check_constraint(self.constraint)
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences the request runs at once (its beams)."""
+        return self.beam_width
 
 
 @dataclass(frozen=True, slots=True)

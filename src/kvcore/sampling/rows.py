@@ -10,7 +10,7 @@ import numpy as np
 from kvcore.sampling.params import SamplingParams, TokenLogprob
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one is made per row per step, and frozen inits cost more
 class SamplingRow:
     """One row of the logits batch: a sequence that samples this step."""
 

@@ -19,7 +19,7 @@ from kvcore.cache import PENDING_TOKEN_ID
 from kvcore.config_speculative import SpeculativeConfig
 from kvcore.request import Sequence as Seq
 from kvcore.request import SequenceStatus
-from kvcore.sampling import SamplingParams, SamplingRow, TokenLogprob
+from kvcore.sampling import SamplingRow, TokenLogprob
 from kvcore.speculation.adapt import SeqState, StepCost
 from kvcore.speculation.ngram import NgramProposer
 from kvcore.speculation.suffix import SuffixProposer
@@ -82,7 +82,7 @@ class Speculator:
         for seq in decoding:
             params = seq.params
             token_ids = seq.token_ids
-            if (not isinstance(params, SamplingParams) or params.n > 1
+            if (seq.host_decides or params.num_seqs > 1
                     or params.constraint is not None  # its mask follows accepted tokens only
                     or token_ids[-1] == PENDING_TOKEN_ID):
                 continue
