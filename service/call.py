@@ -15,25 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcore.engine import EngineClient, RequestFailed
-from kvcore.request import RequestOutput
+from kvcore.request import CompletionOutput, RequestOutput
 from kvcore.sampling.params import BeamSearchParams, SamplingParams, TokenLogprob
 from kvcore.service.admission import Reservation
 from kvcore.service.errors import APIError, bad_request
 from kvcore.service.tools import ToolRequest
 
 Prompt = str | list[int]
-
-
-@dataclass(frozen=True, slots=True)
-class Delta:
-    """What one choice got from one engine output."""
-
-    index: int  # the choice in the call: prompt index x n + choice (beams: by rank)
-    text: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprob]  # [] unless asked for
-    finish_reason: str | None
-    stop_reason: int | str | None
 
 
 @dataclass(eq=False, slots=True)
@@ -121,10 +109,10 @@ class Call:
             if self._reservation is not None:
                 self._reservation.release(self.n)
 
-    async def deltas(self) -> AsyncIterator[list[Delta]]:
-        """The deltas of each engine output, as the engine produces them; an engine refusal is
-        a 400, a failure a 500. A whole answer (not streamed) is kept in `texts` and
-        `choice_logprobs`."""
+    async def deltas(self) -> AsyncIterator[list[CompletionOutput]]:
+        """Each engine output's choices (what changed), as the engine produces them, indexed in
+        the call (prompt index x n + choice; beams by rank); an engine refusal is a 400, a
+        failure a 500. A whole answer (not streamed) is kept in `texts` and `choice_logprobs`."""
         remaining = len(self._tasks)
         while remaining:
             prompt, output, error = await self._queue.get()
@@ -139,9 +127,8 @@ class Call:
                     raise error
                 continue
             self.last[prompt] = output
-            deltas = []
             for c in output.outputs:
-                index = prompt * self.n + c.index
+                c.index = index = prompt * self.n + c.index  # (the output is the call's own)
                 self.num_generated[prompt] += len(c.token_ids)
                 if c.finish_reason is not None:
                     self.finish_reasons[index] = c.finish_reason
@@ -150,9 +137,7 @@ class Call:
                     self.texts.setdefault(index, []).append(c.text)
                     if c.logprobs:
                         self.choice_logprobs.setdefault(index, []).extend(c.logprobs)
-                deltas.append(Delta(index, c.text, c.token_ids, c.logprobs or [],
-                                    c.finish_reason, c.stop_reason))
-            yield deltas
+            yield output.outputs
 
     async def abort(self) -> None:
         """Abort every unfinished request: each stream ends with finish_reason "abort"."""

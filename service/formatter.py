@@ -10,8 +10,9 @@ import time
 from typing import Any, Protocol
 
 from kvcore.model.tokenizer import Tokenizer
+from kvcore.request import CompletionOutput
 from kvcore.sampling.params import TokenLogprob
-from kvcore.service.call import Call, Delta
+from kvcore.service.call import Call
 from kvcore.service.errors import APIError
 from kvcore.service.streaming import MSGPACK_TYPE, SSE_DONE, msgpack_frame, sse_event
 from kvcore.service.tool_format import FORMATS, CallStream
@@ -30,7 +31,7 @@ class WireFormat(Protocol):
 
     def open(self) -> bytes: ...  # the stream's first bytes
 
-    def chunk(self, delta: Delta) -> bytes: ...
+    def chunk(self, delta: CompletionOutput) -> bytes: ...  # one choice's delta
 
     def close(self) -> bytes: ...  # the stream's last bytes
 
@@ -51,7 +52,7 @@ class MsgpackFrames:
     def open(self) -> bytes:
         return b""
 
-    def chunk(self, delta: Delta) -> bytes:
+    def chunk(self, delta: CompletionOutput) -> bytes:
         return msgpack_frame({"index": delta.index, "token_ids": delta.token_ids,
                               "text": delta.text, "finish_reason": delta.finish_reason})
 
@@ -166,7 +167,7 @@ class OpenAIFormat:
                 True)))
         return b"".join(events)
 
-    def chunk(self, delta: Delta) -> bytes:
+    def chunk(self, delta: CompletionOutput) -> bytes:
         index, text, finish_reason = delta.index, delta.text, delta.finish_reason
         if index not in self.started:
             self.started.add(index)
@@ -179,7 +180,7 @@ class OpenAIFormat:
             entry["delta"] = content
         else:
             entry["text"] = text
-        entry["logprobs"] = self._logprobs(index, delta.logprobs)
+        entry["logprobs"] = self._logprobs(index, delta.logprobs or [])
         entry["finish_reason"] = finish_reason
         entry["stop_reason"] = delta.stop_reason if delta.finish_reason else None
         return sse_event(self._envelope([entry], True))

@@ -166,10 +166,11 @@ def test_cow_counter_counts_each_copy() -> None:
 
 def test_history_rates_per_interval() -> None:
     scheduler = Scheduler(KVCacheManager(16, 4), 64, 4)
-    fake = type("E", (), {"kv": scheduler.kv, "scheduler": scheduler})()  # what it reads
+    fake = type("E", (), {"kv": scheduler.kv, "scheduler": scheduler,  # what it reads
+                          "num_generated_tokens": 0})()
     history = KVHistory(length=3, interval_s=1.0)
     history.maybe_sample(fake, 0.0)  # type: ignore[arg-type]
-    history.num_output_tokens = 30
+    fake.num_generated_tokens = 30
     history.maybe_sample(fake, 0.5)  # type: ignore[arg-type]  # too early: no sample
     history.maybe_sample(fake, 2.0)  # type: ignore[arg-type]
     series = history.series()
@@ -205,13 +206,12 @@ def test_a_full_100k_block_pool_encodes_under_300_kb(churn: bool) -> None:
                 add()
             run_step(scheduler)
     kv = scheduler.kv
-    fake = type("E", (), {"kv": kv, "scheduler": scheduler})()
+    fake = type("E", (), {"kv": kv, "scheduler": scheduler, "num_generated_tokens": 10**9})()
     assert kv.usage() > 0.9
     snapshot = pool_snapshot(kv, scheduler)
     history = KVHistory()  # and ten full minutes of series, as /debug/kv sends them
-    history.num_output_tokens = 10**9
     for t in range(601):
-        history.num_output_tokens += 12345
+        fake.num_generated_tokens += 12345
         history.maybe_sample(fake, float(t))  # type: ignore[arg-type]
     snapshot["series"] = history.series()
     assert len(snapshot["series"]["t"]) == 600

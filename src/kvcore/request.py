@@ -174,7 +174,8 @@ class Sequence:
 
     @property
     def finished(self) -> bool:
-        return self.status in _FINISHED
+        status = self.status  # (identity tests: an enum member's hash runs Python code)
+        return status is not SequenceStatus.RUNNING and status is not SequenceStatus.WAITING
 
     def append_token(self, token_id: int) -> SequenceStatus | None:
         """Append a generated token; returns the finished status (stop_reason set) when a stop

@@ -16,7 +16,7 @@ from kvcore.request import Sequence, SequenceStatus
 log = structlog.get_logger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # plain data, never changed (not frozen: one per sequence per step)
 class ScheduledSeq:
     """One sequence's part of a step: everything the runner needs to build its batch rows."""
 

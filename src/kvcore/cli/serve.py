@@ -97,8 +97,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="413 for request bodies over this (default 4MiB)")
     parser.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
     cluster = parser.add_argument_group(
-        "cluster", "serve through N engine replicas on Ray Serve (needs `pip install "
-        "kvcore[cluster]`); without --replicas, one engine in this process")
+        "cluster", "serve through N engine replicas on Ray Serve (needs the cluster extra: "
+        "`pip install -e '.[cluster]'` from the checkout); without --replicas, one engine in "
+        "this process")
     cluster.add_argument("--replicas", type=int, metavar="N",
                          help="engine replicas behind a routing ingress in this process")
     cluster.add_argument("--router", default="prefix",
@@ -225,8 +226,8 @@ def _run_cluster(args: argparse.Namespace, config: EngineConfig, app_kwargs: dic
     try:
         from kvcore.cluster import serve as cluster
     except ImportError as e:
-        raise CLIError(f"--replicas needs the cluster extra (pip install 'kvcore[cluster]'): "
-                       f"{e}") from e
+        raise CLIError(f"--replicas needs the cluster extra (from the checkout: pip install "
+                       f"-e '.[cluster]'): {e}") from e
     try:
         options = cluster.options_from_args(args)
     except ValueError as e:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -66,9 +65,8 @@ class AsyncEngine:
         self._executor: ThreadPoolExecutor | None = None
         self._task: asyncio.Task[None] | None = None
         self._wakeup: asyncio.Event | None = None
-        # sequences waiting in the scheduler, published by the driver after each step (the event
-        # loop never reads scheduler state while a step may be running)
-        self._num_waiting_seqs = 0
+        # published by the driver between steps (the event loop never reads engine state while
+        # a step may be running)
         self._stats: EngineStats = engine.stats()
         self._kv_probe = KVProbe()  # the KV inspector hook, see kv_snapshot() below
 
@@ -110,7 +108,7 @@ class AsyncEngine:
     def num_waiting(self) -> int:
         """Sequences waiting to run: the scheduler's (as of the last step) and those queued to
         be added (n > 1 and beams count every sequence)."""
-        return self._num_waiting_seqs + sum(seq.num_seqs for seq, _ in self._adds)
+        return self._stats.num_waiting + sum(seq.num_seqs for seq, _ in self._adds)
 
     @property
     def running(self) -> bool:
@@ -227,7 +225,7 @@ class AsyncEngine:
             self._apply_aborts()
             self._publish()
             if not engine.has_unfinished_requests():
-                await self._kv_tick(loop)
+                await self._kv_probe.tick(engine, loop, self._executor)
                 with contextlib.suppress(TimeoutError):  # idle: still one series sample a second
                     await asyncio.wait_for(self._wakeup.wait(), 1.0)
                 continue
@@ -247,8 +245,7 @@ class AsyncEngine:
                 consumer = streams.get(output.request_id)
                 if consumer is not None:
                     consumer.put(output)
-            self._kv_probe.count(outputs)
-            await self._kv_tick(loop)
+            await self._kv_probe.tick(engine, loop, self._executor)
             await asyncio.sleep(0)  # let consumers run before the next step
 
     # --- the KV inspector hook (kvcore.engine.kv_snapshot): published between steps ---
@@ -264,12 +261,6 @@ class AsyncEngine:
             self._wakeup.set()  # an idle driver publishes now
         return snapshot
 
-    async def _kv_tick(self, loop: asyncio.AbstractEventLoop) -> None:
-        probe = self._kv_probe
-        probe.history.maybe_sample(self.engine, time.monotonic())  # O(1), at most 1 Hz
-        if probe.due():  # in the step thread: the one place engine state is touched
-            await loop.run_in_executor(self._executor, probe.publish, self.engine)
-
     def _apply_adds(self) -> None:
         adds, self._adds = self._adds, []
         for seq, stream in adds:
@@ -283,7 +274,6 @@ class AsyncEngine:
     def _publish(self) -> None:
         """Between steps (the worker is idle): the figures the event loop may read."""
         self._stats = self.engine.stats()
-        self._num_waiting_seqs = self._stats.num_waiting
 
     def _apply_aborts(self) -> None:
         aborts, self._aborts = self._aborts, []

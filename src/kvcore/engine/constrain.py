@@ -84,11 +84,6 @@ class Constrainer:
             return fill(matchers)  # type: ignore[arg-type]
         return StepMasks(rows, self.filler.submit(job), self)
 
-    def masked_rows(self, seqs: list[Sequence], rows: list[SamplingRow]) -> list[SamplingRow]:
-        """`rows` with their masks, computed now (host-side draws: a fork's first token)."""
-        masks = self.start(seqs)
-        return rows if masks is None else masks.apply(rows)
-
     def mask_logits(self, seqs: list[Sequence], logits: Any, rows: list[int]) -> None:
         """Mask logits row rows[i] for seqs[i] in place, where it has a constraint (beams:
         before the policy ranks them)."""

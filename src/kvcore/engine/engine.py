@@ -94,6 +94,7 @@ class Engine:
                                RowSampler(self.eos_token_ids, mc.vocab_size), mc.vocab_size,
                                config.seed, async_scheduling, speculator)
         self.beams = BeamSearches(self.core, self.eos_token_ids)  # the core's host rows
+        self.num_generated_tokens = 0  # tokens the steps have drawn (the KV inspector's rate)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
         # structured outputs: constraints compiled against this vocabulary (cached)
         self.constraints = ConstraintCompiler(self.tokenizer.to_json, mc.vocab_size,
@@ -188,6 +189,7 @@ class Engine:
         the engine goes on with the others and the queue."""
         core = self.core
         result = core.step()
+        self.num_generated_tokens += len(result.tokens)
         for request_id in result.failed:
             self.beams.forget(request_id)
         return self.output_processor.process(

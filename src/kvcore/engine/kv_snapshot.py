@@ -16,16 +16,18 @@ the sliding window. Block i of a table holds min(block_size, num_slots - i * blo
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import time
 from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvcore.planner import plan_for_model
-from kvcore.request import RequestOutput, SequenceStatus
+from kvcore.request import SequenceStatus
 
 if TYPE_CHECKING:
     from kvcore.cache import KVCacheManager
@@ -211,14 +213,13 @@ class KVHistory:
         self.interval_s = interval_s
         self.samples: deque[tuple[float, ...]] = deque(maxlen=length)  # (time, *SERIES_NAMES)
         self._last: tuple[float, int, int, int, int, int] | None = None  # time and counters
-        self.num_output_tokens = 0  # generated tokens so far (the driver counts them)
 
     def maybe_sample(self, engine: Engine, now: float) -> None:
         """Take a sample if interval_s has passed since the last one; O(1)."""
         kv = engine.kv
         scheduler = engine.scheduler
         counters = (now, kv.num_prefix_queries, kv.num_prefix_hits, scheduler.num_preemptions,
-                    kv.num_cow_copies, self.num_output_tokens)
+                    kv.num_cow_copies, engine.num_generated_tokens)
         last = self._last
         if last is None:
             self._last = counters
@@ -261,9 +262,13 @@ class KVProbe:
         self._polled = time.monotonic()
         return self.last
 
-    def count(self, outputs: Sequence[RequestOutput]) -> None:
-        self.history.num_output_tokens += sum(len(c.token_ids)
-                                              for o in outputs for c in o.outputs)
+    async def tick(self, engine: Engine, loop: asyncio.AbstractEventLoop,
+                   executor: Executor | None) -> None:
+        """Between steps: a series sample (O(1), at most 1 Hz), and a snapshot when due, built
+        in the step thread (the one place engine state is touched)."""
+        self.history.maybe_sample(engine, time.monotonic())
+        if self.due():
+            await loop.run_in_executor(executor, self.publish, engine)
 
     def due(self) -> bool:
         now = time.monotonic()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -59,7 +60,7 @@ class BatchInput:
         tables = np.full((num_seqs, max(int(table_lens.max(initial=0)), 1)), -1,
                          dtype=np.int32)  # (S, max_blocks)
         try:  # one pass over every table's ids (None: a block the sliding window released)
-            flat = np.fromiter((b for t in block_tables for b in t), dtype=np.int32,
+            flat = np.fromiter(chain.from_iterable(block_tables), dtype=np.int32,
                                count=int(table_lens.sum()))
         except TypeError:
             flat = np.array([-1 if b is None else b for t in block_tables for b in t],
@@ -79,7 +80,7 @@ class BatchInput:
         block_ids = tables[seq_of_row, block_index].astype(np.int64)
         if np.any(block_ids < 0):
             raise ValueError("a new token's position falls in a released or missing block")
-        input_ids = np.fromiter((t for seq in token_ids for t in seq), dtype=np.int64,
+        input_ids = np.fromiter(chain.from_iterable(token_ids), dtype=np.int64,
                                 count=int(q_lens.sum()))
         num_wanted = np.asarray(wanted, dtype=np.int64).reshape(num_seqs)  # (S,)
         if num_seqs and (num_wanted.min() < 0 or np.any(num_wanted > q_lens)):
