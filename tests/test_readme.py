@@ -12,6 +12,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -156,7 +157,8 @@ def test_eval_json_renders(tiny_model_dir: Path, tmp_path: Path) -> None:
     text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
     out = tmp_path / "eval.json"
     _run([*KVCORE, "eval", str(tiny_model_dir), "--text", str(text), "--context", "64",
-          "--greedy-tokens", "4", "--json", str(out), "--no-progress"])
+          "--kv-dtypes", "fp32,fp16,bf16,fp8,int4-g16-r8", "--greedy-tokens", "4",  # head_dim 16
+          "--json", str(out), "--no-progress"])
     evaluation = json.loads(out.read_text()) | {"wall_s": 60.0, "model": "tiny"}
     plans = {d: {"1GiB": readme_figures.plan_json(str(tiny_model_dir), d, "1GiB")}
              for d in readme_figures.DTYPES}
@@ -193,8 +195,11 @@ def test_shell_blocks(server: Server, default_model_dir: Path, tmp_path: Path) -
                 continue  # ("kvcore serve" itself: the test's server)
             if command.startswith("kvcore serve"):
                 started = Server(command, default_model_dir)
+                key = re.search(r"--api-key (\S+)", command)
+                headers = {"Authorization": f"Bearer {key[1]}"} if key else {}
                 try:
-                    with urllib.request.urlopen(f"{started.url}/v1/models", timeout=30) as resp:
+                    with urllib.request.urlopen(urllib.request.Request(
+                            f"{started.url}/v1/models", headers=headers), timeout=30) as resp:
                         names = [m["id"] for m in json.load(resp)["data"]]
                     expected = re.search(r"--served-model-name (\S+)", command)
                     assert names == [expected[1] if expected else default_model_dir.name]
@@ -208,7 +213,7 @@ def test_shell_blocks(server: Server, default_model_dir: Path, tmp_path: Path) -
             if argv[0] == "kvcore":
                 argv = [*KVCORE, *argv[1:]]
             done = _run(argv)
-            if argv[0] == "curl" and sample is None:
+            if argv[0] == "curl" and "-N" in argv:  # the streamed sample
                 sample = [e if e == "[DONE]" else json.loads(e)
                           for e in re.findall(r"^data: (.*)$", done.stdout, re.M)]
     assert sample is not None
@@ -233,11 +238,23 @@ def test_python_blocks(server: Server, default_model_dir: Path, tmp_path: Path) 
 
 
 def test_the_debug_kv_sample_names_the_answer_s_fields(server: Server) -> None:
-    """The README's /debug/kv sample (a commented JSON) lists the fields a live answer has."""
+    """The README's /debug/kv sample (a commented JSON) lists the fields a live answer has, a
+    request in flight included."""
     (sample,) = [text for language, text in blocks() if language == ""]
     documented = set(re.findall(r'"(\w+)":', sample))
-    with urllib.request.urlopen(f"{server.url}/debug/kv", timeout=60) as resp:
-        answer = json.load(resp)
+    body = json.dumps({"prompt": "Count: one, two, three,", "max_tokens": 512,
+                       "ignore_eos": True}).encode()
+    running = threading.Thread(target=lambda: urllib.request.urlopen(urllib.request.Request(
+        f"{server.url}/v1/completions", body, {"Content-Type": "application/json"}),
+        timeout=600).read())
+    running.start()
+    answer: dict[str, Any] = {"requests": []}
+    deadline = time.monotonic() + 120
+    while not answer["requests"] and time.monotonic() < deadline:  # polled: it publishes
+        with urllib.request.urlopen(f"{server.url}/debug/kv", timeout=60) as resp:
+            answer = json.load(resp) or answer
+        time.sleep(0.2)
+    running.join()
     fields = set(answer) | set(answer["planner"]) | set(answer["totals"]) | set(
         answer["series"]) | set(answer["counts"])
     fields |= {k for request in answer["requests"] for k in request}
