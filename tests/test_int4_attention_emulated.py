@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvcore.cache import int4
-from kvcore.kernels.cuda_ops import CudaOps
+from kvcore.kernels.cuda.ops import CudaOps
 
 pytest.importorskip("cupy", reason="cupy's CCCL headers provide <nv/target> for cuda_fp16.h")
 if shutil.which("g++") is None:

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from kvcore.kernels import compile_check
-from kvcore.kernels.cuda_int4_attention import (
+from kvcore.kernels.cuda.attention_kv_int4 import (
     INT4_DECODE_REGISTERS,
     int4_decode_smem_bytes,
     int4_defines,
     int4_tiles_bytes,
 )
+from kvcore.kernels.cuda.dev import compile_check
 
 cupy = pytest.importorskip("cupy", reason="cupy-cuda12x (the dev extra) provides NVRTC")
 

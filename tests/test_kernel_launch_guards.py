@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from kernel_problems import paged_problem
-from kvcore.kernels.cuda_attention import plan_paged_attention
-from kvcore.kernels.cuda_ops import CudaOps
+from kvcore.kernels.cuda.attention import plan_paged_attention
+from kvcore.kernels.cuda.ops import CudaOps
 
 
 class RecordingBackend:

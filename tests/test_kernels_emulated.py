@@ -1,6 +1,6 @@
 """The unchanged CUDA kernels, run on the CPU by the emulation harness, equal the NumPy references.
 
-The launches go through kvcore.kernels.cuda_ops (the same wrappers the GPU path uses) with the
+The launches go through kvcore.kernels.cuda.ops (the same wrappers the GPU path uses) with the
 emulation backend; inputs are fresh random data. KVCORE_EMU_CASES=N adds N random decode cases.
 """
 
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from kvcore.kernels import cpu as reference
-from kvcore.kernels.cuda_attention import decode_tc_blocks_per_sm
-from kvcore.kernels.cuda_occupancy import MAX_PARTITIONS, blocks_per_sm, decode_partitions
-from kvcore.kernels.cuda_ops import CudaOps
+from kvcore.kernels.cuda.attention import decode_tc_blocks_per_sm
+from kvcore.kernels.cuda.occupancy import MAX_PARTITIONS, blocks_per_sm, decode_partitions
+from kvcore.kernels.cuda.ops import CudaOps
 
 pytest.importorskip("cupy", reason="cupy's CCCL headers provide <nv/target> for cuda_fp16.h")
 if shutil.which("g++") is None:

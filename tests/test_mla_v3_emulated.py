@@ -13,8 +13,8 @@ import shutil
 import numpy as np
 import pytest
 
-from kvcore.kernels.cuda_mla import mla_key_tile
-from kvcore.kernels.cuda_ops import CudaOps
+from kvcore.kernels.cuda.mla import mla_key_tile
+from kvcore.kernels.cuda.ops import CudaOps
 
 pytest.importorskip("cupy", reason="cupy's CCCL headers provide <nv/target> for cuda_fp16.h")
 if shutil.which("g++") is None:

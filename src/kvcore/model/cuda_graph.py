@@ -7,7 +7,7 @@ every DeviceBatch field (block tables padded to the width of max_model_len), and
 its padded host arrays into them (one copy per array), replays, and reads logits rows 0..S-1.
 The padded table width does not size the attention grid: with device metadata the decode kernel
 splits each sequence's own context into a partition count fixed from the shapes and the SM count
-(kernels.cuda_occupancy.decode_partitions): at most MAX_PARTITIONS (32) however wide the tables,
+(kernels.cuda.occupancy.decode_partitions): at most MAX_PARTITIONS (32) however wide the tables,
 so a graph for a 128k max_model_len launches a 32-partition grid and scratch, not 256.
 
 Padding rows: input id 0 at position 0, slot -1 (reshape_and_cache skips it: nothing is written

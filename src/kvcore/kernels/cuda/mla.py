@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcore.kernels.cuda_launch import (
+from kvcore.kernels.cuda.launch import (
     Backend,
     Launch,
     cache_suffix_of,
@@ -17,7 +17,7 @@ from kvcore.kernels.cuda_launch import (
     suffix_of,
     upload_seq_metadata,
 )
-from kvcore.kernels.cuda_occupancy import MAX_PARTITIONS, blocks_per_sm, decode_partitions
+from kvcore.kernels.cuda.occupancy import MAX_PARTITIONS, blocks_per_sm, decode_partitions
 
 SM80_SMEM_OPT_IN = 163 * 1024  # the most dynamic shared memory a block may opt in to
 SM90_SMEM_OPT_IN = 227 * 1024

@@ -1,9 +1,9 @@
 """Planning of paged attention launches over an int4 cache (sealed int4 blocks and fp16 window
-blocks, chosen per block by window_slot; layout: cuda_int4).
+blocks, chosen per block by window_slot; layout: kv_int4).
 
 Decode rows run paged_attention_decode_tc.cu and prefill chunks paged_attention_prefill_mma.cu,
 both compiled with KVC_INT4: they stage the packed rows by cp.async (about a quarter of the fp16
-bytes) and unpack them in registers into their 16-bit tiles (int4_stage.cuh). Every GQA group
+bytes) and unpack them in registers into their 16-bit tiles (kv_int4_stage.cuh). Every GQA group
 takes the register-tile decode kernel; fp16 / bf16 activations, head_dim 64 or 128, power-of-two
 block sizes from 8 on.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcore.kernels.cuda_attention import (
+from kvcore.kernels.cuda.attention import (
     DECODE_TC_KEYS,
     DECODE_TC_THREADS,
     MAX_GROUP,
@@ -23,8 +23,8 @@ from kvcore.kernels.cuda_attention import (
     PREFILL_MMA_THREADS,
     decode_defines,
 )
-from kvcore.kernels.cuda_int4 import INT4_MIN_BLOCK_SIZE, check_int4_cache
-from kvcore.kernels.cuda_launch import (
+from kvcore.kernels.cuda.kv_int4 import INT4_MIN_BLOCK_SIZE, check_int4_cache
+from kvcore.kernels.cuda.launch import (
     Backend,
     Launch,
     batch_shape,
@@ -32,7 +32,7 @@ from kvcore.kernels.cuda_launch import (
     suffix_of,
     upload_seq_metadata,
 )
-from kvcore.kernels.cuda_occupancy import MAX_PARTITIONS, blocks_per_sm, decode_partitions
+from kvcore.kernels.cuda.occupancy import MAX_PARTITIONS, blocks_per_sm, decode_partitions
 
 INT4_HEAD_DIMS = (64, 128)  # 256 would need 186 KB of shared memory: over sm_80's 163
 _CTYPES = {"f16": "__half", "bf16": "__nv_bfloat16"}
@@ -42,7 +42,7 @@ INT4_DECODE_REGISTERS = {64: 160, 128: 168}
 
 
 def int4_raw_bytes(head_dim: int, group: int) -> int:
-    """Int4Tile::kBytes (int4_stage.cuh): one buffer of a 64-key tile's packed rows: K and V
+    """Int4Tile::kBytes (kv_int4_stage.cuh): one buffer of a 64-key tile's packed rows: K and V
     nibbles, V scale and zero words per key, the K scales and zeros of 9 blocks, key flags."""
     keys, nib, n = DECODE_TC_KEYS, head_dim // 2, head_dim // group
     words = n // 2 if n >= 2 else 1
@@ -101,7 +101,7 @@ def plan_int4_attention(backend: Backend, query: Any, k_cache: Any, v_cache: Any
                         num_partitions: int | None = None,
                         host_metadata: bool | None = None) -> tuple[Any, list[Launch]]:
     """Check the arguments and prepare the launches; returns (out (T, H, D), launches), as
-    cuda_attention.plan_paged_attention (host metadata sizes the grids exactly, device
+    attention.plan_paged_attention (host metadata sizes the grids exactly, device
     metadata from the shapes alone)."""
     suffix = suffix_of("query", query)
     if suffix == "f32":

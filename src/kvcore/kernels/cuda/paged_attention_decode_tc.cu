@@ -23,7 +23,7 @@
 // max logit and exp-sum for paged_attention_reduce.
 // With -DKVC_INT4 (and KVC_INT4_GROUP) the cache is kvcore.cache.int4's: sealed int4 rows and fp16
 // window rows chosen per block by window_slot, staged packed and unpacked into the same 16-bit
-// tiles by int4_stage.cuh (every other variant compiles as before).
+// tiles by kv_int4_stage.cuh (every other variant compiles as before).
 #include "common.cuh"
 #include "mma_tile.cuh"  // mma.sync / cp.async through <ptx_ops.cuh> (the kernel dir is on the path)
 
@@ -36,8 +36,8 @@
 #ifndef KVC_SCALAR
 #define KVC_SCALAR __half
 #endif
-#ifdef KVC_INT4  // an int4 cache (KVC_INT4_GROUP value channels per scale): int4_stage.cuh
-#include "int4_stage.cuh"
+#ifdef KVC_INT4  // an int4 cache (KVC_INT4_GROUP value channels per scale): kv_int4_stage.cuh
+#include "kv_int4_stage.cuh"
 #define KVC_CACHE KVC_SCALAR  // the tiles hold activations: window rows and dequantized keys
 #endif
 #ifndef KVC_CACHE

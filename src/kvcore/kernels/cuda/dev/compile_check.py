@@ -1,6 +1,6 @@
 """Static evidence for the CUDA kernels, without a GPU: NVRTC compiles every kernel variant.
 
-`python -m kvcore.kernels.compile_check [--json]` compiles each .cu source (each decode variant:
+`python -m kvcore.kernels.cuda.dev.compile_check [--json]` compiles each .cu source (each decode variant:
 head_dim x GQA group x activation/cache dtype, the cache dtype "int4" selecting the KVC_INT4
 variants of the register-tile kernels; the MLA kernel per latent shape x dtype) to a
 cubin for sm_80 and sm_90 through CuPy's NVRTC with CuPy's own options, and reports per
@@ -24,13 +24,12 @@ import argparse
 import dataclasses
 import io
 import json
-import os
 import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvcore.kernels.compile_variants import (
+from kvcore.kernels.cuda.dev.compile_variants import (
     ARCHS,
     CHECK_DTYPES,
     CHECK_GROUPS,
@@ -41,7 +40,8 @@ from kvcore.kernels.compile_variants import (
     kernel_sources,
     variants,
 )
-from kvcore.kernels.ptx_facts import PtxFacts, ptx_facts
+from kvcore.kernels.cuda.dev.ptx_facts import PtxFacts, ptx_facts
+from kvcore.kernels.cuda.nvrtc import nvrtc_options
 
 __all__ = ["ARCHS", "KERNEL_DIR", "SMEM_OPT_IN", "KernelReport", "Variant", "check_variants",
            "compile_source", "kernel_sources", "main", "nvrtc_options", "parse_ptxas_log",
@@ -84,29 +84,6 @@ class KernelReport:
     cp_async: int = 0  # cp.async copies in the kernel's PTX
     tile_smem_bytes: int = 0  # shared-memory bytes one pass through the key-tile loop moves
     tile_global_bytes: int = 0  # the K + V bytes of one key tile (register-tile kernels)
-
-
-def cuda_include_dirs() -> list[str]:
-    """Directories holding cuda_fp16.h & co.: the CUDA wheels' include dirs, or a CUDA install."""
-    candidates: list[Path] = []
-    for entry in sys.path:
-        root = Path(entry) / "nvidia"
-        candidates += [root / "cuda_runtime" / "include", root / "cu13" / "include",
-                       root / "cu12" / "include"]
-    for env in ("CUDA_PATH", "CUDA_HOME"):
-        if os.environ.get(env):
-            candidates.append(Path(os.environ[env]) / "include")
-    candidates.append(Path("/usr/local/cuda/include"))
-    found: list[str] = []
-    for path in candidates:
-        if (path / "cuda_fp16.h").is_file() and str(path) not in found:
-            found.append(str(path))
-    return found
-
-
-def nvrtc_options() -> tuple[str, ...]:
-    """The options kvcore passes to cupy.RawModule (CuPy adds its own, see `cupy_options`)."""
-    return ("--std=c++17", f"-I{KERNEL_DIR}", *(f"-I{d}" for d in cuda_include_dirs()))
 
 
 def cupy_options(arch: str) -> tuple[str, ...]:

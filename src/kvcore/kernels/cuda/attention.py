@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcore.kernels.cuda_launch import (
+from kvcore.kernels.cuda.launch import (
     SMEM_LIMIT,
     Backend,
     Launch,
@@ -21,7 +21,7 @@ from kvcore.kernels.cuda_launch import (
     suffix_of,
     upload_seq_metadata,
 )
-from kvcore.kernels.cuda_occupancy import (
+from kvcore.kernels.cuda.occupancy import (
     BLOCKS_PER_SM,
     MAX_PARTITIONS,
     blocks_per_sm,

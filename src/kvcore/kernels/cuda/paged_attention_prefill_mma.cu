@@ -15,7 +15,7 @@
 // its last query position (causal). Sequences with a single query token are left to decode.
 // With -DKVC_INT4 (and KVC_INT4_GROUP) the cache is kvcore.cache.int4's: sealed int4 rows and fp16
 // window rows chosen per block by window_slot, staged packed and unpacked into the same 16-bit
-// tiles by int4_stage.cuh (every other variant compiles as before).
+// tiles by kv_int4_stage.cuh (every other variant compiles as before).
 #include "common.cuh"
 #include "mma_tile.cuh"  // mma.sync / cp.async through <ptx_ops.cuh> (the kernel dir is on the path)
 
@@ -25,8 +25,8 @@
 #ifndef KVC_SCALAR
 #define KVC_SCALAR __half
 #endif
-#ifdef KVC_INT4  // an int4 cache (KVC_INT4_GROUP value channels per scale): int4_stage.cuh
-#include "int4_stage.cuh"
+#ifdef KVC_INT4  // an int4 cache (KVC_INT4_GROUP value channels per scale): kv_int4_stage.cuh
+#include "kv_int4_stage.cuh"
 #define KVC_CACHE KVC_SCALAR  // the tiles hold activations: window rows and dequantized keys
 #endif
 #ifndef KVC_CACHE

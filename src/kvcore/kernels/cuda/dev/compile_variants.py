@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-KERNEL_DIR = Path(__file__).resolve().parent
+from kvcore.kernels.cuda.nvrtc import KERNEL_DIR
+
 _ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2, "fp8": 1}
 INT4 = "int4"  # the cache "dtype" of the int4 variants (KVC_INT4, register-tile kernels only)
 INT4_CHECK_GROUP = 32  # value channels per scale the int4 variants compile for
@@ -42,7 +43,7 @@ def variants(head_dims: tuple[int, ...] = CHECK_HEAD_DIMS, groups: tuple[int, ..
     """Every source once, the decode kernel once per (head_dim, group, dtypes) asked for, the
     tensor-core prefill once per (head_dim, dtypes) and the MLA kernel once per (latent shape,
     dtypes) (both 16-bit activations only)."""
-    from kvcore.kernels.cuda_attention import (
+    from kvcore.kernels.cuda.attention import (
         DECODE_TC_KEYS,
         PREFILL_MMA_MAX_HEAD_DIM,
         TC_DECODE_MIN_GROUP,
@@ -92,7 +93,7 @@ def variants(head_dims: tuple[int, ...] = CHECK_HEAD_DIMS, groups: tuple[int, ..
 def _mla_variants(source: str, rank: int, rope: int, act: str, cache: str) -> list[Variant]:
     """One MLA variant per key-tile size the launcher picks on the checked archs (64 keys on
     sm_90, 32 on sm_80 at DeepSeek's shape with a 16-bit cache), each built for its archs."""
-    from kvcore.kernels.cuda_mla import mla_defines, mla_key_tile, mla_smem_bytes
+    from kvcore.kernels.cuda.mla import mla_defines, mla_key_tile, mla_smem_bytes
 
     width, itemsize = rank + rope, _ITEMSIZE[cache]
     by_keys: dict[int, tuple[str, ...]] = {}
@@ -109,7 +110,7 @@ def int4_variants(source: str, head_dims: tuple[int, ...], groups: tuple[int, ..
     """The KVC_INT4 variants of a register-tile kernel for the activations paired with "int4"
     in `dtypes`: decode per (head_dim, group) (an int4 cache takes it for every group), prefill
     per head_dim."""
-    from kvcore.kernels.cuda_int4_attention import (
+    from kvcore.kernels.cuda.attention_kv_int4 import (
         INT4_HEAD_DIMS,
         int4_decode_smem_bytes,
         int4_defines,

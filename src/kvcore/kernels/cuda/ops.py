@@ -12,17 +12,17 @@ from typing import Any
 
 import numpy as np
 
-from kvcore.kernels.cuda_attention import plan_paged_attention
-from kvcore.kernels.cuda_int4 import Int4LayerLike, int4_write_launch, seal_launch
-from kvcore.kernels.cuda_int4_attention import plan_int4_attention
-from kvcore.kernels.cuda_launch import (
+from kvcore.kernels.cuda.attention import plan_paged_attention
+from kvcore.kernels.cuda.attention_kv_int4 import plan_int4_attention
+from kvcore.kernels.cuda.kv_int4 import Int4LayerLike, int4_write_launch, seal_launch
+from kvcore.kernels.cuda.launch import (
     Backend,
     cache_suffix_of,
     check_contiguous,
     check_int_array,
     suffix_of,
 )
-from kvcore.kernels.cuda_mla import plan_mla_attention
+from kvcore.kernels.cuda.mla import plan_mla_attention
 
 
 class CudaOps:
