@@ -197,11 +197,13 @@ def test_broken_decode_kernel_fails(defines: tuple[str, ...]) -> None:
 
 
 @pytest.mark.parametrize("defines", [("KVC_BREAK_WAIT",), ("KVC_BREAK_SYNC",),
-                                     ("KVC_BREAK_FRAGMENT",), ("KVC_BREAK_GQA",)])
+                                     ("KVC_BREAK_FRAGMENT",), ("KVC_BREAK_GQA",),
+                                     ("KVC_BREAK_LDMATRIX",), ("KVC_BREAK_TRANS",)])
 def test_broken_register_tile_decode_fails(defines: tuple[str, ...]) -> None:
     """paged_attention_decode_tc.cu's mutants: a tile read before its cp.async wait, a buffer
     staged again without the barrier after the tile's last reader (3 tiles of 64 keys, so a
-    buffer is reused), P's A fragment registers swapped, the wrong query heads."""
+    buffer is reused), P's A fragment registers swapped, the wrong query heads, ldmatrix lanes
+    addressing their neighbour's row, V loaded without .trans."""
     rng = np.random.default_rng()
     problem = paged_problem(rng, [300, 41], [1, 1], 16, 2, 32, 8, "f16", poison=True)
     expected = attention_f64(problem)
@@ -216,7 +218,8 @@ def test_broken_register_tile_decode_fails(defines: tuple[str, ...]) -> None:
 
 
 @pytest.mark.parametrize("defines", [("KVC_BREAK_WAIT",), ("KVC_BREAK_SYNC",),
-                                     ("KVC_BREAK_FRAGMENT",), ("KVC_BREAK_GQA",)])
+                                     ("KVC_BREAK_FRAGMENT",), ("KVC_BREAK_GQA",),
+                                     ("KVC_BREAK_LDMATRIX",), ("KVC_BREAK_TRANS",)])
 def test_broken_register_tile_prefill_fails(defines: tuple[str, ...]) -> None:
     """paged_attention_prefill_mma.cu's mutants, on a chunk whose key span takes 3 tiles."""
     rng = np.random.default_rng()

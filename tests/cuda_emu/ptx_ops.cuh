@@ -7,6 +7,12 @@
 // and the column of B the layout assigns; a kernel indexing a fragment wrongly gets wrong
 // numbers. Products of 16-bit inputs are exact in fp32 and summed in fp32.
 //
+// ldmatrix (PTX ISA 9.7.14.5.15) is a warp rendezvous (.sync.aligned: all 32 lanes, the same
+// form): lanes 8 i .. 8 i + 7 give the row addresses of matrix i, each 16-byte aligned inside the
+// launch's dynamic shared memory (anything else fails the launch); register i of lane l gets
+// row l / 4, elements 2 (l % 4), 2 (l % 4) + 1 of matrix i, or with .trans elements
+// (2 (l % 4), l / 4) and (2 (l % 4) + 1, l / 4). Rows are read when the last lane arrives.
+//
 // cp.async copies are deferred (emu_runtime.cpp): the destination reads as NaN (0xff bytes) until
 // a cp_async_wait covering the copy's group completes it, so a tile read before its wait, or a
 // buffer re-staged while another warp still reads it (a missing barrier), poisons the result;
@@ -20,6 +26,7 @@
 
 namespace emu {
 void cp_async(void* dst, const void* src, int bytes);
+void ldmatrix(unsigned* out, const void* row, int num, bool trans);
 void cp_async_commit();
 void cp_async_wait(int allowed_in_flight);
 
@@ -80,4 +87,12 @@ inline void cp_async_commit() { emu::cp_async_commit(); }
 template <int N>
 void cp_async_wait() {
   emu::cp_async_wait(N);
+}
+inline void ldmatrix_x4(unsigned (&r)[4], const void* smem) { emu::ldmatrix(r, smem, 4, false); }
+inline void ldmatrix_x4_trans(unsigned (&r)[4], const void* smem) {
+  emu::ldmatrix(r, smem, 4, true);
+}
+inline void ldmatrix_x2(unsigned (&r)[2], const void* smem) { emu::ldmatrix(r, smem, 2, false); }
+inline void ldmatrix_x2_trans(unsigned (&r)[2], const void* smem) {
+  emu::ldmatrix(r, smem, 2, true);
 }

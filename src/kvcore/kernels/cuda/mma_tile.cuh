@@ -117,3 +117,102 @@ __device__ __forceinline__ void stage_row_tile(unsigned char* dst, const unsigne
     }
   }
 }
+
+// Fragments of mma.m16n8k16 from 16-bit shared tiles by ldmatrix (ptx_ops.cuh), rows laid out by
+// Rows (SmemRows: padded or swizzled, so the 8 row addresses of a matrix hit distinct banks).
+// Lane l = 8 m + r addresses row r of matrix m. KVC_BREAK_LDMATRIX (a test mutant) has each lane
+// address the next lane's row; KVC_BREAK_TRANS loads V without .trans.
+__device__ __forceinline__ int ldmatrix_row(int lane) {
+#ifdef KVC_BREAK_LDMATRIX
+  return (lane + 1) & 7;
+#else
+  return lane & 7;
+#endif
+}
+
+// B fragments of S = Q K^T for the 8 keys starting at tile row `key` and the 16-channel steps kk,
+// kk + 1: b[0], b[1] for step kk, b[2], b[3] for step kk + 1 (K rows are B's columns: no .trans).
+template <class Rows>
+__device__ __forceinline__ void k_frags_x4(unsigned (&b)[4], const unsigned char* tile, int key,
+                                           int kk, int lane) {
+  const int m = lane >> 3;
+  ldmatrix_x4(b, tile + Rows::at(key + ldmatrix_row(lane), (16 * (kk + (m >> 1)) + 8 * (m & 1)) * 2));
+}
+// The same for one step kk (b[0], b[1]); lanes 16-31 repeat valid addresses (unused by .x2).
+template <class Rows>
+__device__ __forceinline__ void k_frags_x2(unsigned (&b)[2], const unsigned char* tile, int key,
+                                           int kk, int lane) {
+  const int m = (lane >> 3) & 1;
+  ldmatrix_x2(b, tile + Rows::at(key + ldmatrix_row(lane), (16 * kk + 8 * m) * 2));
+}
+// B fragments of O += P V for the 16 keys starting at tile row `key` and the 8-column n-tiles n,
+// n + 1 (V is stored keys x channels: .trans): b[0], b[1] for n-tile n, b[2], b[3] for n + 1.
+template <class Rows>
+__device__ __forceinline__ void v_frags_x4(unsigned (&b)[4], const unsigned char* tile, int key,
+                                           int n, int lane) {
+  const int m = lane >> 3;
+  const unsigned char* row = tile + Rows::at(key + 8 * (m & 1) + ldmatrix_row(lane), 16 * (n + (m >> 1)));
+#ifdef KVC_BREAK_TRANS
+  ldmatrix_x4(b, row);
+#else
+  ldmatrix_x4_trans(b, row);
+#endif
+}
+// The same for one n-tile (b[0], b[1]).
+template <class Rows>
+__device__ __forceinline__ void v_frags_x2(unsigned (&b)[2], const unsigned char* tile, int key,
+                                           int n, int lane) {
+  const int m = (lane >> 3) & 1;
+  const unsigned char* row = tile + Rows::at(key + 8 * m + ldmatrix_row(lane), 16 * n);
+#ifdef KVC_BREAK_TRANS
+  ldmatrix_x2(b, row);
+#else
+  ldmatrix_x2_trans(b, row);
+#endif
+}
+// A fragments of the 16 x 16 block at (row, col) of a row-major 16-bit tile (Q or P): matrices
+// (rows +0, cols +0), (rows +8, cols +0), (rows +0, cols +8), (rows +8, cols +8) are a[0..3].
+template <class Rows>
+__device__ __forceinline__ void a_frags_x4(unsigned (&a)[4], const unsigned char* tile, int row,
+                                           int col, int lane) {
+  const int m = lane >> 3;
+  ldmatrix_x4(a, tile + Rows::at(row + 8 * (m & 1) + ldmatrix_row(lane), (col + 8 * (m >> 1)) * 2));
+}
+
+// S (16 rows x 8 keys per n-tile, kN n-tiles) += Q K^T over kD channels, K from a 16-bit tile by
+// ldmatrix: q[kk] are Q's A fragments per 16-channel step, `key` the tile row of n-tile 0's first
+// key.
+template <typename scalar_t, class Rows, int kD, int kN>
+__device__ __forceinline__ void qk_ldmatrix(float (&s)[kN][4], const unsigned (&q)[kD / 16][4],
+                                            const unsigned char* tile, int key, int lane) {
+#pragma unroll
+  for (int j = 0; j < kN; ++j) {
+#pragma unroll
+    for (int kk = 0; kk + 1 < kD / 16; kk += 2) {
+      unsigned b[4];
+      k_frags_x4<Rows>(b, tile, key + 8 * j, kk, lane);
+      const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+      mma_m16n8k16<scalar_t>(s[j], q[kk], b0);
+      mma_m16n8k16<scalar_t>(s[j], q[kk + 1], b1);
+    }
+    if constexpr ((kD / 16) % 2 == 1) {
+      unsigned b[2];
+      k_frags_x2<Rows>(b, tile, key + 8 * j, kD / 16 - 1, lane);
+      mma_m16n8k16<scalar_t>(s[j], q[kD / 16 - 1], b);
+    }
+  }
+}
+// O (16 rows x kD) += P V over 16 keys starting at tile row `key`, V from a 16-bit tile by
+// ldmatrix.trans: p holds P's A fragment for those 16 keys.
+template <typename scalar_t, class Rows, int kD>
+__device__ __forceinline__ void pv_ldmatrix(float (&o)[kD / 8][4], const unsigned (&p)[4],
+                                            const unsigned char* tile, int key, int lane) {
+#pragma unroll
+  for (int n = 0; n < kD / 8; n += 2) {
+    unsigned b[4];
+    v_frags_x4<Rows>(b, tile, key, n, lane);
+    const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+    mma_m16n8k16<scalar_t>(o[n], p, b0);
+    mma_m16n8k16<scalar_t>(o[n + 1], p, b1);
+  }
+}

@@ -55,6 +55,7 @@ constexpr int kKT = 64;                      // keys per staged tile
 constexpr int kKW = kKT / kSlices;           // keys per warp per tile (16 or 32)
 constexpr int kRowBytes = kD * (int)sizeof(KVC_CACHE);  // one KV head's row of the cache
 constexpr int kPitch = kRowBytes + 16;       // padded shared row: 8 rows start 4 banks apart
+using Rows = SmemRows<kRowBytes, false>;     // (its kPitch: the fragment loads' row layout)
 constexpr int kChunks = kRowBytes / 16;      // 16-byte chunks per row
 // staging: a thread copies a run of kStageRun chunks of one row (one block-table read and one
 // address per run); runs of 8 at head_dim 256, where one address per chunk would spill
@@ -172,18 +173,23 @@ __device__ void decode_tc_partition(
     __syncthreads();  // the tile's sealed keys are activations now
 #endif
 
-    // S (16 rows x kKW keys) = Q K^T: K rows are B's columns, two elements per .b32
+    // S (16 rows x kKW keys) = Q K^T: K rows are B's columns, two elements per .b32; a 16-bit
+    // tile by ldmatrix.x4 (two 16-channel steps of 8 keys each), fp8 converted per element
     float s[kKW / 8][4];
 #pragma unroll
     for (int j = 0; j < kKW / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+    if constexpr (sizeof(cache_t) == 2) {
+      qk_ldmatrix<scalar_t, Rows, kD, kKW / 8>(s, qf, k_s, key0, lane);
+    } else {
 #pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
+      for (int kk = 0; kk < kD / 16; ++kk) {
 #pragma unroll
-      for (int j = 0; j < kKW / 8; ++j) {
-        const unsigned char* krow = k_s + (key0 + j * 8 + g) * kPitch;
-        const unsigned kf[2] = {pair_at<scalar_t>(krow, kk * 16 + 2 * t, k_cache),
-                                pair_at<scalar_t>(krow, kk * 16 + 2 * t + 8, k_cache)};
-        mma_m16n8k16<scalar_t>(s[j], qf[kk], kf);
+        for (int j = 0; j < kKW / 8; ++j) {
+          const unsigned char* krow = k_s + (key0 + j * 8 + g) * kPitch;
+          const unsigned kf[2] = {pair_at<scalar_t>(krow, kk * 16 + 2 * t, k_cache),
+                                  pair_at<scalar_t>(krow, kk * 16 + 2 * t + 8, k_cache)};
+          mma_m16n8k16<scalar_t>(s[j], qf[kk], kf);
+        }
       }
     }
     // online softmax on the accumulators: element e of n-tile j is row g + 8 (e >> 1),
@@ -238,19 +244,24 @@ __device__ void decode_tc_partition(
       pf[ks][2] = swap;
     }
 #endif
-    // O (16 x D) += P V: B (keys x 8 columns) pairs the elements of rows 2t, 2t + 1
+    // O (16 x D) += P V: B (keys x 8 columns) pairs the elements of rows 2t, 2t + 1; a 16-bit
+    // tile by ldmatrix.x4.trans (16 keys x two n-tiles), fp8 converted per element
 #pragma unroll
     for (int ks = 0; ks < kKW / 16; ++ks) {
-      const unsigned char* v0 = v_s + (key0 + ks * 16 + 2 * t) * kPitch;
+      if constexpr (sizeof(cache_t) == 2) {
+        pv_ldmatrix<scalar_t, Rows, kD>(o, pf[ks], v_s, key0 + ks * 16, lane);
+      } else {
+        const unsigned char* v0 = v_s + (key0 + ks * 16 + 2 * t) * kPitch;
 #pragma unroll
-      for (int n = 0; n < kD / 8; ++n) {
-        const int col = n * 8 + g;
-        const unsigned vf[2] = {
-            (unsigned)elem_at<scalar_t>(v0, col, v_cache) |
-                ((unsigned)elem_at<scalar_t>(v0 + kPitch, col, v_cache) << 16),
-            (unsigned)elem_at<scalar_t>(v0 + 8 * kPitch, col, v_cache) |
-                ((unsigned)elem_at<scalar_t>(v0 + 9 * kPitch, col, v_cache) << 16)};
-        mma_m16n8k16<scalar_t>(o[n], pf[ks], vf);
+        for (int n = 0; n < kD / 8; ++n) {
+          const int col = n * 8 + g;
+          const unsigned vf[2] = {
+              (unsigned)elem_at<scalar_t>(v0, col, v_cache) |
+                  ((unsigned)elem_at<scalar_t>(v0 + kPitch, col, v_cache) << 16),
+              (unsigned)elem_at<scalar_t>(v0 + 8 * kPitch, col, v_cache) |
+                  ((unsigned)elem_at<scalar_t>(v0 + 9 * kPitch, col, v_cache) << 16)};
+          mma_m16n8k16<scalar_t>(o[n], pf[ks], vf);
+        }
       }
     }
 #ifndef KVC_BREAK_SYNC  // the tests' mutant: a buffer is staged again while warps still read it

@@ -40,6 +40,7 @@ constexpr int kRows = KVC_PREFILL_MMA_THREADS / KVC_WARP * 16;  // query rows pe
 constexpr int kKT = 64;                                           // keys per staged tile
 constexpr int kRowBytes = kD * (int)sizeof(KVC_CACHE);
 constexpr int kPitch = kRowBytes + 16;  // padded shared row: 8 rows start 4 banks apart
+using Rows = SmemRows<kRowBytes, false>;  // (its kPitch: the fragment loads' row layout)
 constexpr int kTileBytes = kKT * kPitch;
 #ifdef KVC_INT4
 using Int4Stage = Int4Tile<kKT, KVC_PREFILL_MMA_THREADS, kD, kPitch, KVC_INT4_GROUP>;
@@ -148,17 +149,21 @@ __device__ void prefill_mma_tile(
     if (tile0 <= warp_last) {  // warp-uniform: no collective is skipped by part of a warp
       const unsigned char* k_s = smem + (it & 1) * 2 * kTileBytes;
       const unsigned char* v_s = k_s + kTileBytes;
-      float s[kKT / 8][4];  // S (16 rows x 64 keys)
+      float s[kKT / 8][4];  // S (16 rows x 64 keys); a 16-bit tile's K by ldmatrix.x4
 #pragma unroll
       for (int j = 0; j < kKT / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+      if constexpr (sizeof(cache_t) == 2) {
+        qk_ldmatrix<scalar_t, Rows, kD, kKT / 8>(s, qf, k_s, 0, lane);
+      } else {
 #pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk) {
+        for (int kk = 0; kk < kD / 16; ++kk) {
 #pragma unroll
-        for (int j = 0; j < kKT / 8; ++j) {
-          const unsigned char* krow = k_s + (j * 8 + g) * kPitch;
-          const unsigned kf[2] = {pair_at<scalar_t>(krow, kk * 16 + 2 * t, k_cache),
-                                  pair_at<scalar_t>(krow, kk * 16 + 2 * t + 8, k_cache)};
-          mma_m16n8k16<scalar_t>(s[j], qf[kk], kf);
+          for (int j = 0; j < kKT / 8; ++j) {
+            const unsigned char* krow = k_s + (j * 8 + g) * kPitch;
+            const unsigned kf[2] = {pair_at<scalar_t>(krow, kk * 16 + 2 * t, k_cache),
+                                    pair_at<scalar_t>(krow, kk * 16 + 2 * t + 8, k_cache)};
+            mma_m16n8k16<scalar_t>(s[j], qf[kk], kf);
+          }
         }
       }
       // scale and mask (span, causal, window); element e: row g + 8 (e >> 1), key 2t + (e & 1)
@@ -213,17 +218,21 @@ __device__ void prefill_mma_tile(
       }
 #endif
 #pragma unroll
-      for (int ks = 0; ks < kKT / 16; ++ks) {  // O (16 x D) += P V
-        const unsigned char* v0 = v_s + (ks * 16 + 2 * t) * kPitch;
+      for (int ks = 0; ks < kKT / 16; ++ks) {  // O (16 x D) += P V (16-bit: ldmatrix.x4.trans)
+        if constexpr (sizeof(cache_t) == 2) {
+          pv_ldmatrix<scalar_t, Rows, kD>(o, pf[ks], v_s, ks * 16, lane);
+        } else {
+          const unsigned char* v0 = v_s + (ks * 16 + 2 * t) * kPitch;
 #pragma unroll
-        for (int n = 0; n < kD / 8; ++n) {
-          const int col = n * 8 + g;
-          const unsigned vf[2] = {
-              (unsigned)elem_at<scalar_t>(v0, col, v_cache) |
-                  ((unsigned)elem_at<scalar_t>(v0 + kPitch, col, v_cache) << 16),
-              (unsigned)elem_at<scalar_t>(v0 + 8 * kPitch, col, v_cache) |
-                  ((unsigned)elem_at<scalar_t>(v0 + 9 * kPitch, col, v_cache) << 16)};
-          mma_m16n8k16<scalar_t>(o[n], pf[ks], vf);
+          for (int n = 0; n < kD / 8; ++n) {
+            const int col = n * 8 + g;
+            const unsigned vf[2] = {
+                (unsigned)elem_at<scalar_t>(v0, col, v_cache) |
+                    ((unsigned)elem_at<scalar_t>(v0 + kPitch, col, v_cache) << 16),
+                (unsigned)elem_at<scalar_t>(v0 + 8 * kPitch, col, v_cache) |
+                    ((unsigned)elem_at<scalar_t>(v0 + 9 * kPitch, col, v_cache) << 16)};
+            mma_m16n8k16<scalar_t>(o[n], pf[ks], vf);
+          }
         }
       }
     }
