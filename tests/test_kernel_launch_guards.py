@@ -88,8 +88,7 @@ def test_bad_launch_is_refused_before_any_kernel(mutate: Callable[[dict], dict],
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"num_partitions": 0}, r"num_partitions must be in \[1, 32\], got 0"),
-    ({"num_partitions": 33}, "num_partitions must be in"),
+    ({"partition_tokens": 0}, "partition_tokens must be >= 1, got 0"),
     ({"sliding_window": 0}, "sliding_window must be >= 1 or None, got 0"),
 ])
 def test_bad_options_are_refused(kwargs: dict, match: str) -> None:
@@ -110,7 +109,7 @@ def test_good_launch_picks_the_variants(heads: int, kernels: list[str]) -> None:
     backend = RecordingBackend()
     problem = paged_problem(np.random.default_rng(0), [40, 9], [1, 9], heads, 2, 64, 8,
                             "f16-fp8", 0.05, 0.02)
-    CudaOps(backend).paged_attention(**problem, num_partitions=1)
+    CudaOps(backend).paged_attention(**problem)
     assert backend.launched == kernels
     assert set(backend.fetched[0][2]) == {"KVC_HEAD_DIM=64", f"KVC_GROUP={heads // 2}",
                                           "KVC_SCALAR=__half", "KVC_CACHE=__nv_fp8_e4m3"}

@@ -21,12 +21,7 @@ from kvcore.kernels.cuda.launch import (
     suffix_of,
     upload_seq_metadata,
 )
-from kvcore.kernels.cuda.occupancy import (
-    BLOCKS_PER_SM,
-    MAX_PARTITIONS,
-    blocks_per_sm,
-    decode_partitions,
-)
+from kvcore.kernels.cuda.occupancy import PARTITION_TOKENS, blocks_per_sm, split_grid
 
 _CTYPES = {"f32": "float", "f16": "__half", "bf16": "__nv_bfloat16", "fp8": "__nv_fp8_e4m3"}
 _PREFILL_THREADS = 128
@@ -139,10 +134,26 @@ def prefill_tiles(group: int, head_dim: int) -> tuple[int, int]:
                      "shared memory")
 
 
+def reduce_launch(backend: Backend, defines: tuple[str, ...], out: Any,
+                  scratch: tuple[Any, Any, Any], metadata: tuple[Any, Any, Any], block_size: int,
+                  window: int, partition_tokens: int) -> Launch:
+    """paged_attention_reduce over the partials `scratch` ((S, H, P, D) outputs, (S, H, P) max
+    logits and exp sums): each sequence's own partitions, recounted from its span."""
+    tmp_out, max_logits, exp_sums = scratch
+    num_seqs, num_heads, parts, head_dim = tmp_out.shape
+    _, context_lens, query_start_loc = metadata
+    return Launch(backend.function("paged_attention_decode.cu", "paged_attention_reduce", defines),
+                  (num_heads, num_seqs), (128,),
+                  (out, tmp_out, max_logits, exp_sums, query_start_loc, context_lens,
+                   *(np.int32(v) for v in (num_heads, head_dim, parts, block_size, window,
+                                           partition_tokens))),
+                  4 * (parts + 1))
+
+
 def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: Any,
                          block_tables: Any, context_lens: Any, query_start_loc: Any, scale: float,
                          sliding_window: int | None = None, k_scale: float = 1.0,
-                         v_scale: float = 1.0, *, num_partitions: int | None = None,
+                         v_scale: float = 1.0, *, partition_tokens: int = PARTITION_TOKENS,
                          host_metadata: bool | None = None) -> tuple[Any, list[Launch]]:
     """Check the arguments and prepare the launches; returns (out (T, H, D), launches).
 
@@ -166,9 +177,8 @@ def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: An
     if num_heads // num_kv_heads > MAX_GROUP:
         raise ValueError(f"GQA group (num_heads / num_kv_heads) must be <= {MAX_GROUP}, got "
                          f"{num_heads // num_kv_heads}")
-    if num_partitions is not None and not 1 <= num_partitions <= MAX_PARTITIONS:
-        raise ValueError(f"num_partitions must be in [1, {MAX_PARTITIONS}], got "
-                         f"{num_partitions}")
+    if partition_tokens < 1:
+        raise ValueError(f"partition_tokens must be >= 1, got {partition_tokens}")
     if v_cache.dtype != k_cache.dtype:
         raise ValueError("k_cache and v_cache must share their dtype")
     for name, value in (("scale", scale), ("k_scale", k_scale), ("v_scale", v_scale)):
@@ -200,13 +210,9 @@ def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: An
         uses_register_tile_decode(block_size)
     if decode_span > 0:
         span_blocks = -(-decode_span // block_size) + (1 if window else 0)  # window: +1 partial
-        if num_partitions is None:
-            units = (num_decode or num_seqs) * num_kv_heads
-            resident = decode_tc_blocks_per_sm(head_dim, k_cache.dtype.itemsize) \
-                if register_tile else BLOCKS_PER_SM
-            parts = decode_partitions(units, span_blocks, block_size, backend.num_sms, resident)
-        else:
-            parts = num_partitions
+        # partitions fixed by each sequence's own span (kv_split): the grid takes the most any
+        # decode row of the batch needs; blocks past a sequence's own count return at once
+        parts = split_grid(span_blocks, block_size, partition_tokens)
         stats_shape = (num_seqs, num_heads, parts) if parts > 1 else (1,)
         tmp_out = xp.empty((*stats_shape, head_dim), np.float32)  # (S, H, P, D) partials
         max_logits = xp.empty(stats_shape, np.float32)  # (S, H, P)
@@ -215,7 +221,7 @@ def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: An
         if register_tile:
             # the group's query heads as the rows of mma.sync tiles, K/V staged asynchronously
             tc_ints = (num_heads, num_kv_heads, block_size.bit_length() - 1, max_blocks, parts,
-                       window)
+                       partition_tokens, window)
             launches.append(Launch(
                 backend.function("paged_attention_decode_tc.cu", "paged_attention_decode_tc",
                                  defines),
@@ -226,7 +232,8 @@ def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: An
         elif uses_tensor_core_decode(group, suffix):
             # the group's query heads as the rows of a tensor-core tile: K/V staged once per
             # block with every thread loading distinct bytes, no per-head conversions
-            tc_ints = (num_heads, num_kv_heads, block_size, max_blocks, window, parts)
+            tc_ints = (num_heads, num_kv_heads, block_size, max_blocks, window, parts,
+                       partition_tokens)
             launches.append(Launch(
                 backend.function("paged_attention_prefill_tc.cu", "paged_attention_prefill_tc",
                                  prefill_tc_defines(head_dim, suffix, cache_suffix)),
@@ -235,7 +242,8 @@ def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: An
                  *(np.int32(v) for v in tc_ints), *scales),
                 prefill_tc_smem_bytes(head_dim)))
         else:
-            decode_ints = (num_heads, num_kv_heads, block_size, max_blocks, parts, window)
+            decode_ints = (num_heads, num_kv_heads, block_size, max_blocks, parts,
+                           partition_tokens, window)
             launches.append(Launch(
                 backend.function("paged_attention_decode.cu", "paged_attention_decode", defines),
                 (num_kv_heads, num_seqs, parts), (decode_threads(group),),
@@ -243,12 +251,8 @@ def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: An
                  *(np.int32(v) for v in decode_ints), *scales),
                 decode_smem_bytes(group, head_dim)))
         if parts > 1:
-            launches.append(Launch(
-                backend.function("paged_attention_decode.cu", "paged_attention_reduce", defines),
-                (num_heads, num_seqs), (128,),
-                (out, tmp_out, max_logits, exp_sums, query_start_loc,
-                 *(np.int32(v) for v in (num_heads, head_dim, parts))),
-                4 * (parts + 1)))
+            launches.append(reduce_launch(backend, defines, out, (tmp_out, max_logits, exp_sums),
+                                          metadata, block_size, window, partition_tokens))
     if has_prefill and suffix != "f32" and head_dim <= PREFILL_MMA_MAX_HEAD_DIM and \
             uses_register_tile_decode(block_size):
         # register tiles: 128 query rows per block, K/V staged asynchronously
@@ -262,7 +266,7 @@ def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: An
             prefill_mma_smem_bytes(head_dim, k_cache.dtype.itemsize)))
     elif has_prefill and suffix != "f32":  # tensor cores: fp16 / bf16 activations
         unused = xp.empty((1,), np.float32)  # the decode-mode partial outputs
-        tc_ints = (num_heads, num_kv_heads, block_size, max_blocks, window, 0)
+        tc_ints = (num_heads, num_kv_heads, block_size, max_blocks, window, 0, partition_tokens)
         launches.append(Launch(
             backend.function("paged_attention_prefill_tc.cu", "paged_attention_prefill_tc",
                              prefill_tc_defines(head_dim, suffix, cache_suffix)),

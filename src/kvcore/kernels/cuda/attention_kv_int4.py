@@ -22,6 +22,7 @@ from kvcore.kernels.cuda.attention import (
     PREFILL_MMA_ROWS,
     PREFILL_MMA_THREADS,
     decode_defines,
+    reduce_launch,
 )
 from kvcore.kernels.cuda.kv_int4 import INT4_MIN_BLOCK_SIZE, check_int4_cache
 from kvcore.kernels.cuda.launch import (
@@ -32,7 +33,7 @@ from kvcore.kernels.cuda.launch import (
     suffix_of,
     upload_seq_metadata,
 )
-from kvcore.kernels.cuda.occupancy import MAX_PARTITIONS, blocks_per_sm, decode_partitions
+from kvcore.kernels.cuda.occupancy import PARTITION_TOKENS, split_grid
 
 INT4_HEAD_DIMS = (64, 128)  # 256 would need 186 KB of shared memory: over sm_80's 163
 _CTYPES = {"f16": "__half", "bf16": "__nv_bfloat16"}
@@ -98,7 +99,7 @@ def plan_int4_attention(backend: Backend, query: Any, k_cache: Any, v_cache: Any
                         k_window: Any, v_window: Any, window_slot: Any, block_tables: Any,
                         context_lens: Any, query_start_loc: Any, scale: float,
                         sliding_window: int | None, group: int, *,
-                        num_partitions: int | None = None,
+                        partition_tokens: int = PARTITION_TOKENS,
                         host_metadata: bool | None = None) -> tuple[Any, list[Launch]]:
     """Check the arguments and prepare the launches; returns (out (T, H, D), launches), as
     attention.plan_paged_attention (host metadata sizes the grids exactly, device
@@ -119,9 +120,8 @@ def plan_int4_attention(backend: Backend, query: Any, k_cache: Any, v_cache: Any
         raise ValueError(f"scale must be a finite number > 0, got {scale}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
-    if num_partitions is not None and not 1 <= num_partitions <= MAX_PARTITIONS:
-        raise ValueError(f"num_partitions must be in [1, {MAX_PARTITIONS}], got "
-                         f"{num_partitions}")
+    if partition_tokens < 1:
+        raise ValueError(f"partition_tokens must be >= 1, got {partition_tokens}")
     check_contiguous("query", query)
     window = int(sliding_window or 0)
     shape = batch_shape(backend, block_tables, context_lens, query_start_loc, num_tokens,
@@ -144,17 +144,13 @@ def plan_int4_attention(backend: Backend, query: Any, k_cache: Any, v_cache: Any
     if decode_span > 0:
         span_blocks = -(-decode_span // block_size) + (1 if window else 0)
         smem = int4_decode_smem_bytes(head_dim, group)
-        if num_partitions is None:
-            resident = blocks_per_sm(DECODE_TC_THREADS, INT4_DECODE_REGISTERS[head_dim], smem)
-            parts = decode_partitions((num_decode or num_seqs) * num_kv_heads, span_blocks,
-                                      block_size, backend.num_sms, resident)
-        else:
-            parts = num_partitions
+        parts = split_grid(span_blocks, block_size, partition_tokens)  # as the 16-bit planner
         stats_shape = (num_seqs, num_heads, parts) if parts > 1 else (1,)
         tmp_out = xp.empty((*stats_shape, head_dim), np.float32)  # (S, H, P, D) partials
         max_logits = xp.empty(stats_shape, np.float32)  # (S, H, P)
         exp_sums = xp.empty(stats_shape, np.float32)
-        decode_ints = (num_heads, num_kv_heads, shift, max_blocks, parts, window)
+        decode_ints = (num_heads, num_kv_heads, shift, max_blocks, parts, partition_tokens,
+                       window)
         launches.append(Launch(
             backend.function("paged_attention_decode_tc.cu", "paged_attention_decode_tc",
                              int4_defines(head_dim, suffix, group, gqa)),
@@ -162,13 +158,9 @@ def plan_int4_attention(backend: Backend, query: Any, k_cache: Any, v_cache: Any
             (out, tmp_out, max_logits, exp_sums, query, *cache, *metadata,
              *(np.int32(v) for v in decode_ints), *unit_scales), smem))
         if parts > 1:  # the 16-bit cache's reduce: it reads only the partials
-            launches.append(Launch(
-                backend.function("paged_attention_decode.cu", "paged_attention_reduce",
-                                 decode_defines(head_dim, gqa, suffix, suffix)),
-                (num_heads, num_seqs), (128,),
-                (out, tmp_out, max_logits, exp_sums, metadata[2],
-                 *(np.int32(v) for v in (num_heads, head_dim, parts))),
-                4 * (parts + 1)))
+            launches.append(reduce_launch(backend, decode_defines(head_dim, gqa, suffix, suffix),
+                                          out, (tmp_out, max_logits, exp_sums), metadata,
+                                          block_size, window, partition_tokens))
     if max_q_len > 1:
         ints = (num_heads, num_kv_heads, shift, max_blocks, window)
         launches.append(Launch(

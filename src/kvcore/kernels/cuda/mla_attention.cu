@@ -411,5 +411,5 @@ extern "C" __global__ void mla_reduce(KVC_SCALAR* out, const float* tmp_out,
                                       int num_partitions) {
   extern __shared__ __align__(16) float kvc_mla_weights[];
   decode_reduce<KVC_SCALAR>(out, tmp_out, max_logits, exp_sums, query_start_loc, num_heads, kR,
-                            num_partitions, kvc_mla_weights);
+                            num_partitions, num_partitions, kvc_mla_weights);
 }

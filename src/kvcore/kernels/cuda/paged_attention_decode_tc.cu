@@ -4,7 +4,7 @@
 // One compiled variant per (head_dim, group, activation dtype, cache dtype): KVC_HEAD_DIM,
 // KVC_GROUP, KVC_SCALAR, KVC_CACHE are -D options. grid (num_kv_heads, num_seqs, num_partitions),
 // 128 threads (4 warps). A block owns one KV head of one sequence and one partition (a run of
-// whole KV blocks, split as paged_attention_decode.cu splits). The group's heads form kRB 16-row
+// whole KV blocks: kv_split, fixed by the sequence's own span). The group's heads form kRB 16-row
 // blocks (padding rows are zero queries, never written out); warp w serves row block w % kRB and
 // the w / kRB-th slice of kKW keys of every 64-key tile.
 //
@@ -26,6 +26,7 @@
 // tiles by kv_int4_stage.cuh (every other variant compiles as before).
 #include "common.cuh"
 #include "mma_tile.cuh"  // mma.sync / cp.async through <ptx_ops.cuh> (the kernel dir is on the path)
+#include "split_kv_reduce.cuh"
 
 #ifndef KVC_HEAD_DIM
 #define KVC_HEAD_DIM 128
@@ -95,7 +96,7 @@ __device__ void decode_tc_partition(
     const int* __restrict__ context_lens,       // (S,)
     const int* __restrict__ query_start_loc,    // (S + 1,)
     int num_heads, int num_kv_heads, int block_shift, int max_blocks, int num_partitions,
-    int sliding_window, float scale, float v_scale, unsigned char* smem) {
+    int partition_tokens, int sliding_window, float scale, float v_scale, unsigned char* smem) {
   const int kvh = blockIdx.x, seq = blockIdx.y, part = blockIdx.z;
   const int q_row = query_start_loc[seq];
   if (query_start_loc[seq + 1] - q_row != 1) return;
@@ -103,10 +104,10 @@ __device__ void decode_tc_partition(
   const int first = sliding_window > 0 ? max(0, ctx - sliding_window) : 0;
   const int bs = 1 << block_shift;
   const int kb_first = first >> block_shift, kb_end = (ctx + bs - 1) >> block_shift;
-  const int per_part = (kb_end - kb_first + num_partitions - 1) / num_partitions;
-  const int kb_lo = kb_first + part * per_part;
-  const int k_lo = max(first, kb_lo << block_shift);
-  const int k_hi = min(ctx, min(kb_end, kb_lo + per_part) << block_shift);
+  const KvSplit split = kv_split(kb_first, kb_end, bs, partition_tokens, part);
+  if (part >= split.count) return;  // past this sequence's partitions (block-uniform)
+  const int k_lo = max(first, split.lo << block_shift);
+  const int k_hi = min(ctx, split.hi << block_shift);
   const int num_tiles = k_hi > k_lo ? (k_hi - k_lo + kKT - 1) / kKT : 0;
 
   const int tid = threadIdx.x, lane = tid % KVC_WARP, warp = tid / KVC_WARP;
@@ -328,7 +329,7 @@ __device__ void decode_tc_partition(
     const int h = KVC_QHEAD(kvh, gi, kG, num_kv_heads);
     // an empty partition (l = 0) writes zeros and a zero weight
     const float inv = l[r] > 0.0f ? v_scale / l[r] : 0.0f;
-    if (num_partitions == 1) {
+    if (split.count == 1) {
       scalar_t* dst = out + ((long long)q_row * num_heads + h) * kD + 2 * t;
 #pragma unroll
       for (int n = 0; n < kD / 8; ++n) {
@@ -366,14 +367,15 @@ extern "C" __global__ void __launch_bounds__(KVC_DECODE_TC_THREADS, kMinBlocks) 
 #endif
     const int* block_tables,
     const int* context_lens, const int* query_start_loc, int num_heads, int num_kv_heads,
-    int block_shift, int max_blocks, int num_partitions, int sliding_window, float scale,
-    float k_scale, float v_scale) {
+    int block_shift, int max_blocks, int num_partitions, int partition_tokens,
+    int sliding_window, float scale, float k_scale, float v_scale) {
   extern __shared__ __align__(128) unsigned char kvc_dtc_smem[];
   decode_tc_partition<KVC_SCALAR, KVC_CACHE>(out, tmp_out, max_logits, exp_sums, query,
                                              KVC_DTC_KV_ARGS,
                                              block_tables, context_lens,
                                              query_start_loc, num_heads, num_kv_heads,
                                              block_shift, max_blocks, num_partitions,
-                                             sliding_window, scale * k_scale, v_scale,
+                                             partition_tokens, sliding_window, scale * k_scale,
+                                             v_scale,
                                              kvc_dtc_smem);
 }
