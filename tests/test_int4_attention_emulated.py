@@ -89,12 +89,18 @@ def test_int4_device_metadata_and_thread_order() -> None:
                                atol=3e-3)
 
 
-@pytest.mark.parametrize("defines", [("KVC_BREAK_WAIT",), ("KVC_BREAK_SYNC",)])
-def test_broken_int4_decode_fails(defines: tuple[str, ...]) -> None:
-    """The int4 variant's mutants: a tile unpacked before its copies land, a buffer staged
-    again while it is still read."""
+@pytest.mark.parametrize("q_lens", [[1, 1], [40, 41]], ids=["decode", "prefill"])
+@pytest.mark.parametrize("defines", [("KVC_BREAK_WAIT",), ("KVC_BREAK_SYNC",),
+                                     ("KVC_BREAK_NIBBLE",)])
+def test_broken_int4_attention_fails(defines: tuple[str, ...], q_lens: list[int]) -> None:
+    """The int4 variants' mutants: a tile unpacked before its copies land, a buffer staged
+    again while it is still read, the wrong nibbles paired (decode: in the fragments, prefill:
+    in the unpack into the tile)."""
+    if defines == ("KVC_BREAK_SYNC",) and q_lens[0] > 1:
+        pytest.skip("prefill reads the block records only before its unpack barrier, so the "
+                    "stage's own barrier already orders the buffer's reuse: not a bug there")
     rng = np.random.default_rng()
-    kwargs, dense = int4_problem(rng, [300, 41], [1, 1], 8, 2, 64, 16, "f16", 32)
+    kwargs, dense = int4_problem(rng, [300, 41], q_lens, 8, 2, 64, 16, "f16", 32, 1.0)
     want = int4_f64(dense)
     try:
         broken = ops(defines).paged_attention_int4(**kwargs, sliding_window=None)

@@ -96,3 +96,44 @@ inline void ldmatrix_x2(unsigned (&r)[2], const void* smem) { emu::ldmatrix(r, s
 inline void ldmatrix_x2_trans(unsigned (&r)[2], const void* smem) {
   emu::ldmatrix(r, smem, 2, true);
 }
+
+// fma.rn.f16x2 / sub.rn.f16x2 per 16-bit lane (the fp16 product is exact in double, the sum
+// rounded once to fp16 unless it needs more than double's 53 bits); prmt.b32's default mode.
+namespace emu {
+inline __half half_lane(unsigned r, int hi) {
+  const uint16_t bits = static_cast<uint16_t>(hi ? r >> 16 : r & 0xffffu);
+  __half h;
+  memcpy(&h, &bits, sizeof bits);
+  return h;
+}
+inline unsigned half_bits(__half h) {
+  uint16_t bits;
+  memcpy(&bits, &h, sizeof bits);
+  return bits;
+}
+}  // namespace emu
+inline unsigned hfma2_bits(unsigned a, unsigned b, unsigned c) {
+  unsigned d = 0;
+  for (int hi = 0; hi < 2; ++hi) {
+    const double r = static_cast<double>(__half2float(emu::half_lane(a, hi))) *
+                         static_cast<double>(__half2float(emu::half_lane(b, hi))) +
+                     static_cast<double>(__half2float(emu::half_lane(c, hi)));
+    d |= emu::half_bits(__double2half(r)) << (16 * hi);
+  }
+  return d;
+}
+inline unsigned hsub2_bits(unsigned a, unsigned b) {
+  unsigned d = 0;
+  for (int hi = 0; hi < 2; ++hi) {
+    const double r = static_cast<double>(__half2float(emu::half_lane(a, hi))) -
+                     static_cast<double>(__half2float(emu::half_lane(b, hi)));
+    d |= emu::half_bits(__double2half(r)) << (16 * hi);
+  }
+  return d;
+}
+inline unsigned prmt(unsigned a, unsigned b, unsigned sel) {
+  const unsigned long long bytes = a | static_cast<unsigned long long>(b) << 32;
+  unsigned d = 0;
+  for (int i = 0; i < 4; ++i) d |= static_cast<unsigned>(bytes >> (8 * ((sel >> (4 * i)) & 7)) & 0xff) << (8 * i);
+  return d;
+}

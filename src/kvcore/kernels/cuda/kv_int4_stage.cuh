@@ -1,15 +1,22 @@
-// Staging of int4 KV tiles for the register-tile attention kernels (the byte layout is
-// kvcore.cache.int4's): a key of a sealed block moves as its packed nibbles (head_dim / 2 bytes
-// of K and of V), its value scales and zeros, and once per block and tile the per-channel key
-// scales and zeros; a key of a block still in the fp16 window moves as its fp16 rows. All by
-// cp.async, so the next tile's copies stay in flight while the current tile is computed.
+// Int4 KV tiles for the register-tile attention kernels (the byte layout is kvcore.cache.int4's):
+// a key of a sealed block moves as its packed nibbles (head_dim / 2 bytes of K and of V), its
+// value scales and zeros, and once per block and tile the per-channel key scales and zeros; a key
+// of a block still in the fp16 window moves as its fp16 rows. All by cp.async, so the next tile's
+// copies stay in flight while the current tile is computed.
 //
-// `stage` puts window rows (and zeros past the span) straight into the kernel's 16-bit K/V tile
-// rows, and the packed parts of sealed keys into a separate raw buffer; after the tile's wait and
-// barrier, `dequant` unpacks each sealed key's nibbles in registers (zero + scale * q in float32,
-// as the reference) into its tile rows in the activation type, so the kernel's fragment loads
-// and mma.sync steps are those of a 16-bit cache. With bf16 activations the fp16 window rows are
-// converted in place by the same pass.
+// `stage` looks the tile's blocks up once per block (block table and window slot, into the raw
+// buffer's block records, one barrier), then puts window rows (zeros past the span) into the
+// kernel's 16-bit K/V tile rows and the packed parts of sealed keys into the raw buffer. The codes
+// become 16-bit values with the fp16-bias trick: a nibble q OR-ed into 0x6400 (1024.0 in fp16,
+// whose last 10 mantissa bits count units) is 1024 + q exactly, so one LOP3 makes two codes into
+// an f16x2 pair, one sub.f16x2 removes the bias, one fma.f16x2 applies scale and zero (bf16
+// activations: the same codes, scale and zero in fp32, rounded once). Two consumers:
+// - decode (paged_attention_decode_tc.cu): `k_frag_*` / `v_frag_*` build mma.sync B fragments
+//   straight from the nibbles in registers (a sealed key is never written back as 16-bit rows);
+// - prefill (paged_attention_prefill_mma.cu): `dequant` unpacks each sealed key once per tile
+//   into the 16-bit tile (8 warps share every key there: unpacking per warp would do it 8 times),
+//   then the 16-bit fragment loads (ldmatrix) run.
+// KVC_BREAK_NIBBLE (a test mutant) pairs the wrong nibbles.
 #pragma once
 #include <ptx_ops.cuh>
 
@@ -24,29 +31,51 @@ struct Int4Cache {
   const int* window_slot;       // (num_blocks,) -1 = sealed, else the block's window slot
 };
 
-__device__ __forceinline__ void window_row_to(__half*, unsigned char*) {}  // fp16 as staged
-__device__ __forceinline__ void window_row_to(__nv_bfloat16*, unsigned char* chunk) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(chunk);
-  const __half* h = reinterpret_cast<const __half*>(&raw);
-  __nv_bfloat16 out[8];
-#pragma unroll
-  for (int e = 0; e < 8; ++e) out[e] = __float2bfloat16_rn(__half2float(h[e]));
-  *reinterpret_cast<uint4*>(chunk) = *reinterpret_cast<const uint4*>(out);
+// 1024 + the codes at bits 0-3 and 16-19 of x as an f16x2 pair (one LOP3).
+__device__ __forceinline__ unsigned nibbles_1024(unsigned x) {
+  return (x & 0x000F000Fu) | 0x64006400u;
+}
+// The shift that brings nibble pair m of a code word to bits 0-3 / 16-19.
+__device__ __forceinline__ int nibble_shift(int m) {
+#ifdef KVC_BREAK_NIBBLE
+  return 4 * (m ^ 1);
+#else
+  return 4 * m;
+#endif
 }
 
-// Eight channels zero[e] + scale[e] * q[e] (q: 8 nibbles, channel e at bits 4e) written as
-// activations into 16 bytes; scale and zero step by `step` halves (0: one group for all 8).
+// (q.lo s.lo + z.lo, q.hi s.hi + z.hi) as two activation values: q1024 from nibbles_1024, s2 and
+// z2 fp16 pairs.
 template <typename scalar_t>
-__device__ __forceinline__ void dequant8(unsigned q, const __half* scale, const __half* zero,
-                                         int step, unsigned char* dst) {
-  scalar_t out[8];
-#pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    const float s = __half2float(scale[e * step]), z = __half2float(zero[e * step]);
-    // no contraction into an fma: the reference rounds the product, then the sum
-    out[e] = from_float<scalar_t>(__fadd_rn(z, __fmul_rn(s, (float)((q >> (4 * e)) & 0xFu))));
-  }
-  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(out);
+__device__ __forceinline__ unsigned dequant2(unsigned q1024, unsigned s2, unsigned z2);
+template <>
+__device__ __forceinline__ unsigned dequant2<__half>(unsigned q1024, unsigned s2, unsigned z2) {
+  return hfma2_bits(hsub2_bits(q1024, 0x64006400u), s2, z2);
+}
+__device__ __forceinline__ float half_lo(unsigned x) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(x & 0xffffu)));
+}
+__device__ __forceinline__ float half_hi(unsigned x) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(x >> 16)));
+}
+template <>
+__device__ __forceinline__ unsigned dequant2<__nv_bfloat16>(unsigned q1024, unsigned s2,
+                                                            unsigned z2) {
+  // s q is exact in fp32 (11 x 4 bits): the fma rounds once, as the reference's z + s q
+  const float lo = fmaf(half_lo(s2), (float)(q1024 & 0xFu), half_lo(z2));
+  const float hi = fmaf(half_hi(s2), (float)((q1024 >> 16) & 0xFu), half_hi(z2));
+  return (unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(lo)) |
+         ((unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(hi)) << 16);
+}
+// An fp16 pair of a window row as two activation values.
+template <typename scalar_t>
+__device__ __forceinline__ unsigned window2(unsigned h2) {
+  return h2;
+}
+template <>
+__device__ __forceinline__ unsigned window2<__nv_bfloat16>(unsigned h2) {
+  return (unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(half_lo(h2))) |
+         ((unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(half_hi(h2))) << 16);
 }
 
 // The tiles of kKeys keys of one KV head: kD channels, 16-bit tile rows of kPitch bytes,
@@ -59,13 +88,15 @@ struct Int4Tile {
   static constexpr int kMaxBlocks = kKeys / 8 + 1;      // blocks a tile touches (size >= 8)
   static constexpr int kChunks = kD / 8;                // 16-byte chunks of a 16-bit row
   // raw buffer: K nibbles (kKeys, kNib), V nibbles, V params (kKeys, 2, kVWords words),
-  // K params (kMaxBlocks, 2, kD halves), a sealed flag per key
+  // K params (kMaxBlocks, 2, kD halves), block records (kMaxBlocks, 2 ints)
   static constexpr int kVNib = kKeys * kNib;
   static constexpr int kVPar = 2 * kKeys * kNib;
   static constexpr int kKPar = kVPar + kKeys * 2 * kVWords * 4;
-  static constexpr int kFlags = kKPar + kMaxBlocks * 2 * kD * 2;
-  static constexpr int kBytes = (kFlags + kKeys + 15) / 16 * 16;
-  static_assert(kGroup % 8 == 0 && kD % kGroup == 0, "value groups of whole 8-channel chunks");
+  static constexpr int kMeta = kKPar + kMaxBlocks * 2 * kD * 2;
+  static constexpr int kBytes = (kMeta + kMaxBlocks * 8 + 15) / 16 * 16;
+  static_assert(kGroup % 16 == 0 && kD % kGroup == 0,
+                "value groups of whole 16-channel steps (a group of 8 would need more copies "
+                "per key than a row has chunks)");
   static_assert(kNib % 16 == 0 && kChunks >= kNib / 16 + 2 * kVWords,
                 "a key's packed copies fit in its chunk items");
   static_assert(kThreads % kChunks == 0, "a thread unpacks one chunk of every key it takes");
@@ -83,19 +114,43 @@ struct Int4Tile {
     v_row_bytes = split + 2 * v_zero;
   }
 
-  // Keys [k0, k0 + kKeys) into the 16-bit tiles k_s / v_s (window rows; zeros at or past
-  // k_hi) and the raw buffer (sealed keys); one block-table read per (key, chunk) item.
+  // Block record bi of the tile in `raw`: (block id, window slot); block -1 past the span.
+  __device__ __forceinline__ static int block_of(const unsigned char* raw, int bi) {
+    return reinterpret_cast<const int*>(raw + kMeta)[2 * bi];
+  }
+  __device__ __forceinline__ static int window_of(const unsigned char* raw, int bi) {
+    return reinterpret_cast<const int*>(raw + kMeta)[2 * bi + 1];
+  }
+  // Whether block bi holds sealed codes in the raw buffer (a sealed block within the span:
+  // all its keys staged, the ones past k_hi masked by the kernel).
+  __device__ __forceinline__ static bool sealed(const unsigned char* raw, int bi) {
+    return block_of(raw, bi) >= 0 && window_of(raw, bi) < 0;
+  }
+
+  // Keys [k0, k0 + kKeys) (k0 a multiple of 8) into the 16-bit tiles k_s / v_s (window rows;
+  // zeros at or past k_hi) and the raw buffer (sealed keys). Every thread calls it (a barrier
+  // publishes the block records); the buffer must no longer be read.
   __device__ __forceinline__ void stage(unsigned char* k_s, unsigned char* v_s,
                                         unsigned char* raw, const int* table, int k0, int k_hi,
                                         int tid) const {
+    const int b0 = k0 >> shift, k_end = min(k0 + kKeys, k_hi);
+    if (tid < kMaxBlocks) {  // once per block: its table entry and window slot
+      const bool live = (b0 + tid) << shift < k_end;
+      const int block = live ? table[b0 + tid] : -1;
+      int* meta = reinterpret_cast<int*>(raw + kMeta);
+      meta[2 * tid] = block;
+      meta[2 * tid + 1] = live ? cache.window_slot[block] : 0;
+    }
+    __syncthreads();
+#pragma unroll 4
     for (int i = tid; i < kKeys * kChunks; i += kThreads) {
       const int key = i / kChunks, c = i % kChunks;
-      const int pos = k0 + key, p = pos & ((1 << shift) - 1);
-      const bool valid = pos < k_hi;
-      const int block = valid ? table[pos >> shift] : 0;
-      const int window = valid ? cache.window_slot[block] : 0;
-      if (window >= 0) {  // fp16 rows (or zeros past the span) straight into the tiles
-        const long long row = ((((long long)window << shift) + p) * heads + kvh) * kD + c * 8;
+      const int pos = k0 + key, p = pos & ((1 << shift) - 1), bi = (pos >> shift) - b0;
+      const int block = block_of(raw, bi), window = window_of(raw, bi);
+      if (block < 0 || window >= 0) {  // fp16 rows (or zeros past the span) into the tiles
+        const bool valid = pos < k_hi;
+        const long long row =
+            valid ? ((((long long)window << shift) + p) * heads + kvh) * kD + c * 8 : 0;
         cp_async16_zfill(k_s + key * kPitch + c * 16, cache.k_window + row, valid);
         cp_async16_zfill(v_s + key * kPitch + c * 16, cache.v_window + row, valid);
       } else if (c < kNib / 16) {  // nibbles: chunk c of K and of V
@@ -109,21 +164,99 @@ struct Int4Tile {
         cp_async4_zfill(raw + kVPar + (key * 2 + side) * kVWords * 4 + (w % kVWords) * 4,
                         cache.v_rows + block * v_row_bytes + at, true);
       }
-      if (c == 0) raw[kFlags + key] = valid && window < 0;
     }
     // the K scales and zeros of each sealed block the tile touches: 2 x kD halves
-    const int b0 = k0 >> shift, k_end = min(k0 + kKeys, k_hi);
     for (int i = tid; i < kMaxBlocks * 2 * (kD / 8); i += kThreads) {
       const int bi = i / (2 * (kD / 8)), c = i % (2 * (kD / 8));
-      if ((b0 + bi) << shift >= k_end) continue;
-      const int block = table[b0 + bi];
-      if (cache.window_slot[block] >= 0) continue;
+      if (!sealed(raw, bi)) continue;
       const int side = c / (kD / 8);
       const long long at = split + ((long long)side * heads + kvh) * kD * 2 + (c % (kD / 8)) * 16;
-      cp_async16(raw + kKPar + bi * 4 * kD + c * 16, cache.k_rows + block * k_row_bytes + at);
+      cp_async16(raw + kKPar + bi * 4 * kD + c * 16,
+                 cache.k_rows + block_of(raw, bi) * k_row_bytes + at);
     }
   }
 
+  // A V scale (side 0) or zero (side 1) of tile key `key` at position `pos`, value group grp.
+  __device__ __forceinline__ unsigned v_param(const unsigned char* raw, int key, int pos, int grp,
+                                              int side) const {
+    // the key's params start at the half (p * heads + kvh) * kN of the words copied
+    const int p = pos & ((1 << shift) - 1);
+    const int half = kN == 1 ? (p * heads + kvh) & 1 : 0;
+    return reinterpret_cast<const unsigned short*>(raw + kVPar + key * 2 * kVWords * 4)
+        [side * 2 * kVWords + half + grp];
+  }
+
+  // ---- decode: B fragments straight from the codes ---------------------------------------
+  // Channel order of the decode fragments. K (S = Q K^T): lane t of 16-channel steps 2 c and
+  // 2 c + 1 (c = 32-channel group) holds channels 32 c + 8 t + m and + m + 4 (m = 0..3) in its
+  // four B registers, so one 32-bit word of codes feeds them (Q's A fragments are loaded in the
+  // same order: a dot product does not care). V (O += P V): n-tile 8 q + m, column g is channel
+  // 64 q + 8 g + m, so lane g's word of codes covers its 8 n-tiles; the output columns are
+  // permuted back when O is written (out_channel).
+
+  // K fragments of the 8 keys at tile rows `key`.. (one block: k0 and key multiples of 8) for
+  // the 32-channel group c: b[0..1] step 2 c, b[2..3] step 2 c + 1. Sealed: from the codes and
+  // the block's params; window: the fp16 tile row regrouped.
+  template <typename scalar_t>
+  __device__ __forceinline__ void k_frags(unsigned (&b)[4], const unsigned char* k_s,
+                                          const unsigned char* raw, int key, int bi, bool is_sealed,
+                                          int c, int g, int t) const {
+    if (is_sealed) {
+      const unsigned code = *reinterpret_cast<const unsigned*>(raw + (key + g) * kNib + 16 * c + 4 * t);
+      const unsigned char* par = raw + kKPar + bi * 4 * kD + (32 * c + 8 * t) * 2;
+      const uint4 s = *reinterpret_cast<const uint4*>(par);           // channels +0..7
+      const uint4 z = *reinterpret_cast<const uint4*>(par + 2 * kD);
+      const unsigned sp[4] = {prmt(s.x, s.z, 0x5410), prmt(s.x, s.z, 0x7632),
+                              prmt(s.y, s.w, 0x5410), prmt(s.y, s.w, 0x7632)};
+      const unsigned zp[4] = {prmt(z.x, z.z, 0x5410), prmt(z.x, z.z, 0x7632),
+                              prmt(z.y, z.w, 0x5410), prmt(z.y, z.w, 0x7632)};
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        b[m] = dequant2<scalar_t>(nibbles_1024(code >> nibble_shift(m)), sp[m], zp[m]);
+      }
+    } else {
+      const uint4 h = *reinterpret_cast<const uint4*>(k_s + (key + g) * kPitch + (32 * c + 8 * t) * 2);
+      b[0] = window2<scalar_t>(prmt(h.x, h.z, 0x5410));
+      b[1] = window2<scalar_t>(prmt(h.x, h.z, 0x7632));
+      b[2] = window2<scalar_t>(prmt(h.y, h.w, 0x5410));
+      b[3] = window2<scalar_t>(prmt(h.y, h.w, 0x7632));
+    }
+  }
+
+  // V fragment halves of keys `key` + 2 t and + 1 (one block) for the 64-channel group q:
+  // r[m] pairs the two keys' channel 64 q + 8 g + m (n-tile 8 q + m); `pos` is `key`'s position.
+  template <typename scalar_t>
+  __device__ __forceinline__ void v_frags(unsigned (&r)[8], const unsigned char* v_s,
+                                          const unsigned char* raw, int key, int pos,
+                                          bool is_sealed, int q, int g, int t) const {
+    const int ka = key + 2 * t;
+    if (is_sealed) {
+      const unsigned char* codes = raw + kVNib + 32 * q + 4 * g;
+      const unsigned a = *reinterpret_cast<const unsigned*>(codes + ka * kNib);
+      const unsigned b = *reinterpret_cast<const unsigned*>(codes + (ka + 1) * kNib);
+      const int grp = (64 * q + 8 * g) / kGroup;
+      const unsigned s2 = v_param(raw, ka, pos + 2 * t, grp, 0) |
+                          (v_param(raw, ka + 1, pos + 2 * t + 1, grp, 0) << 16);
+      const unsigned z2 = v_param(raw, ka, pos + 2 * t, grp, 1) |
+                          (v_param(raw, ka + 1, pos + 2 * t + 1, grp, 1) << 16);
+      const unsigned lo = prmt(a, b, 0x5410), hi = prmt(a, b, 0x7632);  // channels 0-3, 4-7
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        r[m] = dequant2<scalar_t>(nibbles_1024(lo >> nibble_shift(m)), s2, z2);
+        r[m + 4] = dequant2<scalar_t>(nibbles_1024(hi >> nibble_shift(m)), s2, z2);
+      }
+    } else {
+      const uint4 a = *reinterpret_cast<const uint4*>(v_s + ka * kPitch + (64 * q + 8 * g) * 2);
+      const uint4 b = *reinterpret_cast<const uint4*>(v_s + (ka + 1) * kPitch + (64 * q + 8 * g) * 2);
+      const unsigned wa[4] = {a.x, a.y, a.z, a.w}, wb[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+      for (int m = 0; m < 8; ++m) {
+        r[m] = window2<scalar_t>(prmt(wa[m / 2], wb[m / 2], m % 2 ? 0x7632 : 0x5410));
+      }
+    }
+  }
+
+  // ---- prefill: each sealed key unpacked once per tile into the 16-bit tiles --------------
   // After the tile's copies landed (wait + barrier): the sealed keys' rows of k_s / v_s as
   // activations; with bf16 activations, the window rows converted in place. Each (key, chunk)
   // item is read and written by one thread; a thread's chunk is the same for all its keys, so
@@ -132,34 +265,56 @@ struct Int4Tile {
   __device__ __forceinline__ void dequant(unsigned char* k_s, unsigned char* v_s,
                                           const unsigned char* raw, int k0, int tid) const {
     const int c = tid % kChunks;
-    int held = -1;  // the block (within the tile) whose K params k_scale / k_zero hold
-    uint4 k_scale = {}, k_zero = {};
+    int held = -1;  // the block (within the tile) whose K params k_sc / k_ze hold
+    uint4 k_sc = {}, k_ze = {};
     for (int i = tid; i < kKeys * kChunks; i += kThreads) {
-      const int key = i / kChunks;
+      const int key = i / kChunks, pos = k0 + key;
+      const int bi = (pos >> shift) - (k0 >> shift);
       unsigned char* k_dst = k_s + key * kPitch + c * 16;
       unsigned char* v_dst = v_s + key * kPitch + c * 16;
-      if (!raw[kFlags + key]) {
-        window_row_to(static_cast<scalar_t*>(nullptr), k_dst);
-        window_row_to(static_cast<scalar_t*>(nullptr), v_dst);
+      if (!sealed(raw, bi)) {
+        if constexpr (sizeof(scalar_t) == 2 && !std::is_same<scalar_t, __half>::value) {
+          uint4 kw = *reinterpret_cast<const uint4*>(k_dst), vw = *reinterpret_cast<const uint4*>(v_dst);
+          kw = {window2<scalar_t>(kw.x), window2<scalar_t>(kw.y), window2<scalar_t>(kw.z), window2<scalar_t>(kw.w)};
+          vw = {window2<scalar_t>(vw.x), window2<scalar_t>(vw.y), window2<scalar_t>(vw.z), window2<scalar_t>(vw.w)};
+          *reinterpret_cast<uint4*>(k_dst) = kw;
+          *reinterpret_cast<uint4*>(v_dst) = vw;
+        }
         continue;
       }
-      const int pos = k0 + key, p = pos & ((1 << shift) - 1);
-      const int block = (pos >> shift) - (k0 >> shift);
-      if (block != held) {
-        const unsigned char* k_par = raw + kKPar + block * 4 * kD + c * 16;
-        k_scale = *reinterpret_cast<const uint4*>(k_par);
-        k_zero = *reinterpret_cast<const uint4*>(k_par + 2 * kD);
-        held = block;
+      if (bi != held) {
+        const unsigned char* k_par = raw + kKPar + bi * 4 * kD + c * 16;
+        k_sc = *reinterpret_cast<const uint4*>(k_par);
+        k_ze = *reinterpret_cast<const uint4*>(k_par + 2 * kD);
+        held = bi;
       }
-      dequant8<scalar_t>(*reinterpret_cast<const unsigned*>(raw + key * kNib + c * 4),
-                         reinterpret_cast<const __half*>(&k_scale),
-                         reinterpret_cast<const __half*>(&k_zero), 1, k_dst);
-      // the key's V params start at the half (p * heads + kvh) * kN of the words copied
-      const int half = kN == 1 ? (p * heads + kvh) & 1 : 0;
-      const __half* v_par = reinterpret_cast<const __half*>(raw + kVPar + key * 2 * kVWords * 4) +
-                            half + c * 8 / kGroup;
-      dequant8<scalar_t>(*reinterpret_cast<const unsigned*>(raw + kVNib + key * kNib + c * 4),
-                         v_par, v_par + 2 * kVWords, 0, v_dst);
+      const unsigned ks[4] = {k_sc.x, k_sc.y, k_sc.z, k_sc.w}, kz[4] = {k_ze.x, k_ze.y, k_ze.z, k_ze.w};
+      const int grp = c * 8 / kGroup;
+      const unsigned vs = v_param(raw, key, pos, grp, 0), vz = v_param(raw, key, pos, grp, 1);
+      unsigned kout[4], vout[4];
+      unpack8<scalar_t>(kout, *reinterpret_cast<const unsigned*>(raw + key * kNib + c * 4), ks, kz);
+      const unsigned vs2[4] = {vs | vs << 16, vs | vs << 16, vs | vs << 16, vs | vs << 16};
+      const unsigned vz2[4] = {vz | vz << 16, vz | vz << 16, vz | vz << 16, vz | vz << 16};
+      unpack8<scalar_t>(vout, *reinterpret_cast<const unsigned*>(raw + kVNib + key * kNib + c * 4), vs2, vz2);
+      *reinterpret_cast<uint4*>(k_dst) = make_uint4(kout[0], kout[1], kout[2], kout[3]);
+      *reinterpret_cast<uint4*>(v_dst) = make_uint4(vout[0], vout[1], vout[2], vout[3]);
     }
+  }
+
+  // Eight codes (channel e at bits 4 e of `code`) as four pairs of activations in channel
+  // order, scales and zeros as fp16 pairs (s[i], z[i] for channels 2 i, 2 i + 1).
+  template <typename scalar_t>
+  __device__ __forceinline__ static void unpack8(unsigned (&out)[4], unsigned code,
+                                                 const unsigned (&s)[4], const unsigned (&z)[4]) {
+    const unsigned even = code & 0x0F0F0F0Fu, odd = (code >> 4) & 0x0F0F0F0Fu;  // 0 2 4 6, 1 3 5 7
+#ifdef KVC_BREAK_NIBBLE
+    const unsigned lo = prmt(odd, even, 0x5410), hi = prmt(odd, even, 0x7632);
+#else
+    const unsigned lo = prmt(even, odd, 0x5410), hi = prmt(even, odd, 0x7632);  // 0 2 1 3, 4 6 5 7
+#endif
+    out[0] = dequant2<scalar_t>(nibbles_1024(lo), s[0], z[0]);
+    out[1] = dequant2<scalar_t>(nibbles_1024(lo >> 8), s[1], z[1]);
+    out[2] = dequant2<scalar_t>(nibbles_1024(hi), s[2], z[2]);
+    out[3] = dequant2<scalar_t>(nibbles_1024(hi >> 8), s[3], z[3]);
   }
 };

@@ -73,11 +73,28 @@ constexpr int kRawBytes = 0;
 #endif
 constexpr int kSmemBytes = kStageBytes + kRawBytes > kMergeBytes ? kStageBytes + kRawBytes
                                                                   : kMergeBytes;
-// resident blocks asked of ptxas: 3 (170 registers) up to head_dim 128, where O takes 64
-constexpr int kMinBlocks = kD > 128 ? 1 : 3;
+// resident blocks asked of ptxas: 3 (170 registers) up to head_dim 128, where O takes 64; 2
+// (255) for two row blocks (groups over 16) and int4 (whose shared memory allows 2 anyway at
+// head_dim 128): 170 registers would spill there
+#ifdef KVC_INT4
+constexpr bool kInt4 = true;
+#else
+constexpr bool kInt4 = false;
+#endif
+constexpr int kMinBlocks = kD > 128 ? 1 : (kG > 16 || (kInt4 && kD > 64)) ? 2 : 3;
 static_assert(kG >= 1 && kG <= 32, "group: 1 to 32 query heads per KV head");
 static_assert(kD >= 16 && kD <= 256 && (kD & (kD - 1)) == 0, "head_dim: power of two in [16, 256]");
 static_assert(kKW % 16 == 0, "a warp's key slice is whole 16-key mma steps");
+
+// The channel of O's accumulator element (n-tile n, register e & 1) in lane column t: the
+// fragment order, or with KVC_INT4 Int4Tile::v_frags' (n-tile 8 q + m, column c: 64 q + 8 c + m).
+__device__ __forceinline__ int out_channel(int n, int t, int e) {
+#ifdef KVC_INT4
+  return 64 * (n / 8) + 8 * (2 * t + e) + n % 8;
+#else
+  return 8 * n + 2 * t + e;
+#endif
+}
 
 template <typename scalar_t, typename cache_t>
 __device__ void decode_tc_partition(
@@ -108,7 +125,12 @@ __device__ void decode_tc_partition(
   if (part >= split.count) return;  // past this sequence's partitions (block-uniform)
   const int k_lo = max(first, split.lo << block_shift);
   const int k_hi = min(ctx, split.hi << block_shift);
-  const int num_tiles = k_hi > k_lo ? (k_hi - k_lo + kKT - 1) / kKT : 0;
+#ifdef KVC_INT4  // tiles start at a multiple of 8 keys: an 8-key fragment group is one block
+  const int k_start = k_lo & ~7;
+#else
+  const int k_start = k_lo;
+#endif
+  const int num_tiles = k_hi > k_lo ? (k_hi - k_start + kKT - 1) / kKT : 0;
 
   const int tid = threadIdx.x, lane = tid % KVC_WARP, warp = tid / KVC_WARP;
   const int g = lane >> 2, t = lane & 3;       // the fragment coordinates of this lane
@@ -122,11 +144,23 @@ __device__ void decode_tc_partition(
     const int gi = rb * 16 + g + 8 * r;
     const unsigned* q32 = reinterpret_cast<const unsigned*>(
         query + ((long long)q_row * num_heads + KVC_QHEAD(kvh, gi, kG, num_kv_heads)) * kD);
+#ifdef KVC_INT4  // channels 32 c + 8 t + m and + m + 4 per register (Int4Tile::k_frags' order)
+#pragma unroll
+    for (int c = 0; c < kD / 32; ++c) {
+      const uint4 h = gi < kG ? reinterpret_cast<const uint4*>(q32 + 16 * c + 4 * t)[0]
+                              : make_uint4(0u, 0u, 0u, 0u);
+      qf[2 * c][r] = prmt(h.x, h.z, 0x5410);
+      qf[2 * c][r + 2] = prmt(h.x, h.z, 0x7632);
+      qf[2 * c + 1][r] = prmt(h.y, h.w, 0x5410);
+      qf[2 * c + 1][r + 2] = prmt(h.y, h.w, 0x7632);
+    }
+#else
 #pragma unroll
     for (int kk = 0; kk < kD / 16; ++kk) {
       qf[kk][r] = gi < kG ? q32[kk * 8 + t] : 0u;
       qf[kk][r + 2] = gi < kG ? q32[kk * 8 + t + 4] : 0u;
     }
+#endif
   }
   float o[kD / 8][4];
 #pragma unroll
@@ -155,10 +189,10 @@ __device__ void decode_tc_partition(
   };
 #endif
 
-  if (num_tiles > 0) stage(k_lo, 0);
+  if (num_tiles > 0) stage(k_start, 0);
   cp_async_commit();
   for (int it = 0; it < num_tiles; ++it) {
-    if (it + 1 < num_tiles) stage(k_lo + (it + 1) * kKT, (it + 1) & 1);  // next tile in flight
+    if (it + 1 < num_tiles) stage(k_start + (it + 1) * kKT, (it + 1) & 1);  // next in flight
     cp_async_commit();
 #ifndef KVC_BREAK_WAIT  // the tests' mutant: the tile is read before its copies complete
     cp_async_wait<1>();
@@ -166,12 +200,9 @@ __device__ void decode_tc_partition(
     __syncthreads();  // every thread's copies of this tile have landed
     const unsigned char* k_s = smem + (it & 1) * 2 * kTileBytes;
     const unsigned char* v_s = k_s + kTileBytes;
-    const int tile0 = k_lo + it * kKT;
+    const int tile0 = k_start + it * kKT;
 #ifdef KVC_INT4
-    int4.template dequant<scalar_t>(smem + (it & 1) * 2 * kTileBytes,
-                                    smem + (it & 1) * 2 * kTileBytes + kTileBytes,
-                                    smem + kStageBytes + (it & 1) * Int4Stage::kBytes, tile0, tid);
-    __syncthreads();  // the tile's sealed keys are activations now
+    const unsigned char* raw = smem + kStageBytes + (it & 1) * Int4Stage::kBytes;
 #endif
 
     // S (16 rows x kKW keys) = Q K^T: K rows are B's columns, two elements per .b32; a 16-bit
@@ -179,7 +210,25 @@ __device__ void decode_tc_partition(
     float s[kKW / 8][4];
 #pragma unroll
     for (int j = 0; j < kKW / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#ifdef KVC_INT4
+    if constexpr (true) {  // sealed 8-key groups from their codes, window ones from fp16 rows
+#pragma unroll
+    for (int j = 0; j < kKW / 8; ++j) {
+      const int key = key0 + 8 * j, bi = ((tile0 + key) >> block_shift) - (tile0 >> block_shift);
+      const bool is_sealed = Int4Stage::sealed(raw, bi);  // warp-uniform
+#pragma unroll
+      for (int c = 0; c < kD / 32; ++c) {
+        unsigned b[4];
+        int4.template k_frags<scalar_t>(b, k_s, raw, key, bi, is_sealed, c, g, t);
+        const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+        mma_m16n8k16<scalar_t>(s[j], qf[2 * c], b0);
+        mma_m16n8k16<scalar_t>(s[j], qf[2 * c + 1], b1);
+      }
+    }
+    } else if constexpr (sizeof(cache_t) == 2) {
+#else
     if constexpr (sizeof(cache_t) == 2) {
+#endif
       qk_ldmatrix<scalar_t, Rows, kD, kKW / 8>(s, qf, k_s, key0, lane);
     } else {
 #pragma unroll
@@ -200,7 +249,8 @@ __device__ void decode_tc_partition(
     for (int j = 0; j < kKW / 8; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const bool valid = tile0 + key0 + j * 8 + 2 * t + (e & 1) < k_hi;
+        const int k_pos = tile0 + key0 + j * 8 + 2 * t + (e & 1);
+        const bool valid = k_pos >= k_lo && k_pos < k_hi;
         s[j][e] = valid ? s[j][e] * scale : kvc_neg_inf();
         mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
       }
@@ -249,7 +299,27 @@ __device__ void decode_tc_partition(
     // tile by ldmatrix.x4.trans (16 keys x two n-tiles), fp8 converted per element
 #pragma unroll
     for (int ks = 0; ks < kKW / 16; ++ks) {
+#ifdef KVC_INT4
+      if constexpr (true) {  // keys +2t, +2t+1 (b[0]) and +2t+8, +2t+9 (b[1]): one block each
+      const int key = key0 + ks * 16;
+      const int bi0 = ((tile0 + key) >> block_shift) - (tile0 >> block_shift);
+      const int bi1 = ((tile0 + key + 8) >> block_shift) - (tile0 >> block_shift);
+      const bool sealed0 = Int4Stage::sealed(raw, bi0), sealed1 = Int4Stage::sealed(raw, bi1);
+#pragma unroll
+      for (int q = 0; q < kD / 64; ++q) {
+        unsigned r0[8], r1[8];
+        int4.template v_frags<scalar_t>(r0, v_s, raw, key, tile0 + key, sealed0, q, g, t);
+        int4.template v_frags<scalar_t>(r1, v_s, raw, key + 8, tile0 + key + 8, sealed1, q, g, t);
+#pragma unroll
+        for (int mm = 0; mm < 8; ++mm) {
+          const unsigned vf[2] = {r0[mm], r1[mm]};
+          mma_m16n8k16<scalar_t>(o[8 * q + mm], pf[ks], vf);
+        }
+      }
+      } else if constexpr (sizeof(cache_t) == 2) {
+#else
       if constexpr (sizeof(cache_t) == 2) {
+#endif
         pv_ldmatrix<scalar_t, Rows, kD>(o, pf[ks], v_s, key0 + ks * 16, lane);
       } else {
         const unsigned char* v0 = v_s + (key0 + ks * 16 + 2 * t) * kPitch;
@@ -330,19 +400,19 @@ __device__ void decode_tc_partition(
     // an empty partition (l = 0) writes zeros and a zero weight
     const float inv = l[r] > 0.0f ? v_scale / l[r] : 0.0f;
     if (split.count == 1) {
-      scalar_t* dst = out + ((long long)q_row * num_heads + h) * kD + 2 * t;
+      scalar_t* dst = out + ((long long)q_row * num_heads + h) * kD;
 #pragma unroll
       for (int n = 0; n < kD / 8; ++n) {
-        dst[n * 8] = from_float<scalar_t>(o[n][2 * r] * inv);
-        dst[n * 8 + 1] = from_float<scalar_t>(o[n][2 * r + 1] * inv);
+        dst[out_channel(n, t, 0)] = from_float<scalar_t>(o[n][2 * r] * inv);
+        dst[out_channel(n, t, 1)] = from_float<scalar_t>(o[n][2 * r + 1] * inv);
       }
     } else {
       const long long idx = ((long long)seq * num_heads + h) * num_partitions + part;
-      float* dst = tmp_out + idx * kD + 2 * t;
+      float* dst = tmp_out + idx * kD;
 #pragma unroll
       for (int n = 0; n < kD / 8; ++n) {
-        dst[n * 8] = o[n][2 * r] * inv;
-        dst[n * 8 + 1] = o[n][2 * r + 1] * inv;
+        dst[out_channel(n, t, 0)] = o[n][2 * r] * inv;
+        dst[out_channel(n, t, 1)] = o[n][2 * r + 1] * inv;
       }
       if (t == 0) {
         max_logits[idx] = m[r];

@@ -92,3 +92,23 @@ __device__ __forceinline__ void ldmatrix_x2_trans(unsigned (&r)[2], const void* 
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
                : "=r"(r[0]), "=r"(r[1]) : "r"(a));
 }
+
+// 16-bit pair arithmetic and byte permutes for unpacking int4 codes into fragments (the emulation
+// models them bit for bit where it can: fma in double, rounded once to fp16):
+// fma.rn.f16x2 / sub.rn.f16x2 (PTX ISA 9.7.4, "Half Precision Floating-Point Instructions"): per
+// 16-bit lane d = a * b + c (one rounding), d = a - b.
+__device__ __forceinline__ unsigned hfma2_bits(unsigned a, unsigned b, unsigned c) {
+  unsigned d;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+__device__ __forceinline__ unsigned hsub2_bits(unsigned a, unsigned b) {
+  unsigned d;
+  asm("sub.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+// prmt.b32 (PTX ISA 9.7.8.7, default mode): byte i of the result is byte (sel >> 4 i) & 7 of the
+// eight bytes b:a (a's bytes 0-3, b's 4-7).
+__device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned sel) {
+  return __byte_perm(a, b, sel);
+}
