@@ -90,8 +90,10 @@ def check_int4_limits(block_size: int, num_heads: int, num_kv_heads: int, head_d
     if block_size < INT4_MIN_BLOCK_SIZE or block_size & (block_size - 1):
         raise ValueError(f"block_size {block_size}: an int4 KV cache on cuda needs a power of "
                          f"two >= {INT4_MIN_BLOCK_SIZE}")
-    if group <= 0 or group % 8 or head_dim % group:
-        raise ValueError(f"int4 group {group}: an int4 KV cache on cuda needs a multiple of 8 "
+    if group <= 0 or group % 16 or head_dim % group:
+        # kv_int4_stage.cuh stages a key's value params in its row's chunk items: groups of 8
+        # would need more copies than a row has chunks (its static_assert)
+        raise ValueError(f"int4 group {group}: an int4 KV cache on cuda needs a multiple of 16 "
                          f"dividing head_dim {head_dim}")
 
 

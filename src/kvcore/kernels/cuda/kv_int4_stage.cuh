@@ -16,7 +16,9 @@
 // - prefill (paged_attention_prefill_mma.cu): `dequant` unpacks each sealed key once per tile
 //   into the 16-bit tile (8 warps share every key there: unpacking per warp would do it 8 times),
 //   then the 16-bit fragment loads (ldmatrix) run.
-// KVC_BREAK_NIBBLE (a test mutant) pairs the wrong nibbles.
+// KVC_BREAK_NIBBLE (a test mutant) pairs the wrong nibbles. KVC_INT4_PROBE_SEALED compiles the
+// kernels as if every block were sealed: the traffic model counts the instructions of the
+// common tile from it (kvcore.kernels.cuda.dev.traffic_model); it is never launched.
 #pragma once
 #include <ptx_ops.cuh>
 
@@ -67,6 +69,8 @@ __device__ __forceinline__ unsigned dequant2<__nv_bfloat16>(unsigned q1024, unsi
   return (unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(lo)) |
          ((unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(hi)) << 16);
 }
+template <typename T> struct IsHalf { static constexpr bool kValue = false; };
+template <> struct IsHalf<__half> { static constexpr bool kValue = true; };
 // An fp16 pair of a window row as two activation values.
 template <typename scalar_t>
 __device__ __forceinline__ unsigned window2(unsigned h2) {
@@ -88,12 +92,12 @@ struct Int4Tile {
   static constexpr int kMaxBlocks = kKeys / 8 + 1;      // blocks a tile touches (size >= 8)
   static constexpr int kChunks = kD / 8;                // 16-byte chunks of a 16-bit row
   // raw buffer: K nibbles (kKeys, kNib), V nibbles, V params (kKeys, 2, kVWords words),
-  // K params (kMaxBlocks, 2, kD halves), block records (kMaxBlocks, 2 ints)
+  // K params (kMaxBlocks, 2, kD halves), block records (kMaxBlocks, BlockRecord: 24 bytes)
   static constexpr int kVNib = kKeys * kNib;
   static constexpr int kVPar = 2 * kKeys * kNib;
   static constexpr int kKPar = kVPar + kKeys * 2 * kVWords * 4;
   static constexpr int kMeta = kKPar + kMaxBlocks * 2 * kD * 2;
-  static constexpr int kBytes = (kMeta + kMaxBlocks * 8 + 15) / 16 * 16;
+  static constexpr int kBytes = (kMeta + kMaxBlocks * 24 + 15) / 16 * 16;
   static_assert(kGroup % 16 == 0 && kD % kGroup == 0,
                 "value groups of whole 16-channel steps (a group of 8 would need more copies "
                 "per key than a row has chunks)");
@@ -114,65 +118,114 @@ struct Int4Tile {
     v_row_bytes = split + 2 * v_zero;
   }
 
-  // Block record bi of the tile in `raw`: (block id, window slot); block -1 past the span.
-  __device__ __forceinline__ static int block_of(const unsigned char* raw, int bi) {
-    return reinterpret_cast<const int*>(raw + kMeta)[2 * bi];
-  }
-  __device__ __forceinline__ static int window_of(const unsigned char* raw, int bi) {
-    return reinterpret_cast<const int*>(raw + kMeta)[2 * bi + 1];
+  // Block record bi of the tile in `raw`: where its K and V bytes start (sealed: the block's
+  // rows; window: its slot's rows of this KV head) and its kind (0: past the span, 1: window,
+  // 2: sealed), written once per block by `stage`.
+  struct BlockRecord {
+    const unsigned char* k;
+    const unsigned char* v;
+    long long kind;
+  };
+  __device__ __forceinline__ static const BlockRecord& record(const unsigned char* raw, int bi) {
+    return reinterpret_cast<const BlockRecord*>(raw + kMeta)[bi];
   }
   // Whether block bi holds sealed codes in the raw buffer (a sealed block within the span:
   // all its keys staged, the ones past k_hi masked by the kernel).
+  __device__ __forceinline__ static bool sealed_kind(const BlockRecord& rec) {
+#ifdef KVC_INT4_PROBE_SEALED  // the traffic model's probe (never launched): all blocks sealed
+    return true;
+#else
+    return rec.kind == 2;
+#endif
+  }
   __device__ __forceinline__ static bool sealed(const unsigned char* raw, int bi) {
-    return block_of(raw, bi) >= 0 && window_of(raw, bi) < 0;
+    return sealed_kind(record(raw, bi));
   }
 
-  // Keys [k0, k0 + kKeys) (k0 a multiple of 8) into the 16-bit tiles k_s / v_s (window rows;
-  // zeros at or past k_hi) and the raw buffer (sealed keys). Every thread calls it (a barrier
-  // publishes the block records); the buffer must no longer be read.
+  // Keys [k0, k0 + kKeys) into the 16-bit tiles k_s / v_s (window rows; zeros at or past k_hi)
+  // and the raw buffer (sealed keys). Every thread calls it (a barrier publishes the block
+  // records); the buffer must no longer be read. Loops run whole rounds of kThreads items, so
+  // they unroll into straight code.
   __device__ __forceinline__ void stage(unsigned char* k_s, unsigned char* v_s,
                                         unsigned char* raw, const int* table, int k0, int k_hi,
                                         int tid) const {
     const int b0 = k0 >> shift, k_end = min(k0 + kKeys, k_hi);
     if (tid < kMaxBlocks) {  // once per block: its table entry and window slot
-      const bool live = (b0 + tid) << shift < k_end;
-      const int block = live ? table[b0 + tid] : -1;
-      int* meta = reinterpret_cast<int*>(raw + kMeta);
-      meta[2 * tid] = block;
-      meta[2 * tid + 1] = live ? cache.window_slot[block] : 0;
+      BlockRecord rec = {nullptr, nullptr, 0};
+      if ((b0 + tid) << shift < k_end) {
+        const int block = table[b0 + tid], window = cache.window_slot[block];
+        if (window >= 0) {
+          const long long row = (((long long)window << shift) * heads + kvh) * kD;
+          rec = {reinterpret_cast<const unsigned char*>(cache.k_window + row),
+                 reinterpret_cast<const unsigned char*>(cache.v_window + row), 1};
+        } else {
+          rec = {cache.k_rows + block * k_row_bytes, cache.v_rows + block * v_row_bytes, 2};
+        }
+      }
+      reinterpret_cast<BlockRecord*>(raw + kMeta)[tid] = rec;
     }
     __syncthreads();
-#pragma unroll 4
-    for (int i = tid; i < kKeys * kChunks; i += kThreads) {
-      const int key = i / kChunks, c = i % kChunks;
-      const int pos = k0 + key, p = pos & ((1 << shift) - 1), bi = (pos >> shift) - b0;
-      const int block = block_of(raw, bi), window = window_of(raw, bi);
-      if (block < 0 || window >= 0) {  // fp16 rows (or zeros past the span) into the tiles
-        const bool valid = pos < k_hi;
-        const long long row =
-            valid ? ((((long long)window << shift) + p) * heads + kvh) * kD + c * 8 : 0;
-        cp_async16_zfill(k_s + key * kPitch + c * 16, cache.k_window + row, valid);
-        cp_async16_zfill(v_s + key * kPitch + c * 16, cache.v_window + row, valid);
-      } else if (c < kNib / 16) {  // nibbles: chunk c of K and of V
-        const long long at = ((long long)p * heads + kvh) * kNib + c * 16;
-        cp_async16(raw + key * kNib + c * 16, cache.k_rows + block * k_row_bytes + at);
-        cp_async16(raw + kVNib + key * kNib + c * 16, cache.v_rows + block * v_row_bytes + at);
-      } else if (c < kNib / 16 + 2 * kVWords) {  // a word of the key's V scales or zeros
-        const int w = c - kNib / 16, side = w / kVWords;
-        const long long at = split + side * v_zero +
-                             ((((long long)p * heads + kvh) * kN * 2) & ~3ll) + (w % kVWords) * 4;
+    // sealed keys' codes: kNib / 16 chunks of K and of V per key
+    constexpr int kCodeItems = kKeys * (kNib / 16);
+#pragma unroll
+    for (int round = 0; round < (kCodeItems + kThreads - 1) / kThreads; ++round) {
+      const int i = tid + round * kThreads;
+      if (kCodeItems % kThreads != 0 && i >= kCodeItems) break;
+      const int key = i / (kNib / 16), c = i % (kNib / 16);
+      const int pos = k0 + key, p = pos & ((1 << shift) - 1);
+      const BlockRecord& rec = record(raw, (pos >> shift) - b0);
+      if (sealed_kind(rec)) {
+        const int at = (p * heads + kvh) * kNib + c * 16;
+        cp_async16(raw + key * kNib + c * 16, rec.k + at);
+        cp_async16(raw + kVNib + key * kNib + c * 16, rec.v + at);
+      }
+    }
+    // sealed keys' V scales and zeros: 2 x kVWords 4-byte words per key
+    constexpr int kParWords = kKeys * 2 * kVWords;
+#pragma unroll
+    for (int round = 0; round < (kParWords + kThreads - 1) / kThreads; ++round) {
+      const int i = tid + round * kThreads;
+      if (kParWords % kThreads != 0 && i >= kParWords) break;
+      const int key = i / (2 * kVWords), w = i % (2 * kVWords), side = w / kVWords;
+      const int pos = k0 + key, p = pos & ((1 << shift) - 1);
+      const BlockRecord& rec = record(raw, (pos >> shift) - b0);
+      if (sealed_kind(rec)) {
+        const long long at = split + side * v_zero + (((p * heads + kvh) * kN * 2) & ~3) +
+                             (w % kVWords) * 4;
         cp_async4_zfill(raw + kVPar + (key * 2 + side) * kVWords * 4 + (w % kVWords) * 4,
-                        cache.v_rows + block * v_row_bytes + at, true);
+                        rec.v + at, true);
       }
     }
     // the K scales and zeros of each sealed block the tile touches: 2 x kD halves
-    for (int i = tid; i < kMaxBlocks * 2 * (kD / 8); i += kThreads) {
+    constexpr int kParItems = kMaxBlocks * 2 * (kD / 8);
+#pragma unroll
+    for (int round = 0; round < (kParItems + kThreads - 1) / kThreads; ++round) {
+      const int i = tid + round * kThreads;
+      if (i >= kParItems) break;
       const int bi = i / (2 * (kD / 8)), c = i % (2 * (kD / 8));
       if (!sealed(raw, bi)) continue;
       const int side = c / (kD / 8);
       const long long at = split + ((long long)side * heads + kvh) * kD * 2 + (c % (kD / 8)) * 16;
-      cp_async16(raw + kKPar + bi * 4 * kD + c * 16,
-                 cache.k_rows + block_of(raw, bi) * k_row_bytes + at);
+      cp_async16(raw + kKPar + bi * 4 * kD + c * 16, record(raw, bi).k + at);
+    }
+    // window rows, and zeros past the span, into the 16-bit tiles: only for a tile that has
+    // such blocks (the last ones of a sequence; a block-uniform test)
+    bool any_window = false;
+#pragma unroll
+    for (int bi = 0; bi < kMaxBlocks; ++bi) any_window |= !sealed(raw, bi);
+    if (!any_window) return;
+#pragma unroll
+    for (int round = 0; round < (kKeys * kChunks + kThreads - 1) / kThreads; ++round) {
+      const int i = tid + round * kThreads;
+      if (kKeys * kChunks % kThreads != 0 && i >= kKeys * kChunks) break;
+      const int key = i / kChunks, c = i % kChunks;
+      const int pos = k0 + key, p = pos & ((1 << shift) - 1);
+      const BlockRecord& rec = record(raw, (pos >> shift) - b0);
+      if (sealed_kind(rec)) continue;
+      const bool valid = pos < k_hi;
+      const int at = valid ? (p * heads * kD + c * 8) * 2 : 0;
+      cp_async16_zfill(k_s + key * kPitch + c * 16, rec.k + at, valid);
+      cp_async16_zfill(v_s + key * kPitch + c * 16, rec.v + at, valid);
     }
   }
 
@@ -188,7 +241,7 @@ struct Int4Tile {
 
   // ---- decode: B fragments straight from the codes ---------------------------------------
   // Channel order of the decode fragments. K (S = Q K^T): lane t of 16-channel steps 2 c and
-  // 2 c + 1 (c = 32-channel group) holds channels 32 c + 8 t + m and + m + 4 (m = 0..3) in its
+  // 2 c + 1 (c = 32-channel group) holds channels 32 c + 8 t + 2 i and + 1 (i = 0..3) in its
   // four B registers, so one 32-bit word of codes feeds them (Q's A fragments are loaded in the
   // same order: a dot product does not care). V (O += P V): n-tile 8 q + m, column g is channel
   // 64 q + 8 g + m, so lane g's word of codes covers its 8 n-tiles; the output columns are
@@ -196,7 +249,7 @@ struct Int4Tile {
 
   // K fragments of the 8 keys at tile rows `key`.. (one block: k0 and key multiples of 8) for
   // the 32-channel group c: b[0..1] step 2 c, b[2..3] step 2 c + 1. Sealed: from the codes and
-  // the block's params; window: the fp16 tile row regrouped.
+  // the block's params; window: the fp16 tile row as it is.
   template <typename scalar_t>
   __device__ __forceinline__ void k_frags(unsigned (&b)[4], const unsigned char* k_s,
                                           const unsigned char* raw, int key, int bi, bool is_sealed,
@@ -206,20 +259,14 @@ struct Int4Tile {
       const unsigned char* par = raw + kKPar + bi * 4 * kD + (32 * c + 8 * t) * 2;
       const uint4 s = *reinterpret_cast<const uint4*>(par);           // channels +0..7
       const uint4 z = *reinterpret_cast<const uint4*>(par + 2 * kD);
-      const unsigned sp[4] = {prmt(s.x, s.z, 0x5410), prmt(s.x, s.z, 0x7632),
-                              prmt(s.y, s.w, 0x5410), prmt(s.y, s.w, 0x7632)};
-      const unsigned zp[4] = {prmt(z.x, z.z, 0x5410), prmt(z.x, z.z, 0x7632),
-                              prmt(z.y, z.w, 0x5410), prmt(z.y, z.w, 0x7632)};
-#pragma unroll
-      for (int m = 0; m < 4; ++m) {
-        b[m] = dequant2<scalar_t>(nibbles_1024(code >> nibble_shift(m)), sp[m], zp[m]);
-      }
+      const unsigned sw[4] = {s.x, s.y, s.z, s.w}, zw[4] = {z.x, z.y, z.z, z.w};
+      unpack8<scalar_t>(b, code, sw, zw);
     } else {
       const uint4 h = *reinterpret_cast<const uint4*>(k_s + (key + g) * kPitch + (32 * c + 8 * t) * 2);
-      b[0] = window2<scalar_t>(prmt(h.x, h.z, 0x5410));
-      b[1] = window2<scalar_t>(prmt(h.x, h.z, 0x7632));
-      b[2] = window2<scalar_t>(prmt(h.y, h.w, 0x5410));
-      b[3] = window2<scalar_t>(prmt(h.y, h.w, 0x7632));
+      b[0] = window2<scalar_t>(h.x);
+      b[1] = window2<scalar_t>(h.y);
+      b[2] = window2<scalar_t>(h.z);
+      b[3] = window2<scalar_t>(h.w);
     }
   }
 
@@ -267,13 +314,14 @@ struct Int4Tile {
     const int c = tid % kChunks;
     int held = -1;  // the block (within the tile) whose K params k_sc / k_ze hold
     uint4 k_sc = {}, k_ze = {};
+#pragma unroll
     for (int i = tid; i < kKeys * kChunks; i += kThreads) {
       const int key = i / kChunks, pos = k0 + key;
       const int bi = (pos >> shift) - (k0 >> shift);
       unsigned char* k_dst = k_s + key * kPitch + c * 16;
       unsigned char* v_dst = v_s + key * kPitch + c * 16;
       if (!sealed(raw, bi)) {
-        if constexpr (sizeof(scalar_t) == 2 && !std::is_same<scalar_t, __half>::value) {
+        if constexpr (!IsHalf<scalar_t>::kValue) {  // bf16: the fp16 window rows converted
           uint4 kw = *reinterpret_cast<const uint4*>(k_dst), vw = *reinterpret_cast<const uint4*>(v_dst);
           kw = {window2<scalar_t>(kw.x), window2<scalar_t>(kw.y), window2<scalar_t>(kw.z), window2<scalar_t>(kw.w)};
           vw = {window2<scalar_t>(vw.x), window2<scalar_t>(vw.y), window2<scalar_t>(vw.z), window2<scalar_t>(vw.w)};

@@ -195,7 +195,7 @@ __device__ void mla_block(
     // a row block wholly past the block's rows (16 heads: 3 of 4) has no scores to compute
     const int num_k = srb * 16 < rows ? kW / 16 : 0;  // 16-column steps of the warp's S
     if constexpr (sizeof(cache_t) == 2) {  // Q and K by ldmatrix.x4: two 16-column steps at once
-#pragma unroll 2
+#pragma unroll
       for (int kk = 0; kk + 1 < num_k; kk += 2) {
         unsigned qa[2][4];
         a_frags_x4<QRows>(qa[0], q_s, srb * 16, kk * 16, lane);

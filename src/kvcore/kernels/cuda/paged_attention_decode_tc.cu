@@ -144,15 +144,15 @@ __device__ void decode_tc_partition(
     const int gi = rb * 16 + g + 8 * r;
     const unsigned* q32 = reinterpret_cast<const unsigned*>(
         query + ((long long)q_row * num_heads + KVC_QHEAD(kvh, gi, kG, num_kv_heads)) * kD);
-#ifdef KVC_INT4  // channels 32 c + 8 t + m and + m + 4 per register (Int4Tile::k_frags' order)
+#ifdef KVC_INT4  // channels 32 c + 8 t + 2 i and + 1 per register (Int4Tile::k_frags' order)
 #pragma unroll
     for (int c = 0; c < kD / 32; ++c) {
       const uint4 h = gi < kG ? reinterpret_cast<const uint4*>(q32 + 16 * c + 4 * t)[0]
                               : make_uint4(0u, 0u, 0u, 0u);
-      qf[2 * c][r] = prmt(h.x, h.z, 0x5410);
-      qf[2 * c][r + 2] = prmt(h.x, h.z, 0x7632);
-      qf[2 * c + 1][r] = prmt(h.y, h.w, 0x5410);
-      qf[2 * c + 1][r + 2] = prmt(h.y, h.w, 0x7632);
+      qf[2 * c][r] = h.x;
+      qf[2 * c][r + 2] = h.y;
+      qf[2 * c + 1][r] = h.z;
+      qf[2 * c + 1][r + 2] = h.w;
     }
 #else
 #pragma unroll

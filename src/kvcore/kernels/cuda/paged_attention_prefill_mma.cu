@@ -70,7 +70,9 @@ __device__ void prefill_mma_tile(
   const int G = num_heads / num_kv_heads, positions = kRows / G;  // query positions per tile
   const int q_start = query_start_loc[seq];
   const int q_len = query_start_loc[seq + 1] - q_start;
-  const int i0 = blockIdx.z * positions;
+  // the grid's z runs from the last query tile down: blocks launch in z order, so the tiles
+  // with the most keys (causal: the latest positions) start first and the short ones fill in
+  const int i0 = (gridDim.z - 1 - blockIdx.z) * positions;
   if (q_len <= 1 || i0 >= q_len) return;
   const int nq = min(positions, q_len - i0);
   const int rows = nq * G;

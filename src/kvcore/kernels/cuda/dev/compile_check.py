@@ -84,6 +84,11 @@ class KernelReport:
     cp_async: int = 0  # cp.async copies in the kernel's PTX
     tile_smem_bytes: int = 0  # shared-memory bytes one pass through the key-tile loop moves
     tile_global_bytes: int = 0  # the K + V bytes of one key tile (register-tile kernels)
+    tile_instructions: int = 0  # PTX instructions of one pass through the tile loop, per warp
+    tile_mma: int = 0  # mma.sync per warp per pass
+    tile_ldmatrix: int = 0  # ldmatrix per warp per pass
+    tile_smem_slots: int = 0  # shared-memory pipe slots (128-byte wavefronts) per warp per pass
+    tile_inner_loops: int = 0  # backward branches inside the tile loop
 
 
 def cupy_options(arch: str) -> tuple[str, ...]:
@@ -110,13 +115,17 @@ def compile_source(path: Path, arch: str, defines: tuple[str, ...] = (),
     ptx = nvrtc.getPTX(program.ptr)
     facts = ptx_facts(ptx.decode() if isinstance(ptx, bytes) else ptx)
     none = PtxFacts(0, 0, 0, 0)
-    return [dataclasses.replace(r, variant=" ".join(defines), dynamic_smem=dynamic_smem,
-                                vector_loads=facts.get(r.kernel, none).vector_loads,
-                                tensor_core_ops=facts.get(r.kernel, none).tensor_core_ops,
-                                cp_async=facts.get(r.kernel, none).cp_async,
-                                tile_smem_bytes=facts.get(r.kernel, none).tile_smem_bytes,
-                                tile_global_bytes=tile_global_bytes)
-            for r in parse_ptxas_log(path.name, log.getvalue())]
+    out = []
+    for r in parse_ptxas_log(path.name, log.getvalue()):
+        f = facts.get(r.kernel, none)
+        out.append(dataclasses.replace(
+            r, variant=" ".join(defines), dynamic_smem=dynamic_smem,
+            vector_loads=f.vector_loads, tensor_core_ops=f.tensor_core_ops, cp_async=f.cp_async,
+            tile_smem_bytes=f.tile_smem_bytes, tile_global_bytes=tile_global_bytes,
+            tile_instructions=f.tile_instructions, tile_mma=f.tile_mma,
+            tile_ldmatrix=f.tile_ldmatrix, tile_smem_slots=f.tile_smem_slots,
+            tile_inner_loops=f.tile_inner_loops))
+    return out
 
 
 def parse_ptxas_log(source: str, log: str) -> list[KernelReport]:

@@ -15,7 +15,7 @@ INT4_CHECK_GROUP = 32  # value channels per scale the int4 variants compile for
 ARCHS = ("80", "90")
 # decode variants compiled by the check: the head_dims and groups of common models
 CHECK_HEAD_DIMS = (64, 128, 256)
-CHECK_GROUPS = (1, 2, 3, 4, 8, 16)
+CHECK_GROUPS = (1, 2, 3, 4, 8, 16, 32)
 CHECK_DTYPES = (("f16", "f16"), ("bf16", "bf16"), ("f16", "fp8"), ("f32", "f32"),
                 ("f16", INT4))
 # MLA variants: (kv_lora_rank, qk_rope_head_dim) of DeepSeek-V2, V2-Lite and V3 (all 512 + 64)
