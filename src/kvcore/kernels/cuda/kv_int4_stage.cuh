@@ -107,16 +107,16 @@ struct Int4Tile {
 
   Int4Cache cache;
   int heads, shift, kvh;
-  long long k_row_bytes, v_row_bytes, split, v_zero;  // split: nibble bytes of a block
 
   __device__ Int4Tile(const Int4Cache& c, int num_kv_heads, int block_shift, int head)
-      : cache(c), heads(num_kv_heads), shift(block_shift), kvh(head) {
-    const long long bs = 1ll << block_shift;
-    split = bs * heads * kNib;
-    k_row_bytes = split + 4ll * heads * kD;
-    v_zero = 2 * bs * heads * kN;
-    v_row_bytes = split + 2 * v_zero;
+      : cache(c), heads(num_kv_heads), shift(block_shift), kvh(head) {}
+  // a block row's layout (recomputed where used: registers matter more than the arithmetic)
+  __device__ __forceinline__ int split() const { return (heads << shift) * kNib; }  // codes
+  __device__ __forceinline__ int v_zero() const { return 2 * (heads << shift) * kN; }
+  __device__ __forceinline__ long long k_row_bytes() const {
+    return split() + 4ll * heads * kD;
   }
+  __device__ __forceinline__ long long v_row_bytes() const { return split() + 2ll * v_zero(); }
 
   // Block record bi of the tile in `raw`: where its K and V bytes start (sealed: the block's
   // rows; window: its slot's rows of this KV head) and its kind (0: past the span, 1: window,
@@ -159,7 +159,7 @@ struct Int4Tile {
           rec = {reinterpret_cast<const unsigned char*>(cache.k_window + row),
                  reinterpret_cast<const unsigned char*>(cache.v_window + row), 1};
         } else {
-          rec = {cache.k_rows + block * k_row_bytes, cache.v_rows + block * v_row_bytes, 2};
+          rec = {cache.k_rows + block * k_row_bytes(), cache.v_rows + block * v_row_bytes(), 2};
         }
       }
       reinterpret_cast<BlockRecord*>(raw + kMeta)[tid] = rec;
@@ -190,7 +190,7 @@ struct Int4Tile {
       const int pos = k0 + key, p = pos & ((1 << shift) - 1);
       const BlockRecord& rec = record(raw, (pos >> shift) - b0);
       if (sealed_kind(rec)) {
-        const long long at = split + side * v_zero + (((p * heads + kvh) * kN * 2) & ~3) +
+        const int at = split() + side * v_zero() + (((p * heads + kvh) * kN * 2) & ~3) +
                              (w % kVWords) * 4;
         cp_async4_zfill(raw + kVPar + (key * 2 + side) * kVWords * 4 + (w % kVWords) * 4,
                         rec.v + at, true);
@@ -205,7 +205,7 @@ struct Int4Tile {
       const int bi = i / (2 * (kD / 8)), c = i % (2 * (kD / 8));
       if (!sealed(raw, bi)) continue;
       const int side = c / (kD / 8);
-      const long long at = split + ((long long)side * heads + kvh) * kD * 2 + (c % (kD / 8)) * 16;
+      const int at = split() + (side * heads + kvh) * kD * 2 + (c % (kD / 8)) * 16;
       cp_async16(raw + kKPar + bi * 4 * kD + c * 16, record(raw, bi).k + at);
     }
     // window rows, and zeros past the span, into the 16-bit tiles: only for a tile that has
@@ -214,7 +214,7 @@ struct Int4Tile {
 #pragma unroll
     for (int bi = 0; bi < kMaxBlocks; ++bi) any_window |= !sealed(raw, bi);
     if (!any_window) return;
-#pragma unroll
+#pragma unroll 1  // (rare: kept rolled, it would take registers from the common path)
     for (int round = 0; round < (kKeys * kChunks + kThreads - 1) / kThreads; ++round) {
       const int i = tid + round * kThreads;
       if (kKeys * kChunks % kThreads != 0 && i >= kKeys * kChunks) break;
@@ -303,20 +303,60 @@ struct Int4Tile {
     }
   }
 
+  // S (16 rows x 8 kN keys from tile row `key`) += Q K^T, Q's fragments in k_frags' order;
+  // tile0 the tile's first position (a multiple of 8: each 8-key group is one block).
+  template <typename scalar_t, int kN>
+  __device__ __forceinline__ void qk(float (&s)[kN][4], const unsigned (&q)[kD / 16][4],
+                                     const unsigned char* k_s, const unsigned char* raw, int key,
+                                     int tile0, int g, int t) const {
+#pragma unroll
+    for (int j = 0; j < kN; ++j) {
+      const int bi = ((tile0 + key + 8 * j) >> shift) - (tile0 >> shift);
+      const bool is_sealed = sealed(raw, bi);  // warp-uniform
+#pragma unroll
+      for (int c = 0; c < kD / 32; ++c) {
+        unsigned b[4];
+        k_frags<scalar_t>(b, k_s, raw, key + 8 * j, bi, is_sealed, c, g, t);
+        const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+        mma_m16n8k16<scalar_t>(s[j], q[2 * c], b0);
+        mma_m16n8k16<scalar_t>(s[j], q[2 * c + 1], b1);
+      }
+    }
+  }
+  // O (16 rows x kD, columns in v_frags' order) += P V over the 16 keys from tile row `key`:
+  // b[0] pairs keys + 2t, + 2t + 1, b[1] keys + 2t + 8, + 2t + 9 (each pair in one block).
+  template <typename scalar_t>
+  __device__ __forceinline__ void pv(float (&o)[kD / 8][4], const unsigned (&p)[4],
+                                     const unsigned char* v_s, const unsigned char* raw, int key,
+                                     int tile0, int g, int t) const {
+    const int bi0 = ((tile0 + key) >> shift) - (tile0 >> shift);
+    const int bi1 = ((tile0 + key + 8) >> shift) - (tile0 >> shift);
+    const bool sealed0 = sealed(raw, bi0), sealed1 = sealed(raw, bi1);
+#pragma unroll
+    for (int q = 0; q < kD / 64; ++q) {
+      unsigned r0[8], r1[8];
+      v_frags<scalar_t>(r0, v_s, raw, key, tile0 + key, sealed0, q, g, t);
+      v_frags<scalar_t>(r1, v_s, raw, key + 8, tile0 + key + 8, sealed1, q, g, t);
+#pragma unroll
+      for (int m = 0; m < 8; ++m) {
+        const unsigned vf[2] = {r0[m], r1[m]};
+        mma_m16n8k16<scalar_t>(o[8 * q + m], p, vf);
+      }
+    }
+  }
+
   // ---- prefill: each sealed key unpacked once per tile into the 16-bit tiles --------------
   // After the tile's copies landed (wait + barrier): the sealed keys' rows of k_s / v_s as
   // activations; with bf16 activations, the window rows converted in place. Each (key, chunk)
-  // item is read and written by one thread; a thread's chunk is the same for all its keys, so
-  // it holds the K scales and zeros of its 8 channels while its keys stay in one block.
+  // item is read and written by one thread (its chunk c is the same for all its keys).
   template <typename scalar_t>
   __device__ __forceinline__ void dequant(unsigned char* k_s, unsigned char* v_s,
                                           const unsigned char* raw, int k0, int tid) const {
     const int c = tid % kChunks;
-    int held = -1;  // the block (within the tile) whose K params k_sc / k_ze hold
-    uint4 k_sc = {}, k_ze = {};
-#pragma unroll
-    for (int i = tid; i < kKeys * kChunks; i += kThreads) {
-      const int key = i / kChunks, pos = k0 + key;
+    static_assert(kKeys * kChunks % kThreads == 0, "whole rounds of (key, chunk) items");
+#pragma unroll 1  // a rolled loop of kKeys * kChunks / kThreads rounds: unrolled, prefill spills
+    for (int round = 0; round < kKeys * kChunks / kThreads; ++round) {
+      const int key = (tid + round * kThreads) / kChunks, pos = k0 + key;
       const int bi = (pos >> shift) - (k0 >> shift);
       unsigned char* k_dst = k_s + key * kPitch + c * 16;
       unsigned char* v_dst = v_s + key * kPitch + c * 16;
@@ -330,12 +370,9 @@ struct Int4Tile {
         }
         continue;
       }
-      if (bi != held) {
-        const unsigned char* k_par = raw + kKPar + bi * 4 * kD + c * 16;
-        k_sc = *reinterpret_cast<const uint4*>(k_par);
-        k_ze = *reinterpret_cast<const uint4*>(k_par + 2 * kD);
-        held = bi;
-      }
+      const unsigned char* k_par = raw + kKPar + bi * 4 * kD + c * 16;  // its 8 channels
+      const uint4 k_sc = *reinterpret_cast<const uint4*>(k_par);
+      const uint4 k_ze = *reinterpret_cast<const uint4*>(k_par + 2 * kD);
       const unsigned ks[4] = {k_sc.x, k_sc.y, k_sc.z, k_sc.w}, kz[4] = {k_ze.x, k_ze.y, k_ze.z, k_ze.w};
       const int grp = c * 8 / kGroup;
       const unsigned vs = v_param(raw, key, pos, grp, 0), vz = v_param(raw, key, pos, grp, 1);

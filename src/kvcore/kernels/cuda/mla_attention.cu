@@ -193,10 +193,13 @@ __device__ void mla_block(
     for (int j = 0; j < kSN; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
     const int q_row = srb * 16 + g;
     // a row block wholly past the block's rows (16 heads: 3 of 4) has no scores to compute
-    const int num_k = srb * 16 < rows ? kW / 16 : 0;  // 16-column steps of the warp's S
+    const bool has_rows = srb * 16 < rows;  // block-uniform per warp
+    const int num_k = has_rows ? kW / 16 : 0;  // 16-column steps of the warp's S
     if constexpr (sizeof(cache_t) == 2) {  // Q and K by ldmatrix.x4: two 16-column steps at once
-#pragma unroll
-      for (int kk = 0; kk + 1 < num_k; kk += 2) {
+      // 3 pairs of steps per pass (unrolled whole, the loop spills at 255 registers)
+#pragma unroll 3
+      for (int kk = 0; kk + 1 < kW / 16; kk += 2) {
+        if (!has_rows) break;
         unsigned qa[2][4];
         a_frags_x4<QRows>(qa[0], q_s, srb * 16, kk * 16, lane);
         a_frags_x4<QRows>(qa[1], q_s, srb * 16, kk * 16 + 16, lane);

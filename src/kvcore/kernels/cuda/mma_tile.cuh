@@ -186,15 +186,18 @@ template <typename scalar_t, class Rows, int kD, int kN>
 __device__ __forceinline__ void qk_ldmatrix(float (&s)[kN][4], const unsigned (&q)[kD / 16][4],
                                             const unsigned char* tile, int key, int lane) {
 #pragma unroll
-  for (int j = 0; j < kN; ++j) {
+  for (int kk = 0; kk + 1 < kD / 16; kk += 2) {
 #pragma unroll
-    for (int kk = 0; kk + 1 < kD / 16; kk += 2) {
+    for (int j = 0; j < kN; ++j) {
       unsigned b[4];
       k_frags_x4<Rows>(b, tile, key + 8 * j, kk, lane);
       const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
       mma_m16n8k16<scalar_t>(s[j], q[kk], b0);
       mma_m16n8k16<scalar_t>(s[j], q[kk + 1], b1);
     }
+  }
+#pragma unroll
+  for (int j = 0; j < kN; ++j) {
     if constexpr ((kD / 16) % 2 == 1) {
       unsigned b[2];
       k_frags_x2<Rows>(b, tile, key + 8 * j, kD / 16 - 1, lane);
@@ -204,15 +207,61 @@ __device__ __forceinline__ void qk_ldmatrix(float (&s)[kN][4], const unsigned (&
 }
 // O (16 rows x kD) += P V over 16 keys starting at tile row `key`, V from a 16-bit tile by
 // ldmatrix.trans: p holds P's A fragment for those 16 keys.
-template <typename scalar_t, class Rows, int kD>
+// kUnroll: n-tile pairs per unrolled pass (fewer: fewer fragments in flight, fewer registers).
+template <typename scalar_t, class Rows, int kD, int kUnroll = kD / 16>
 __device__ __forceinline__ void pv_ldmatrix(float (&o)[kD / 8][4], const unsigned (&p)[4],
                                             const unsigned char* tile, int key, int lane) {
-#pragma unroll
+#pragma unroll kUnroll
   for (int n = 0; n < kD / 8; n += 2) {
     unsigned b[4];
     v_frags_x4<Rows>(b, tile, key, n, lane);
     const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
     mma_m16n8k16<scalar_t>(o[n], p, b0);
     mma_m16n8k16<scalar_t>(o[n + 1], p, b1);
+  }
+}
+
+// S += Q K^T and O += P V over a staged tile of the cache's own type: 16-bit by ldmatrix, fp8
+// converted element by element (exactly) as the fragments are built. `key` is the tile row of
+// the first key; Rows the tile's row layout (padded).
+template <typename scalar_t, typename cache_t, class Rows, int kD, int kN>
+__device__ __forceinline__ void qk_tile(float (&s)[kN][4], const unsigned (&q)[kD / 16][4],
+                                        const unsigned char* tile, int key, int lane) {
+  if constexpr (sizeof(cache_t) == 2) {
+    qk_ldmatrix<scalar_t, Rows, kD, kN>(s, q, tile, key, lane);
+  } else {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+#pragma unroll
+      for (int j = 0; j < kN; ++j) {
+        const unsigned char* krow = tile + Rows::at(key + j * 8 + g, 0);
+        const unsigned kf[2] = {pair_at<scalar_t>(krow, kk * 16 + 2 * t, (const cache_t*)nullptr),
+                                pair_at<scalar_t>(krow, kk * 16 + 2 * t + 8, (const cache_t*)nullptr)};
+        mma_m16n8k16<scalar_t>(s[j], q[kk], kf);
+      }
+    }
+  }
+}
+template <typename scalar_t, typename cache_t, class Rows, int kD, int kUnroll = kD / 16>
+__device__ __forceinline__ void pv_tile(float (&o)[kD / 8][4], const unsigned (&p)[4],
+                                        const unsigned char* tile, int key, int lane) {
+  if constexpr (sizeof(cache_t) == 2) {
+    pv_ldmatrix<scalar_t, Rows, kD, kUnroll>(o, p, tile, key, lane);
+  } else {
+    const int g = lane >> 2, t = lane & 3;
+    const cache_t* tag = nullptr;
+    const unsigned char* v0 = tile + Rows::at(key + 2 * t, 0);
+    constexpr int kPitch = Rows::kPitch;
+#pragma unroll
+    for (int n = 0; n < kD / 8; ++n) {
+      const int col = n * 8 + g;
+      const unsigned vf[2] = {
+          (unsigned)elem_at<scalar_t>(v0, col, tag) |
+              ((unsigned)elem_at<scalar_t>(v0 + kPitch, col, tag) << 16),
+          (unsigned)elem_at<scalar_t>(v0 + 8 * kPitch, col, tag) |
+              ((unsigned)elem_at<scalar_t>(v0 + 9 * kPitch, col, tag) << 16)};
+      mma_m16n8k16<scalar_t>(o[n], p, vf);
+    }
   }
 }

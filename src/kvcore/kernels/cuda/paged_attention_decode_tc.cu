@@ -26,6 +26,7 @@
 // tiles by kv_int4_stage.cuh (every other variant compiles as before).
 #include "common.cuh"
 #include "mma_tile.cuh"  // mma.sync / cp.async through <ptx_ops.cuh> (the kernel dir is on the path)
+#include "online_softmax.cuh"
 #include "split_kv_reduce.cuh"
 
 #ifndef KVC_HEAD_DIM
@@ -169,8 +170,6 @@ __device__ void decode_tc_partition(
 
   const int* table = block_tables + (long long)seq * max_blocks;
 #ifdef KVC_INT4
-  const cache_t* k_cache = nullptr;  // the fragment loads' type tags: the tiles hold activations
-  const cache_t* v_cache = nullptr;
   const Int4Stage int4(int4_cache, num_kv_heads, block_shift, kvh);
   auto stage = [&](int k0, int b) {  // keys [k0, k0 + kKT) into buffer b
     int4.stage(smem + b * 2 * kTileBytes, smem + b * 2 * kTileBytes + kTileBytes,
@@ -210,38 +209,11 @@ __device__ void decode_tc_partition(
     float s[kKW / 8][4];
 #pragma unroll
     for (int j = 0; j < kKW / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-#ifdef KVC_INT4
-    if constexpr (true) {  // sealed 8-key groups from their codes, window ones from fp16 rows
-#pragma unroll
-    for (int j = 0; j < kKW / 8; ++j) {
-      const int key = key0 + 8 * j, bi = ((tile0 + key) >> block_shift) - (tile0 >> block_shift);
-      const bool is_sealed = Int4Stage::sealed(raw, bi);  // warp-uniform
-#pragma unroll
-      for (int c = 0; c < kD / 32; ++c) {
-        unsigned b[4];
-        int4.template k_frags<scalar_t>(b, k_s, raw, key, bi, is_sealed, c, g, t);
-        const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-        mma_m16n8k16<scalar_t>(s[j], qf[2 * c], b0);
-        mma_m16n8k16<scalar_t>(s[j], qf[2 * c + 1], b1);
-      }
-    }
-    } else if constexpr (sizeof(cache_t) == 2) {
+#ifdef KVC_INT4  // sealed 8-key groups from their codes, window ones from their fp16 rows
+    int4.template qk<scalar_t, kKW / 8>(s, qf, k_s, raw, key0, tile0, g, t);
 #else
-    if constexpr (sizeof(cache_t) == 2) {
+    qk_tile<scalar_t, cache_t, Rows, kD, kKW / 8>(s, qf, k_s, key0, lane);
 #endif
-      qk_ldmatrix<scalar_t, Rows, kD, kKW / 8>(s, qf, k_s, key0, lane);
-    } else {
-#pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk) {
-#pragma unroll
-        for (int j = 0; j < kKW / 8; ++j) {
-          const unsigned char* krow = k_s + (key0 + j * 8 + g) * kPitch;
-          const unsigned kf[2] = {pair_at<scalar_t>(krow, kk * 16 + 2 * t, k_cache),
-                                  pair_at<scalar_t>(krow, kk * 16 + 2 * t + 8, k_cache)};
-          mma_m16n8k16<scalar_t>(s[j], qf[kk], kf);
-        }
-      }
-    }
     // online softmax on the accumulators: element e of n-tile j is row g + 8 (e >> 1),
     // key key0 + 8 j + 2 t + (e & 1); the 4 lanes of a row (t) reduce by shuffles
     float mx[2] = {m[0], m[1]};
@@ -255,85 +227,18 @@ __device__ void decode_tc_partition(
         mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
       }
     }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(KVC_FULL_MASK, mx[r], 1));
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(KVC_FULL_MASK, mx[r], 2));
-    }
-    if (__any_sync(KVC_FULL_MASK, mx[0] != m[0] || mx[1] != m[1])) {  // some row's max grew
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float alpha = m[r] == kvc_neg_inf() ? 0.0f : __expf(m[r] - mx[r]);
-        l[r] *= alpha;
-#pragma unroll
-        for (int n = 0; n < kD / 8; ++n) {
-          o[n][2 * r] *= alpha;
-          o[n][2 * r + 1] *= alpha;
-        }
-        m[r] = mx[r];
-      }
-    }
-    // P as 16-bit A fragments straight from S's registers; l sums P as rounded for P V
-    unsigned pf[kKW / 16][4];
-#pragma unroll
-    for (int j = 0; j < kKW / 8; ++j) {
-      scalar_t p[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float mr = m[e >> 1];
-        p[e] = from_float<scalar_t>(s[j][e] == kvc_neg_inf() ? 0.0f : __expf(s[j][e] - mr));
-        l[e >> 1] += to_float(p[e]);
-      }
-      // n-tile 2 ks holds keys 0-7 of step ks (A columns 2t, 2t+1), 2 ks + 1 keys 8-15
-      pf[j / 2][2 * (j & 1)] = pack2(p[0], p[1]);      // row g
-      pf[j / 2][2 * (j & 1) + 1] = pack2(p[2], p[3]);  // row g + 8
-    }
-#ifdef KVC_BREAK_FRAGMENT  // the tests' mutant: rows g + 8 and keys 8-15 trade places
-    for (int ks = 0; ks < kKW / 16; ++ks) {
-      const unsigned swap = pf[ks][1];
-      pf[ks][1] = pf[ks][2];
-      pf[ks][2] = swap;
-    }
-#endif
-    // O (16 x D) += P V: B (keys x 8 columns) pairs the elements of rows 2t, 2t + 1; a 16-bit
-    // tile by ldmatrix.x4.trans (16 keys x two n-tiles), fp8 converted per element
+    quad_max(mx);
+    rescale_if_grew<kD / 8>(o, m, l, mx);
+    unsigned pf[kKW / 16][4];  // P as A fragments straight from S's registers
+    p_fragments<scalar_t, kKW / 8>(pf, s, m, l);
+    // O (16 x D) += P V: B (keys x 8 columns) pairs the elements of rows 2t, 2t + 1
 #pragma unroll
     for (int ks = 0; ks < kKW / 16; ++ks) {
 #ifdef KVC_INT4
-      if constexpr (true) {  // keys +2t, +2t+1 (b[0]) and +2t+8, +2t+9 (b[1]): one block each
-      const int key = key0 + ks * 16;
-      const int bi0 = ((tile0 + key) >> block_shift) - (tile0 >> block_shift);
-      const int bi1 = ((tile0 + key + 8) >> block_shift) - (tile0 >> block_shift);
-      const bool sealed0 = Int4Stage::sealed(raw, bi0), sealed1 = Int4Stage::sealed(raw, bi1);
-#pragma unroll
-      for (int q = 0; q < kD / 64; ++q) {
-        unsigned r0[8], r1[8];
-        int4.template v_frags<scalar_t>(r0, v_s, raw, key, tile0 + key, sealed0, q, g, t);
-        int4.template v_frags<scalar_t>(r1, v_s, raw, key + 8, tile0 + key + 8, sealed1, q, g, t);
-#pragma unroll
-        for (int mm = 0; mm < 8; ++mm) {
-          const unsigned vf[2] = {r0[mm], r1[mm]};
-          mma_m16n8k16<scalar_t>(o[8 * q + mm], pf[ks], vf);
-        }
-      }
-      } else if constexpr (sizeof(cache_t) == 2) {
+      int4.template pv<scalar_t>(o, pf[ks], v_s, raw, key0 + ks * 16, tile0, g, t);
 #else
-      if constexpr (sizeof(cache_t) == 2) {
+      pv_tile<scalar_t, cache_t, Rows, kD>(o, pf[ks], v_s, key0 + ks * 16, lane);
 #endif
-        pv_ldmatrix<scalar_t, Rows, kD>(o, pf[ks], v_s, key0 + ks * 16, lane);
-      } else {
-        const unsigned char* v0 = v_s + (key0 + ks * 16 + 2 * t) * kPitch;
-#pragma unroll
-        for (int n = 0; n < kD / 8; ++n) {
-          const int col = n * 8 + g;
-          const unsigned vf[2] = {
-              (unsigned)elem_at<scalar_t>(v0, col, v_cache) |
-                  ((unsigned)elem_at<scalar_t>(v0 + kPitch, col, v_cache) << 16),
-              (unsigned)elem_at<scalar_t>(v0 + 8 * kPitch, col, v_cache) |
-                  ((unsigned)elem_at<scalar_t>(v0 + 9 * kPitch, col, v_cache) << 16)};
-          mma_m16n8k16<scalar_t>(o[n], pf[ks], vf);
-        }
-      }
     }
 #ifndef KVC_BREAK_SYNC  // the tests' mutant: a buffer is staged again while warps still read it
     __syncthreads();
@@ -343,11 +248,7 @@ __device__ void decode_tc_partition(
   __syncthreads();     // the staging buffers become the merge records
 
   // each row's sum over its 4 lanes, then the key slices of a row block merge in slice order
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(KVC_FULL_MASK, l[r], 1);
-    l[r] += __shfl_xor_sync(KVC_FULL_MASK, l[r], 2);
-  }
+  quad_sum(l);
   float* rec = reinterpret_cast<float*>(smem);  // (warps, 16 rows, kLdO)
   if (slice > 0) {
 #pragma unroll

@@ -18,6 +18,7 @@
 // tiles by kv_int4_stage.cuh (every other variant compiles as before).
 #include "common.cuh"
 #include "mma_tile.cuh"  // mma.sync / cp.async through <ptx_ops.cuh> (the kernel dir is on the path)
+#include "online_softmax.cuh"
 
 #ifndef KVC_HEAD_DIM
 #define KVC_HEAD_DIM 128
@@ -42,6 +43,12 @@ constexpr int kRowBytes = kD * (int)sizeof(KVC_CACHE);
 constexpr int kPitch = kRowBytes + 16;  // padded shared row: 8 rows start 4 banks apart
 using Rows = SmemRows<kRowBytes, false>;  // (its kPitch: the fragment loads' row layout)
 constexpr int kTileBytes = kKT * kPitch;
+#ifdef KVC_INT4
+// P V in passes of 4 n-tile pairs: all 8 at once spill with the int4 staging's registers
+constexpr int kPvUnroll = 4;
+#else
+constexpr int kPvUnroll = kD / 16;
+#endif
 #ifdef KVC_INT4
 using Int4Stage = Int4Tile<kKT, KVC_PREFILL_MMA_THREADS, kD, kPitch, KVC_INT4_GROUP>;
 constexpr int kRawBytes = 2 * Int4Stage::kBytes;  // the packed rows' two buffers, after the tiles
@@ -111,8 +118,6 @@ __device__ void prefill_mma_tile(
 
   const int* table = block_tables + (long long)seq * max_blocks;
 #ifdef KVC_INT4
-  const cache_t* k_cache = nullptr;  // the fragment loads' type tags: the tiles hold activations
-  const cache_t* v_cache = nullptr;
   const Int4Stage int4(int4_cache, num_kv_heads, block_shift, kvh);
   unsigned char* raw = smem + 2 * 2 * kTileBytes;
   auto stage = [&](int k0, int b) {  // keys [k0, k0 + kKT) into buffer b
@@ -154,20 +159,7 @@ __device__ void prefill_mma_tile(
       float s[kKT / 8][4];  // S (16 rows x 64 keys); a 16-bit tile's K by ldmatrix.x4
 #pragma unroll
       for (int j = 0; j < kKT / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-      if constexpr (sizeof(cache_t) == 2) {
-        qk_ldmatrix<scalar_t, Rows, kD, kKT / 8>(s, qf, k_s, 0, lane);
-      } else {
-#pragma unroll
-        for (int kk = 0; kk < kD / 16; ++kk) {
-#pragma unroll
-          for (int j = 0; j < kKT / 8; ++j) {
-            const unsigned char* krow = k_s + (j * 8 + g) * kPitch;
-            const unsigned kf[2] = {pair_at<scalar_t>(krow, kk * 16 + 2 * t, k_cache),
-                                    pair_at<scalar_t>(krow, kk * 16 + 2 * t + 8, k_cache)};
-            mma_m16n8k16<scalar_t>(s[j], qf[kk], kf);
-          }
-        }
-      }
+      qk_tile<scalar_t, cache_t, Rows, kD, kKT / 8>(s, qf, k_s, 0, lane);
       // scale and mask (span, causal, window); element e: row g + 8 (e >> 1), key 2t + (e & 1)
       float mx[2] = {m[0], m[1]};
 #pragma unroll
@@ -181,61 +173,13 @@ __device__ void prefill_mma_tile(
           mx[r] = fmaxf(mx[r], s[j][e]);
         }
       }
+      quad_max(mx);
+      rescale_if_grew<kD / 8>(o, m, l, mx);
+      unsigned pf[kKT / 16][4];  // P as A fragments straight from S's registers
+      p_fragments<scalar_t, kKT / 8>(pf, s, m, l);
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(KVC_FULL_MASK, mx[r], 1));
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(KVC_FULL_MASK, mx[r], 2));
-      }
-      if (__any_sync(KVC_FULL_MASK, mx[0] != m[0] || mx[1] != m[1])) {  // a row's max grew
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const float alpha = m[r] == kvc_neg_inf() ? 0.0f : __expf(m[r] - mx[r]);
-          l[r] *= alpha;
-#pragma unroll
-          for (int n = 0; n < kD / 8; ++n) {
-            o[n][2 * r] *= alpha;
-            o[n][2 * r + 1] *= alpha;
-          }
-          m[r] = mx[r];
-        }
-      }
-      unsigned pf[kKT / 16][4];  // P as A fragments; l sums P as rounded for P V
-#pragma unroll
-      for (int j = 0; j < kKT / 8; ++j) {
-        scalar_t p[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          p[e] = from_float<scalar_t>(s[j][e] == kvc_neg_inf() ? 0.0f
-                                                               : __expf(s[j][e] - m[e >> 1]));
-          l[e >> 1] += to_float(p[e]);
-        }
-        pf[j / 2][2 * (j & 1)] = pack2(p[0], p[1]);      // row g
-        pf[j / 2][2 * (j & 1) + 1] = pack2(p[2], p[3]);  // row g + 8
-      }
-#ifdef KVC_BREAK_FRAGMENT  // the tests' mutant: rows g + 8 and keys 8-15 trade places
-      for (int ks = 0; ks < kKT / 16; ++ks) {
-        const unsigned swap = pf[ks][1];
-        pf[ks][1] = pf[ks][2];
-        pf[ks][2] = swap;
-      }
-#endif
-#pragma unroll
-      for (int ks = 0; ks < kKT / 16; ++ks) {  // O (16 x D) += P V (16-bit: ldmatrix.x4.trans)
-        if constexpr (sizeof(cache_t) == 2) {
-          pv_ldmatrix<scalar_t, Rows, kD>(o, pf[ks], v_s, ks * 16, lane);
-        } else {
-          const unsigned char* v0 = v_s + (ks * 16 + 2 * t) * kPitch;
-#pragma unroll
-          for (int n = 0; n < kD / 8; ++n) {
-            const int col = n * 8 + g;
-            const unsigned vf[2] = {
-                (unsigned)elem_at<scalar_t>(v0, col, v_cache) |
-                    ((unsigned)elem_at<scalar_t>(v0 + kPitch, col, v_cache) << 16),
-                (unsigned)elem_at<scalar_t>(v0 + 8 * kPitch, col, v_cache) |
-                    ((unsigned)elem_at<scalar_t>(v0 + 9 * kPitch, col, v_cache) << 16)};
-            mma_m16n8k16<scalar_t>(o[n], pf[ks], vf);
-          }
-        }
+      for (int ks = 0; ks < kKT / 16; ++ks) {  // O (16 x D) += P V
+        pv_tile<scalar_t, cache_t, Rows, kD, kPvUnroll>(o, pf[ks], v_s, ks * 16, lane);
       }
     }
 #ifndef KVC_BREAK_SYNC  // the tests' mutant: a buffer is staged again while warps still read it
@@ -244,10 +188,9 @@ __device__ void prefill_mma_tile(
   }
   cp_async_wait<0>();  // (nothing is left in flight: the last tile was waited for)
 
+  quad_sum(l);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(KVC_FULL_MASK, l[r], 1);
-    l[r] += __shfl_xor_sync(KVC_FULL_MASK, l[r], 2);
     if (!row_valid[r]) continue;
     const int row = warp * 16 + g + 8 * r;
     const int h = KVC_QHEAD(kvh, row % G, G, num_kv_heads);

@@ -40,6 +40,9 @@ class PtxFacts:
     tile_ldmatrix: int = 0  # ldmatrix per warp per pass
     tile_smem_slots: int = 0  # shared-memory pipe slots per warp per pass
     tile_inner_loops: int = 0  # backward branches inside the tile loop (0: straight counts)
+    inner_instructions: int = 0  # of those inner loops' bodies, once each (per warp)
+    inner_mma: int = 0
+    inner_smem_slots: int = 0
 
 
 def tile_loop(body: str) -> str:
@@ -81,12 +84,13 @@ def instructions(code: str) -> int:
     return len(_INSTRUCTION.findall(code))
 
 
-def inner_loops(loop: str) -> int:
-    """Backward branches inside `loop` other than the one closing it."""
+def inner_loops(loop: str) -> list[str]:
+    """The bodies of the loops inside `loop` (a label up to a backward branch to it, other
+    than the branch closing `loop`)."""
     labels = {m.group(1): m.start() for m in _LABEL.finditer(loop)}
     branches = list(_BRANCH.finditer(loop))
-    return sum(1 for m in branches[:-1]
-               if m.group(1) in labels and labels[m.group(1)] < m.start())
+    return [loop[labels[m.group(1)]:m.end()] for m in branches[:-1]
+            if m.group(1) in labels and labels[m.group(1)] < m.start()]
 
 
 def ptx_facts(ptx: str) -> dict[str, PtxFacts]:
@@ -101,10 +105,14 @@ def ptx_facts(ptx: str) -> dict[str, PtxFacts]:
         threads = int(bounds.group(1)) * int(bounds.group(2)) * int(bounds.group(3)) \
             if bounds else 0
         loop = tile_loop(body)
+        inner = inner_loops(loop)
         out[parts[i]] = PtxFacts(len(_VECTOR_LOAD.findall(body)),
                                  len(_TENSOR_CORE.findall(body)),
                                  len(_CP_ASYNC.findall(body)),
                                  shared_bytes(loop) * threads, instructions(loop),
                                  len(_TENSOR_CORE.findall(loop)), len(_LDMATRIX.findall(loop)),
-                                 smem_slots(loop), inner_loops(loop))
+                                 smem_slots(loop), len(inner),
+                                 sum(instructions(x) for x in inner),
+                                 sum(len(_TENSOR_CORE.findall(x)) for x in inner),
+                                 sum(smem_slots(x) for x in inner))
     return out

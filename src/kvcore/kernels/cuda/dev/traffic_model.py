@@ -63,10 +63,10 @@ class Estimate:
     useful_tflops: float
 
 
-def estimate(workload: str, cost: TileCost, block_tiles: int, extra_bytes: int,
+def estimate(workload: str, cost: TileCost, block_tiles: int, hbm_bytes: float,
              useful_flop: float) -> Estimate:
     warp_tiles = block_tiles * cost.warps
-    hbm = (block_tiles * cost.global_bytes + extra_bytes) / HBM_BYTES_PER_S
+    hbm = hbm_bytes / HBM_BYTES_PER_S
     tensor = warp_tiles * cost.mma * MMA_FLOP / DENSE_FP16_FLOPS
     smem = warp_tiles * cost.slots / (SMS * CLOCK_HZ)
     issue = warp_tiles * cost.instructions / (SMS * 4 * CLOCK_HZ)
@@ -86,19 +86,24 @@ def decode_workload(cost: TileCost, batch: int, context: int, heads: int = 32,
     parts = min(32, -(-context // 512))
     partials = batch * heads * parts * (head_dim + 2) * 4 * 2 if parts > 1 else 0
     flop = 4.0 * batch * context * heads * head_dim
-    return estimate(f"decode b{batch} x {context // 1024}k", cost, batch * kv_heads * tiles,
-                    partials, flop)
+    block_tiles = batch * kv_heads * tiles
+    return estimate(f"decode b{batch} x {context // 1024}k", cost, block_tiles,
+                    block_tiles * cost.global_bytes + partials, flop)
 
 
 def prefill_workload(cost: TileCost, length: int, heads: int = 32, kv_heads: int = 8,
                      head_dim: int = 128) -> Estimate:
     """Causal prefill of one prompt: 128-row query tiles (128 / G positions), each against the
-    64-key tiles up to its last position."""
+    64-key tiles up to its last position. HBM: Q, O and the K/V tiles once (the K/V of one
+    prompt, 16 MB at 4k, stay in the 50 MB L2 for the query tiles that reread them)."""
     positions = 128 // (heads // kv_heads)
     q_tiles = -(-length // positions)
     tiles = sum(-(-min(length, (i + 1) * positions) // 64) for i in range(q_tiles))
     flop = 2.0 * 2 * heads * head_dim * length * length / 2  # QK and PV, causal half
-    return estimate(f"prefill {length // 1024}k causal", cost, kv_heads * tiles, 0, flop)
+    kv_bytes = kv_heads * -(-length // 64) * cost.global_bytes
+    qo_bytes = 2 * length * heads * head_dim * 2
+    return estimate(f"prefill {length // 1024}k causal", cost, kv_heads * tiles,
+                    kv_bytes + qo_bytes, flop)
 
 
 def mla_workload(cost: TileCost, batch: int, context: int, heads: int = 128,
@@ -107,26 +112,33 @@ def mla_workload(cost: TileCost, batch: int, context: int, heads: int = 128,
     row_tiles = -(-heads // 64)
     tiles = -(-context // keys)
     flop = 2.0 * batch * heads * context * (rank + rope + rank)
-    return estimate(f"MLA b{batch} x {context // 1024}k", cost, batch * row_tiles * tiles, 0, flop)
+    # the two row tiles of a sequence run side by side: the second reads the tile from L2
+    return estimate(f"MLA b{batch} x {context // 1024}k", cost, batch * row_tiles * tiles,
+                    batch * tiles * cost.global_bytes, flop)
 
 
-# (name, source, defines, warps, global bytes per tile): the variants the tables use
+# (name, source, defines, warps, global bytes per tile, trips of the loop inside the tile loop:
+# MLA's S loop runs 36 16-column steps two at a time, unrolled 3 times: 6): the variants the
+# tables use; the int4
+# ones compiled with KVC_INT4_PROBE_SEALED, the common tile (every block sealed: a sequence has
+# at most its last block or two in the fp16 window)
 VARIANTS = (
     ("decode fp16", "paged_attention_decode_tc.cu",
-     ("KVC_HEAD_DIM=128", "KVC_GROUP=4", "KVC_SCALAR=__half", "KVC_CACHE=__half"), 4, 32768),
+     ("KVC_HEAD_DIM=128", "KVC_GROUP=4", "KVC_SCALAR=__half", "KVC_CACHE=__half"), 4, 32768, 1),
     ("decode int4", "paged_attention_decode_tc.cu",
-     ("KVC_HEAD_DIM=128", "KVC_GROUP=4", "KVC_SCALAR=__half", "KVC_INT4", "KVC_INT4_GROUP=32"),
-     4, 11264),
+     ("KVC_HEAD_DIM=128", "KVC_GROUP=4", "KVC_SCALAR=__half", "KVC_INT4", "KVC_INT4_GROUP=32",
+      "KVC_INT4_PROBE_SEALED"), 4, 11264, 1),
     ("prefill fp16", "paged_attention_prefill_mma.cu",
-     ("KVC_HEAD_DIM=128", "KVC_SCALAR=__half", "KVC_CACHE=__half"), 8, 32768),
+     ("KVC_HEAD_DIM=128", "KVC_SCALAR=__half", "KVC_CACHE=__half"), 8, 32768, 1),
     ("prefill int4", "paged_attention_prefill_mma.cu",
-     ("KVC_HEAD_DIM=128", "KVC_SCALAR=__half", "KVC_INT4", "KVC_INT4_GROUP=32"), 8, 11264),
+     ("KVC_HEAD_DIM=128", "KVC_SCALAR=__half", "KVC_INT4", "KVC_INT4_GROUP=32",
+      "KVC_INT4_PROBE_SEALED"), 8, 11264, 1),
     ("MLA fp16", "mla_attention.cu",
      ("KVC_LORA_RANK=512", "KVC_ROPE_DIM=64", "KVC_SCALAR=__half", "KVC_CACHE=__half",
-      "KVC_MLA_KEYS=64"), 8, 73728),
+      "KVC_MLA_KEYS=64"), 8, 73728, 6),
     ("MLA fp8", "mla_attention.cu",
      ("KVC_LORA_RANK=512", "KVC_ROPE_DIM=64", "KVC_SCALAR=__half",
-      "KVC_CACHE=__nv_fp8_e4m3", "KVC_MLA_KEYS=64"), 8, 36864),
+      "KVC_CACHE=__nv_fp8_e4m3", "KVC_MLA_KEYS=64"), 8, 36864, 1),
 )
 _ENTRY = {"paged_attention_decode_tc.cu": "paged_attention_decode_tc",
           "paged_attention_prefill_mma.cu": "paged_attention_prefill_mma",
@@ -139,12 +151,14 @@ def tile_costs() -> dict[str, TileCost]:
     from kvcore.kernels.cuda.nvrtc import KERNEL_DIR
 
     out: dict[str, TileCost] = {}
-    for name, source, defines, warps, global_bytes in VARIANTS:
-        report = next(r for r in compile_source(KERNEL_DIR / source, "90", defines)
-                      if r.kernel == _ENTRY[source])
-        out[name] = TileCost(name, warps, report.tile_instructions, report.tile_mma,
-                             report.tile_smem_slots, global_bytes, report.registers,
-                             report.static_smem)
+    for name, source, defines, warps, global_bytes, trips in VARIANTS:
+        r = next(r for r in compile_source(KERNEL_DIR / source, "90", defines)
+                 if r.kernel == _ENTRY[source])
+        extra = trips - 1  # the inner loop's body is in the tile loop's counts once
+        out[name] = TileCost(name, warps, r.tile_instructions + extra * r.inner_instructions,
+                             r.tile_mma + extra * r.inner_mma,
+                             r.tile_smem_slots + extra * r.inner_smem_slots, global_bytes,
+                             r.registers, r.static_smem)
     return out
 
 
