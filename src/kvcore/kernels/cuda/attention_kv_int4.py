@@ -38,17 +38,20 @@ from kvcore.kernels.cuda.occupancy import PARTITION_TOKENS, split_grid
 INT4_HEAD_DIMS = (64, 128)  # 256 would need 186 KB of shared memory: over sm_80's 163
 _CTYPES = {"f16": "__half", "bf16": "__nv_bfloat16"}
 # sm_90 registers per thread of the KVC_INT4 decode variants by head_dim: upper bounds of what
-# compile_check reports for GQA groups 1 to 32 (a compile test holds them to it)
-INT4_DECODE_REGISTERS = {64: 160, 128: 168}
+# compile_check reports for GQA groups 1 to 32 (a compile test holds them to it; head_dim 128
+# builds for 2 resident blocks, as its shared memory allows)
+INT4_DECODE_REGISTERS = {64: 170, 128: 200}
 
 
 def int4_raw_bytes(head_dim: int, group: int) -> int:
     """Int4Tile::kBytes (kv_int4_stage.cuh): one buffer of a 64-key tile's packed rows: K and V
-    nibbles, V scale and zero words per key, the K scales and zeros of 9 blocks, key flags."""
+    codes, V scale and zero words per key, the K scales and zeros of 9 blocks, and the 9 blocks'
+    records (two row addresses and a kind: 24 bytes each)."""
     keys, nib, n = DECODE_TC_KEYS, head_dim // 2, head_dim // group
     words = n // 2 if n >= 2 else 1
-    flags = 2 * keys * nib + keys * 2 * words * 4 + (keys // INT4_MIN_BLOCK_SIZE + 1) * 4 * head_dim
-    return -(-(flags + keys) // 16) * 16
+    blocks = keys // INT4_MIN_BLOCK_SIZE + 1
+    records = 2 * keys * nib + keys * 2 * words * 4 + blocks * 4 * head_dim
+    return -(-(records + blocks * 24) // 16) * 16
 
 
 def int4_tile_global_bytes(head_dim: int, group: int, block_size: int = 16) -> int:

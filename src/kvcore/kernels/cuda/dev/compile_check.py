@@ -225,8 +225,8 @@ def _tile_problems(r: KernelReport, where: str, group: int) -> list[str]:
     """The key-tile loop's counts: ldmatrix in the 16-bit register-tile kernels, a straight
     16-bit decode loop (its counts are per pass; int4 keeps its rare window-row loop rolled),
     and the decode budgets at the reference shape."""
-    if r.kernel not in REGISTER_TILE_KERNELS:
-        return []
+    if r.kernel not in REGISTER_TILE_KERNELS or r.tile_instructions == 0:
+        return []  # (no tile loop found: the byte checks below report that)
     found: list[str] = []
     fp8 = "fp8" in r.variant
     int4 = "KVC_INT4" in r.variant

@@ -119,9 +119,10 @@ def mla_workload(cost: TileCost, batch: int, context: int, heads: int = 128,
 
 # (name, source, defines, warps, global bytes per tile, trips of the loop inside the tile loop:
 # MLA's S loop runs 36 16-column steps two at a time, unrolled 3 times: 6): the variants the
-# tables use; the int4
-# ones compiled with KVC_INT4_PROBE_SEALED, the common tile (every block sealed: a sequence has
-# at most its last block or two in the fp16 window)
+# tables use; int4 decode compiled with KVC_INT4_PROBE_SEALED, the common tile (every block
+# sealed: a sequence has at most its last block or two in the fp16 window). Int4 prefill is not
+# modelled: its tile loop keeps rolled loops (the per-tile unpack, P V in passes) whose trips
+# the static counts do not see.
 VARIANTS = (
     ("decode fp16", "paged_attention_decode_tc.cu",
      ("KVC_HEAD_DIM=128", "KVC_GROUP=4", "KVC_SCALAR=__half", "KVC_CACHE=__half"), 4, 32768, 1),
@@ -130,9 +131,6 @@ VARIANTS = (
       "KVC_INT4_PROBE_SEALED"), 4, 11264, 1),
     ("prefill fp16", "paged_attention_prefill_mma.cu",
      ("KVC_HEAD_DIM=128", "KVC_SCALAR=__half", "KVC_CACHE=__half"), 8, 32768, 1),
-    ("prefill int4", "paged_attention_prefill_mma.cu",
-     ("KVC_HEAD_DIM=128", "KVC_SCALAR=__half", "KVC_INT4", "KVC_INT4_GROUP=32",
-      "KVC_INT4_PROBE_SEALED"), 8, 11264, 1),
     ("MLA fp16", "mla_attention.cu",
      ("KVC_LORA_RANK=512", "KVC_ROPE_DIM=64", "KVC_SCALAR=__half", "KVC_CACHE=__half",
       "KVC_MLA_KEYS=64"), 8, 73728, 6),
@@ -168,7 +166,6 @@ def estimates(costs: dict[str, TileCost]) -> list[Estimate]:
             decode_workload(costs["decode fp16"], 1, 16384),
             decode_workload(costs["decode int4"], 1, 16384),
             prefill_workload(costs["prefill fp16"], 4096),
-            prefill_workload(costs["prefill int4"], 4096),
             mla_workload(costs["MLA fp16"], 64, 4096),
             mla_workload(costs["MLA fp8"], 64, 4096)]
 
