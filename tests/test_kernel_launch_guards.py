@@ -115,3 +115,20 @@ def test_good_launch_picks_the_variants(heads: int, kernels: list[str]) -> None:
                                           "KVC_SCALAR=__half", "KVC_CACHE=__nv_fp8_e4m3"}
     assert set(backend.fetched[-1][2]) == {"KVC_HEAD_DIM=64", "KVC_SCALAR=__half",
                                            "KVC_CACHE=__nv_fp8_e4m3"}
+
+
+@pytest.mark.parametrize("shape,decode,prefill", [
+    (("f16", "f16", 4, 128, 16), "paged_attention_decode_tc.cu", "paged_attention_prefill_mma.cu"),
+    (("bf16", "fp8", 8, 256, 16), "paged_attention_decode_tc.cu", "paged_attention_prefill_tc.cu"),
+    (("f16", "f16", 8, 64, 12), "paged_attention_prefill_tc.cu", "paged_attention_prefill_tc.cu"),
+    (("f16", "f16", 2, 64, 16), "paged_attention_decode.cu", "paged_attention_prefill_mma.cu"),
+    (("f32", "fp8", 8, 128, 16), "paged_attention_decode.cu", "paged_attention_prefill.cu"),
+    (("f16", "int4", 1, 128, 16), "paged_attention_decode_tc.cu",
+     "paged_attention_prefill_mma.cu"),
+])
+def test_the_kernel_table_picks(shape: tuple, decode: str, prefill: str) -> None:
+    """variants.pick: the table the planners launch from and compile_check builds from."""
+    from kvcore.kernels.cuda.variants import AttentionShape, pick
+
+    s = AttentionShape(*shape)
+    assert pick("decode", s).source == decode and pick("prefill", s).source == prefill

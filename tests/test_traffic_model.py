@@ -27,7 +27,8 @@ $L__BB0_1:
 $L__BB0_2:
 \tadd.s32 %r14, %r14, 1;
 \t@%p1 bra $L__BB0_2;
-\tmma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f1, %f2, %f3, %f4}, {%r1, %r2, %r3, %r4}, {%r5, %r6}, {%f1, %f2, %f3, %f4};
+\tmma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f1, %f2, %f3, %f4}, {%r1, %r2, %r3, %r4},
+ {%r5, %r6}, {%f1, %f2, %f3, %f4};
 \tst.shared.u32 [%r3], %r9;
 \tbra.uni $L__BB0_1;
 }

@@ -18,7 +18,6 @@ from kvcore.kernels.cuda.attention import (
     DECODE_TC_KEYS,
     DECODE_TC_THREADS,
     MAX_GROUP,
-    PREFILL_MMA_MAX_HEAD_DIM,
     PREFILL_MMA_ROWS,
     PREFILL_MMA_THREADS,
     decode_defines,
@@ -34,6 +33,7 @@ from kvcore.kernels.cuda.launch import (
     upload_seq_metadata,
 )
 from kvcore.kernels.cuda.occupancy import PARTITION_TOKENS, split_grid
+from kvcore.kernels.cuda.variants import PREFILL_MMA_MAX_HEAD_DIM
 
 INT4_HEAD_DIMS = (64, 128)  # 256 would need 186 KB of shared memory: over sm_80's 163
 _CTYPES = {"f16": "__half", "bf16": "__nv_bfloat16"}
@@ -131,7 +131,7 @@ def plan_int4_attention(backend: Backend, query: Any, k_cache: Any, v_cache: Any
     window = int(sliding_window or 0)
     shape = batch_shape(backend, block_tables, context_lens, query_start_loc, num_tokens,
                         block_size, host_metadata, window)
-    num_seqs, max_blocks, num_decode = shape.num_seqs, shape.max_blocks, shape.num_decode
+    num_seqs, max_blocks = shape.num_seqs, shape.max_blocks
     decode_span, max_q_len = shape.decode_span, shape.max_q_len
     if max_q_len > 1 and head_dim > PREFILL_MMA_MAX_HEAD_DIM:
         raise ValueError(f"int4 prefill on CUDA compiles for head_dim up to "
