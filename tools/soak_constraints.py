@@ -1,0 +1,178 @@
+"""The soak's constraint phase (tools/soak.py): request shapes that crashed, stalled or bloated
+servers built on llguidance, sent to a live kvcore server.
+
+- crash shapes: a JSON schema that is a chain of $refs, a $ref chain of arrays, a Lark grammar
+  that is a chain of rules (at `scale` times the lengths that crashed: 3,000 / 2,000 / 3,000),
+  each must be a 400 naming its field, and the server must go on answering;
+- clear errors: unsatisfiable constraints (a required recursive $ref, a $ref cycle, a rule with
+  no finite derivation), `strict` that is not a boolean, tools whose grammar is too large, a
+  lone surrogate in a call's arguments: 400s naming the field;
+- stall shapes: the longest gap between a plain stream's tokens alone, then while large grammars
+  (unique 20,000-way alternations), a 100-property schema and backtracking-prone regexes arrive;
+- memory: the server's resident set size across a loop of unique large schemas (enums of
+  thousands of values), which the byte-bounded cache must keep flat.
+
+Shapes are also used by the tests (tests/test_constraint_safety_service.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+CRASH_LENGTHS = {"schema_chain": 3000, "array_chain": 2000, "grammar_chain": 3000}
+STALL_REGEXES = ("a**", "(x+x+)+y", r"(\w+\s?)*$")
+UNIQUE_ENUM_VALUES = 12_000  # ~220 KB of schema: llguidance holds ~5 MB compiled
+
+
+def schema_chain(n: int) -> dict[str, Any]:
+    defs: dict[str, Any] = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n - 1)}
+    defs[f"d{n - 1}"] = {"type": "integer"}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
+def array_chain(n: int) -> dict[str, Any]:
+    defs: dict[str, Any] = {f"d{i}": {"type": "array", "items": {"$ref": f"#/$defs/d{i + 1}"}}
+                            for i in range(n - 1)}
+    defs[f"d{n - 1}"] = {"type": "integer"}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
+def grammar_chain(n: int) -> str:
+    return "\n".join(["start: r0", *(f'r{i}: r{i + 1} "a" | "b"' for i in range(n - 1)),
+                      f'r{n - 1}: "c"'])
+
+
+def alternation(n: int, tag: str = "") -> str:
+    """A Lark grammar of n literal alternatives (~11 bytes each): a compile of ~0.4 s."""
+    return "start: " + " | ".join(f'"w{tag}{i:06d}x"' for i in range(n))
+
+
+def unique_enum(i: int, num_values: int = UNIQUE_ENUM_VALUES) -> dict[str, Any]:
+    return {"type": "object", "properties": {"pick": {"enum": [
+        f"v{i}-{k:06d}" for k in range(num_values)]}}, "required": ["pick"]}
+
+
+def schema_format(schema: dict[str, Any], strict: Any = True) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "s", "schema": schema,
+                                                   "strict": strict}}
+
+
+SCHEMA_PARAM = "response_format.json_schema.schema"
+
+
+def crash_cases(scale: float) -> list[tuple[str, dict[str, Any], str]]:
+    """(name, body fields, the param its 400 must name) of each crash shape at `scale` times
+    the lengths that crashed."""
+    n = {k: max(int(v * scale), 2) for k, v in CRASH_LENGTHS.items()}
+    return [
+        ("schema_chain", {"response_format": schema_format(schema_chain(n["schema_chain"]))},
+         SCHEMA_PARAM),
+        ("array_chain", {"response_format": schema_format(array_chain(n["array_chain"]))},
+         SCHEMA_PARAM),
+        ("grammar_chain", {"structured_outputs": {"grammar": grammar_chain(n["grammar_chain"])}},
+         "structured_outputs.grammar"),
+    ]
+
+
+def error_cases() -> list[tuple[str, dict[str, Any], str]]:
+    """The unsatisfiable, mistyped, oversized and invalid-Unicode constraints (S3, S4, S6)."""
+    recursive = {"$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}},
+                                 "required": ["x"]}}, "$ref": "#/$defs/a"}
+    cycle = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+             "$ref": "#/$defs/a"}
+    many = [{"type": "function", "function": {"name": f"tool_{t}", "parameters": {
+        "type": "object", "properties": {f"p{p}": {"type": "string"} for p in range(100)}}}}
+        for t in range(128)]
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "f", "arguments": '{"city": "\\ud800"}'}}
+    return [
+        ("recursive_required_ref", {"response_format": schema_format(recursive)}, SCHEMA_PARAM),
+        ("ref_cycle", {"response_format": schema_format(cycle)}, SCHEMA_PARAM),
+        ("rule_without_end", {"structured_outputs": {"grammar": 'start: a\na: a "x"'}},
+         "structured_outputs.grammar"),
+        ("strict_not_boolean", {"response_format": schema_format({"type": "object"}, "yes")},
+         "response_format.json_schema.strict"),
+        ("tools_too_large", {"tools": many, "tool_choice": "required"}, "tools"),
+        ("surrogate_in_arguments", {"messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "{}"}]}, "messages"),
+    ]
+
+
+def stall_bodies(num_grammars: int, run: str) -> list[dict[str, Any]]:
+    """The large constraints sent while a plain stream runs (unique per run: never cached)."""
+    bodies: list[dict[str, Any]] = [
+        {"structured_outputs": {"grammar": alternation(20_000, f"{run}g{i}")}}
+        for i in range(num_grammars)]
+    bodies += [{"structured_outputs": {"regex": f"{r}{run}"}} for r in STALL_REGEXES]
+    bodies.append({"response_format": schema_format({"type": "object", "properties": {
+        f"p{run}{i}": {"type": "string"} for i in range(100)}})})
+    return bodies
+
+
+def gaps(times: list[float]) -> dict[str, float | int]:
+    deltas = sorted(b - a for a, b in zip(times, times[1:], strict=False))
+    if not deltas:
+        return {"count": 0, "max_s": 0.0, "p50_s": 0.0}
+    return {"count": len(deltas), "max_s": round(deltas[-1], 4),
+            "p50_s": round(deltas[len(deltas) // 2], 4)}
+
+
+Post = Callable[[dict[str, Any]], Awaitable[tuple[int, bytes]]]
+Stream = Callable[[dict[str, Any]], Awaitable[list[float]]]
+
+
+async def stall_probe(post: Post, stream: Stream, plain: dict[str, Any], num_grammars: int,
+                      run: str) -> dict[str, Any]:
+    """A plain stream's token gaps alone, then while the stall shapes arrive (each asks for one
+    token: what is measured is their compile, not their decoding)."""
+    alone = gaps(await stream(plain))
+    bodies = stall_bodies(num_grammars, run)
+
+    async def arrive() -> list[int]:
+        await asyncio.sleep(0.05)
+        results = await asyncio.gather(*(post({**b, "max_tokens": 1}) for b in bodies))
+        return [status for status, _ in results]
+
+    times, statuses = await asyncio.gather(stream(plain), arrive())
+    loaded = gaps(times)
+    return {"alone": alone, "with_grammars": loaded, "grammar_statuses": statuses,
+            "ratio_max": round(loaded["max_s"] / alone["max_s"], 2) if alone["max_s"] else None}
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+async def memory_loop(post: Post, rss: Callable[[], int], num_schemas: int,
+                      run: str) -> dict[str, Any]:
+    """RSS before, after the first quarter (warm) and after all of `num_schemas` unique
+    large-enum schemas."""
+    before = rss()
+    warm = after = before
+    start = time.monotonic()
+    statuses: dict[str, int] = {}
+    for i in range(num_schemas):
+        schema = unique_enum(i)
+        schema["title"] = f"{run}-{i}"
+        status, _ = await post({"response_format": schema_format(schema), "max_tokens": 1})
+        statuses[str(status)] = statuses.get(str(status), 0) + 1
+        if i + 1 == max(num_schemas // 4, 1):
+            warm = rss()
+    after = rss()
+    return {"schemas": num_schemas, "statuses": statuses, "rss_before_mb": before >> 20,
+            "rss_warm_mb": warm >> 20, "rss_after_mb": after >> 20,
+            "growth_after_warm_mb": (after - warm) >> 20, "growth_mb": (after - before) >> 20,
+            "seconds": round(time.monotonic() - start, 1)}
+
+
+def body_json(body: dict[str, Any]) -> bytes:
+    return json.dumps(body).encode()
