@@ -17,13 +17,13 @@ from typing import Any
 
 import pytest
 
+from engine_helpers import make_engine
 from kvcore.config import ParamError
 from kvcore.engine import AsyncEngine
 from kvcore.grammar.cache import Compiled, CompiledCache
 from kvcore.grammar.pool import CompilePool
 from kvcore.model.tokenizer import Tokenizer
 from kvcore.sampling.constraints import Constraint, ConstraintCompiler
-from engine_helpers import make_engine
 
 TOOLS = Path(__file__).parent.parent / "tools"
 sys.path.insert(0, str(TOOLS))

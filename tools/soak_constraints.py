@@ -46,8 +46,9 @@ def grammar_chain(n: int) -> str:
 
 
 def alternation(n: int, tag: str = "") -> str:
-    """A Lark grammar of n literal alternatives (~11 bytes each): a compile of ~0.4 s."""
-    return "start: " + " | ".join(f'"w{tag}{i:06d}x"' for i in range(n))
+    """A Lark grammar of n literal alternatives (~11 bytes each; 20,000: 220 KB, a compile of
+    0.4-1 s), `tag` the first (grammars of different tags are different)."""
+    return f'start: "{tag}" | ' + " | ".join(f'"w{i:06d}x"' for i in range(n))
 
 
 def unique_enum(i: int, num_values: int = UNIQUE_ENUM_VALUES) -> dict[str, Any]:
@@ -108,14 +109,15 @@ def stall_bodies(num_grammars: int, run: str) -> list[dict[str, Any]]:
     bodies: list[dict[str, Any]] = [
         {"structured_outputs": {"grammar": alternation(20_000, f"{run}g{i}")}}
         for i in range(num_grammars)]
-    bodies += [{"structured_outputs": {"regex": f"{r}{run}"}} for r in STALL_REGEXES]
+    bodies += [{"structured_outputs": {"regex": f"{run}{r}"}} for r in STALL_REGEXES]
     bodies.append({"response_format": schema_format({"type": "object", "properties": {
         f"p{run}{i}": {"type": "string"} for i in range(100)}})})
     return bodies
 
 
-def gaps(times: list[float]) -> dict[str, float | int]:
-    deltas = sorted(b - a for a, b in zip(times, times[1:], strict=False))
+def gaps(streams: list[list[float]]) -> dict[str, float | int]:
+    """Gaps between consecutive tokens within each stream of token arrival times."""
+    deltas = sorted(b - a for times in streams for a, b in zip(times, times[1:], strict=False))
     if not deltas:
         return {"count": 0, "max_s": 0.0, "p50_s": 0.0}
     return {"count": len(deltas), "max_s": round(deltas[-1], 4),
@@ -129,18 +131,31 @@ Stream = Callable[[dict[str, Any]], Awaitable[list[float]]]
 async def stall_probe(post: Post, stream: Stream, plain: dict[str, Any], num_grammars: int,
                       run: str) -> dict[str, Any]:
     """A plain stream's token gaps alone, then while the stall shapes arrive (each asks for one
-    token: what is measured is their compile, not their decoding)."""
-    alone = gaps(await stream(plain))
+    token: what is measured is their compile, not their decoding); the plain stream runs again
+    until the last of them is answered, so every compile overlaps it."""
+    alone = gaps([await stream(plain)])
     bodies = stall_bodies(num_grammars, run)
 
-    async def arrive() -> list[int]:
-        await asyncio.sleep(0.05)
-        results = await asyncio.gather(*(post({**b, "max_tokens": 1}) for b in bodies))
-        return [status for status, _ in results]
+    async def during(requests: list[dict[str, Any]]) -> tuple[list[list[float]],
+                                                               list[tuple[int, bytes]], float]:
+        arrivals = asyncio.ensure_future(asyncio.gather(
+            *(post({**b, "max_tokens": 1}) for b in requests)))
+        streams = []
+        start = time.monotonic()
+        while not arrivals.done() or not streams:
+            streams.append(await stream(plain))
+        return streams, await arrivals, time.monotonic() - start
 
-    times, statuses = await asyncio.gather(stream(plain), arrive())
-    loaded = gaps(times)
-    return {"alone": alone, "with_grammars": loaded, "grammar_statuses": statuses,
+    streams, results, seconds = await during(bodies)
+    loaded = gaps(streams)
+    # the same requests again, compiled already (cache hits): what the requests cost the
+    # stream besides their compiles (their bodies, their own engine steps)
+    cached = gaps((await during(bodies))[0])
+    return {"alone": alone, "with_grammars": loaded, "with_cached_grammars": cached,
+            "streams_while_arriving": len(streams), "arrivals_s": round(seconds, 2),
+            "grammar_statuses": [status for status, _ in results],
+            "grammar_errors": [raw[:300].decode(errors="replace") for status, raw in results
+                               if status != 200],
             "ratio_max": round(loaded["max_s"] / alone["max_s"], 2) if alone["max_s"] else None}
 
 

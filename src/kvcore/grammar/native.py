@@ -6,9 +6,11 @@ proves the server survives it."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import json
+import os
 import queue
 import threading
 import time
@@ -44,6 +46,7 @@ STEP_MAX_ITEMS = 50_000
 MAX_LEXER_STATES = 50_000  # lexer states a matcher may build lazily (~1-2 KB each)
 # JSON without optional whitespace: an unsure model cannot spend max_tokens on blanks
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
+COMPILE_NICE = 5  # compile threads and worker processes yield the cores to the engine
 T = TypeVar("T")
 
 
@@ -128,7 +131,8 @@ class CompileThreads:
     _stack_lock = threading.Lock()  # threading.stack_size is process-wide: set, start, restore
 
     def __init__(self, num_threads: int, stack_bytes: int = COMPILE_STACK_BYTES,
-                 name: str = "kvcore-compile") -> None:
+                 name: str = "kvcore-compile", nice: int = COMPILE_NICE) -> None:
+        self._nice = nice
         self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = (
             queue.SimpleQueue())
         self._threads = []
@@ -152,6 +156,11 @@ class CompileThreads:
             self._jobs.put(None)
 
     def _run(self) -> None:
+        if self._nice and hasattr(os, "setpriority"):
+            # Linux: a thread's own niceness (its id names it): compiles yield the cores to the
+            # engine's threads and the event loop
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
         while (job := self._jobs.get()) is not None:
             fn, future = job
             if not future.set_running_or_notify_cancel():

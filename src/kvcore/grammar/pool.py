@@ -20,13 +20,12 @@ from typing import Any, NoReturn
 
 import kvcore
 from kvcore.config import ParamError
-from kvcore.grammar.native import COMPILE_STACK_BYTES, MAX_GRAMMAR_SIZE
+from kvcore.grammar.native import COMPILE_NICE, COMPILE_STACK_BYTES, MAX_GRAMMAR_SIZE
 from kvcore.grammar.worker import read_frame, write_frame
 
 NUM_WORKERS = 2
 COMPILE_TIMEOUT_S = 10.0  # a compile (and its first mask) over this is a 400
 WORKER_MEMORY_BYTES = 2 << 30  # address space a worker may add beyond its start-up size
-WORKER_NICE = 5  # compiles yield the cores to the engine's threads
 STARTUP_TIMEOUT_S = 120.0  # importing llguidance and building its tokenizer
 
 
@@ -112,7 +111,7 @@ class CompilePool:
         self._setup: dict[str, Any] = {
             "vocab_size": vocab_size, "eos": list(eos_token_ids), "stack_bytes": stack_bytes,
             "memory_bytes": memory_bytes, "max_grammar_size": max_grammar_size,
-            "nice": WORKER_NICE}
+            "nice": COMPILE_NICE}
         self.num_workers = num_workers
         self.timeout_s = timeout_s
         self.stats = PoolStats()

@@ -53,8 +53,8 @@ def serve(inp: IO[bytes], out: IO[bytes]) -> None:
         return
     tokenizer = make_tokenizer(setup["tokenizer_json"], setup["vocab_size"], setup["eos"])
     limits = parser_limits(setup["max_grammar_size"])
-    threads = CompileThreads(1, setup["stack_bytes"], name="kvcore-compile-worker")
     os.nice(setup["nice"])  # the engine's threads win the cores over a compile
+    threads = CompileThreads(1, setup["stack_bytes"], name="kvcore-compile-worker", nice=0)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crash leaves no core file behind
     if setup["memory_bytes"]:  # the limit counts from what the worker holds once started
         limit = _vm_bytes() + setup["memory_bytes"]
