@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Any
 
-CACHE_BYTES = 256 << 20  # compiled constraints kept for reuse
+CACHE_BYTES = 128 << 20  # compiled constraints kept for reuse
 TENANT_SHARE = 0.5  # of CACHE_BYTES, at most, per tenant
 
 

@@ -19,7 +19,7 @@ from kvcore.grammar.native import CompileThreads, build, heap_bytes, make_tokeni
 
 # a compiled constraint may hold at most this much of the heap (grammar, lexer, first mask)
 MAX_ENTRY_BYTES = 64 << 20
-# its first token mask may take at most this long (the engine waits for masks each step)
+# its first token mask may take at most this much CPU time (the engine waits for masks)
 MAX_FIRST_MASK_S = 0.5
 
 
@@ -83,7 +83,8 @@ def _compile(tokenizer: Any, limits: Any, job: dict[str, Any]) -> dict[str, Any]
                                       f"{MAX_ENTRY_BYTES >> 20} MiB one may hold"}
     if mask_seconds > MAX_FIRST_MASK_S:
         return {"ok": False, "error": f"{param}: its first token mask took "
-                                      f"{mask_seconds:.2f} s, more than {MAX_FIRST_MASK_S} s"}
+                                      f"{mask_seconds:.2f} s of CPU, more than "
+                                      f"{MAX_FIRST_MASK_S} s"}
     return {"ok": True, "num_bytes": num_bytes, "compile_seconds": compile_seconds,
             "mask_seconds": mask_seconds}
 
