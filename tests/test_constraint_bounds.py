@@ -130,3 +130,20 @@ def test_embedded_json_schemas_are_checked_and_lexing_follows_llguidance() -> No
                                       "op", "rule", "rule", "nl", "token", ":", "string", "..",
                                       "string"]
     assert lex("start: $") is None  # llguidance's lexer refuses it too
+
+
+def test_readme_states_the_limits() -> None:
+    """README's limits table is these constants (a changed bound changes the table)."""
+    from kvcore.grammar import cache, native, pool, worker
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    table = readme[readme.index("| limit | value |"):readme.index("Compiled constraints are")]
+    for value in (native.MAX_SPEC_CHARS // 1024, bounds.MAX_SCHEMA_NODES,
+                  bounds.MAX_SCHEMA_DEPTH, bounds.MAX_GRAMMAR_RULES, bounds.MAX_GRAMMAR_DEPTH,
+                  bounds.MAX_LITERAL_CHARS, bounds.MAX_REGEX_NESTING, bounds.MAX_REGEX_FORCED,
+                  bounds.MAX_REGEX_REPEAT, int(pool.COMPILE_TIMEOUT_S),
+                  worker.MAX_ENTRY_BYTES >> 20, worker.MAX_FIRST_MASK_S):
+        assert f"{value:,}" in table, value
+    assert f"within {cache.CACHE_BYTES >> 20} MiB, a tenant" in readme.replace("\n", " ")
+    assert cache.TENANT_SHARE == 0.5 and "holding at most half" in readme.replace("\n", " ")
+    assert f"{native.COMPILE_STACK_BYTES >> 20} MiB stack" in readme.replace("\n", " ")
