@@ -191,3 +191,49 @@ async def memory_loop(post: Post, rss: Callable[[], int], num_schemas: int,
 
 def body_json(body: dict[str, Any]) -> bytes:
     return json.dumps(body).encode()
+
+
+async def _main(args: Any) -> dict[str, Any]:
+    import aiohttp
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    url = args.url.rstrip("/")
+    async with aiohttp.ClientSession(headers=headers,
+                                     timeout=aiohttp.ClientTimeout(total=None)) as http:
+        async def post(body: dict[str, Any]) -> tuple[int, bytes]:
+            async with http.post(url + "/v1/completions", json={"prompt": "x", **body}) as r:
+                return r.status, await r.read()
+
+        async def stream(body: dict[str, Any]) -> list[float]:
+            times = []
+            async with http.post(url + "/v1/completions", json={**body, "stream": True}) as r:
+                async for line in r.content:
+                    if line.startswith(b"data: {"):
+                        times.append(time.monotonic())
+            return times
+
+        run = f"{time.time():.0f}"
+        plain = {"prompt": "Once upon a time", "ignore_eos": True, "temperature": 0,
+                 "max_tokens": args.stream_tokens}
+        report: dict[str, Any] = {}
+        if args.grammars:
+            report["stall"] = await stall_probe(post, stream, plain, args.grammars, run)
+        if args.unique_schemas and args.pid:
+            report["memory"] = await memory_loop(post, lambda: rss_bytes(args.pid),
+                                                 args.unique_schemas, run)
+        return report
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="The stall probe and the RSS loop against a "
+                                                 "running server (no crash shapes: safe "
+                                                 "against any server).")
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--api-key")
+    parser.add_argument("--pid", type=int, help="the server's process id (for its RSS)")
+    parser.add_argument("--grammars", type=int, default=2)
+    parser.add_argument("--stream-tokens", type=int, default=256)
+    parser.add_argument("--unique-schemas", type=int, default=40)
+    print(json.dumps(asyncio.run(_main(parser.parse_args())), indent=1))

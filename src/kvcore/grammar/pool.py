@@ -24,7 +24,12 @@ from kvcore.grammar.native import COMPILE_NICE, COMPILE_STACK_BYTES, MAX_GRAMMAR
 from kvcore.grammar.worker import read_frame, write_frame
 
 NUM_WORKERS = 2
-COMPILE_TIMEOUT_S = 10.0  # a compile (and its first mask) over this is a 400
+# a compile (and its first mask) over this many seconds of the worker's CPU is a 400: CPU time,
+# so a busy machine does not refuse what an idle one compiles; the wall clock's backstop is
+# WALL_FACTOR times as long
+COMPILE_TIMEOUT_S = 10.0
+WALL_FACTOR = 6.0
+_POLL_S = 0.1  # how often a waiting caller reads the worker's CPU time
 WORKER_MEMORY_BYTES = 2 << 30  # address space a worker may add beyond its start-up size
 STARTUP_TIMEOUT_S = 120.0  # importing llguidance and building its tokenizer
 
@@ -66,19 +71,34 @@ class _Worker:
             self.kill()
             raise RuntimeError("the constraint compile worker did not start")
 
-    def answer(self, timeout: float) -> dict[str, Any] | None:
-        """The next frame, or None when the worker died or the deadline passed."""
+    def answer(self, timeout: float, cpu_limit: float | None = None) -> dict[str, Any] | None:
+        """The next frame, or None when the worker died, the deadline passed or it spent more
+        than `cpu_limit` seconds of CPU meanwhile."""
         deadline = time.monotonic() + timeout
+        cpu_start = self.cpu_seconds()
         fd = self.stdout.fileno()
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
-            ready, _, _ = select.select([fd], [], [], left)
+            ready, _, _ = select.select([fd], [], [], min(left, _POLL_S))
             if ready:
                 frame = read_frame(self.stdout)
                 self.ended = frame is None
                 return frame
+            if cpu_limit is not None and cpu_start is not None:
+                used = self.cpu_seconds()
+                if used is not None and used - cpu_start > cpu_limit:
+                    return None
+
+    def cpu_seconds(self) -> float | None:
+        """The worker's user + system CPU time (None where /proc cannot tell)."""
+        try:
+            with open(f"/proc/{self.proc.pid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            return None
+        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -129,7 +149,7 @@ class CompilePool:
             if worker is None:
                 worker = self._start()
             write_frame(worker.stdin, {"kind": kind, "spec": spec, "param": param})
-            reply = worker.answer(self.timeout_s)
+            reply = worker.answer(self.timeout_s * WALL_FACTOR, self.timeout_s)
         except (OSError, ValueError):  # the pipe broke: the worker died
             reply = None
             if worker is not None:
@@ -173,7 +193,7 @@ class CompilePool:
                 self.stats.num_crashes += 1
         if timed_out:
             raise ParamError(param, f"{param}: compiling the constraint took longer than "
-                                    f"{self.timeout_s:g} s")
+                                    f"{self.timeout_s:g} s of CPU")
         code = worker.proc.returncode
         how = f"exit status {code}"
         if code < 0:
@@ -186,6 +206,9 @@ class CompilePool:
             workers, self._all = self._all, set()
         for worker in workers:
             worker.close()
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def _signal_name(number: int) -> str:
