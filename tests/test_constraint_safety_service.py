@@ -92,14 +92,12 @@ async def test_s3_s4_s6_are_400s_naming_the_field(aiohttp_client: Any, app: Any)
     assert status == 400 and body["error"]["param"] == "tools[0].function.strict"
 
 
-async def _stream_times(client: Any, body: dict[str, Any]) -> list[float]:
+async def _stream_times(client: Any, body: dict[str, Any], times: list[float]) -> None:
     resp = await client.post("/v1/completions", json={**body, "stream": True})
     assert resp.status == 200
-    times = []
     async for line in resp.content:
         if line.startswith(b"data: {"):
             times.append(time.monotonic())
-    return times
 
 
 @pytest.mark.asyncio
@@ -117,11 +115,11 @@ async def test_a_plain_streams_gaps_stay_bounded_while_large_grammars_arrive(
         resp = await client.post("/v1/completions", json={"prompt": "x", **body})
         return resp.status, await resp.read()
 
-    async def stream(body: dict[str, Any]) -> list[float]:
-        return await _stream_times(client, body)
+    async def stream(body: dict[str, Any], times: list[float]) -> None:
+        await _stream_times(client, body, times)
 
     plain = {"prompt": "hello", "max_tokens": 600, "ignore_eos": True, "temperature": 0}
-    await stream({**plain, "max_tokens": 8})  # warm-up
+    await stream({**plain, "max_tokens": 8}, [])  # warm-up
     await post({"structured_outputs": {"regex": "warm"}, "max_tokens": 1})  # workers started
     report = await shapes.stall_probe(post, stream, plain, 2, f"t{os.getpid()}")
     print("stall probe:", report)

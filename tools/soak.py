@@ -908,15 +908,13 @@ async def constraint_phase(ctx: Ctx, pid: int | None) -> dict[str, Any]:
         tally.status(status)
         return status, raw
 
-    async def stream(body: dict[str, Any]) -> list[float]:
-        times: list[float] = []
+    async def stream(body: dict[str, Any], times: list[float]) -> None:
         async with ctx.http.post(ctx.url + "/v1/completions", json={**body, "stream": True},
                                  headers=ctx.headers()) as resp:
             tally.status(resp.status)
             async for line in resp.content:
                 if line.startswith(b"data: {"):
                     times.append(time.monotonic())
-        return times
 
     run = secrets.token_hex(4)  # unique constraints: never a cache hit from an earlier soak
     plain = {"prompt": "Once upon a time", "ignore_eos": True, "temperature": 0,

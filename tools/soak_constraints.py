@@ -121,29 +121,38 @@ def gaps(streams: list[list[float]]) -> dict[str, float | int]:
     if not deltas:
         return {"count": 0, "max_s": 0.0, "p50_s": 0.0}
     return {"count": len(deltas), "max_s": round(deltas[-1], 4),
+            "p99_s": round(deltas[min(len(deltas) - 1, len(deltas) * 99 // 100)], 4),
             "p50_s": round(deltas[len(deltas) // 2], 4)}
 
 
 Post = Callable[[dict[str, Any]], Awaitable[tuple[int, bytes]]]
-Stream = Callable[[dict[str, Any]], Awaitable[list[float]]]
+Stream = Callable[[dict[str, Any], list[float]], Awaitable[None]]  # appends token times
 
 
 async def stall_probe(post: Post, stream: Stream, plain: dict[str, Any], num_grammars: int,
                       run: str) -> dict[str, Any]:
     """A plain stream's token gaps alone, then while the stall shapes arrive (each asks for one
-    token: what is measured is their compile, not their decoding); the plain stream runs again
-    until the last of them is answered, so every compile overlaps it."""
-    alone = gaps([await stream(plain)])
+    token: what is measured is their compile, not their decoding). They are sent once the
+    plain stream's first token came; the stream runs again until the last of them is answered,
+    so every compile overlaps a stream."""
+    times: list[float] = []
+    await stream(plain, times)
+    alone = gaps([times])
     bodies = stall_bodies(num_grammars, run)
 
     async def during(requests: list[dict[str, Any]]) -> tuple[list[list[float]],
                                                                list[tuple[int, bytes]], float]:
+        streams: list[list[float]] = [[]]
+        running = asyncio.ensure_future(stream(plain, streams[0]))
+        while not streams[0] and not running.done():
+            await asyncio.sleep(0.005)
+        start = time.monotonic()
         arrivals = asyncio.ensure_future(asyncio.gather(
             *(post({**b, "max_tokens": 1}) for b in requests)))
-        streams = []
-        start = time.monotonic()
-        while not arrivals.done() or not streams:
-            streams.append(await stream(plain))
+        await running
+        while not arrivals.done():
+            streams.append([])
+            await stream(plain, streams[-1])
         return streams, await arrivals, time.monotonic() - start
 
     streams, results, seconds = await during(bodies)
@@ -204,13 +213,11 @@ async def _main(args: Any) -> dict[str, Any]:
             async with http.post(url + "/v1/completions", json={"prompt": "x", **body}) as r:
                 return r.status, await r.read()
 
-        async def stream(body: dict[str, Any]) -> list[float]:
-            times = []
+        async def stream(body: dict[str, Any], times: list[float]) -> None:
             async with http.post(url + "/v1/completions", json={**body, "stream": True}) as r:
                 async for line in r.content:
                     if line.startswith(b"data: {"):
                         times.append(time.monotonic())
-            return times
 
         run = f"{time.time():.0f}"
         plain = {"prompt": "Once upon a time", "ignore_eos": True, "temperature": 0,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -140,6 +141,9 @@ class AsyncEngine:
         if self.running:
             return
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcore-step")
+        # the constraint compiler's GIL-holding set-up, now rather than mid-serving
+        threading.Thread(target=self.engine.constraints.warm, name="kvcore-warm",
+                         daemon=True).start()
         self._wakeup = asyncio.Event()
         self._task = asyncio.create_task(self._drive(), name="kvcore-engine")
 

@@ -140,11 +140,12 @@ class ConstraintCompiler:
                  max_grammar_size: int = MAX_GRAMMAR_SIZE,
                  pool: CompilePool | None = None) -> None:
         self._tokenizer_json = tokenizer_json
+        self._json_text: str | None = None
         self.vocab_size = vocab_size
         self._eos = list(eos_token_ids)
         self.cache = CompiledCache(cache_bytes, tenant_share)
         self.pool = pool if pool is not None else CompilePool(
-            tokenizer_json, vocab_size, self._eos, num_workers=num_workers,
+            self._tokenizer_text, vocab_size, self._eos, num_workers=num_workers,
             timeout_s=timeout_s, max_grammar_size=max_grammar_size)
         self._threads: CompileThreads | None = None
         self._num_threads = self.pool.num_workers
@@ -154,14 +155,28 @@ class ConstraintCompiler:
         # the worker processes end with this compiler (or at exit)
         self._finalizer = weakref.finalize(self, self.pool.close)
 
+    def _tokenizer_text(self) -> str:
+        """The tokenizer.json text, serialized once (each worker's start reads it)."""
+        with self._lock:
+            if self._json_text is None:
+                self._json_text = self._tokenizer_json()
+            return self._json_text
+
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
-        """llguidance's view of the vocabulary, built on first use (0.3 s for 49k tokens)."""
+        """llguidance's view of the vocabulary, built on first use or by warm() (0.3 s for
+        49k tokens, holding the GIL)."""
+        text = self._tokenizer_text()
         with self._lock:
             if self._tokenizer is None:
-                self._tokenizer = make_tokenizer(self._tokenizer_json(), self.vocab_size,
-                                                 self._eos)
+                self._tokenizer = make_tokenizer(text, self.vocab_size, self._eos)
             return self._tokenizer
+
+    def warm(self) -> None:
+        """Build what the first compile would otherwise build while requests are served: the
+        tokenizer's JSON text and llguidance's tokenizer (both hold the GIL: a stall of every
+        stream if they ran mid-serving). The worker processes start on first use."""
+        _ = self.tokenizer
 
     @staticmethod
     def key(constraint: Constraint, cache_salt: str | None) -> Hashable:
