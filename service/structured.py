@@ -8,8 +8,9 @@ from typing import Any
 
 from kvcore.config import ParamError
 from kvcore.engine import EngineClient
+from kvcore.grammar.pool import CompilerUnavailable
 from kvcore.sampling.constraints import Constraint
-from kvcore.service.errors import bad_request
+from kvcore.service.errors import APIError, bad_request
 
 # vLLM's structured_outputs keys -> the constraint kind; the older top-level names alike
 _STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice",
@@ -52,6 +53,8 @@ async def prepare_constraint(engine: EngineClient, constraint: Constraint | None
         return await engine.prepare(constraint, tenant, cache_salt)
     except ParamError as e:
         raise bad_request(str(e), e.param) from None
+    except CompilerUnavailable as e:
+        raise APIError(503, str(e), headers={"Retry-After": "1"}) from None
 
 
 def _response_format(value: Any) -> Constraint | None:

@@ -21,7 +21,7 @@ from engine_helpers import make_engine
 from kvcore.config import ParamError
 from kvcore.engine import AsyncEngine
 from kvcore.grammar.cache import Compiled, CompiledCache
-from kvcore.grammar.pool import CompilePool
+from kvcore.grammar.pool import CompilePool, CompilerUnavailable
 from kvcore.model.tokenizer import Tokenizer
 from kvcore.sampling.constraints import Constraint, ConstraintCompiler
 
@@ -76,6 +76,14 @@ def test_a_compile_past_its_time_or_memory_is_a_400(tiny_model_dir: Path) -> Non
     finally:
         slow.close()
         small.close()
+
+
+def test_a_worker_that_cannot_start_is_the_servers_fault_not_the_requests() -> None:
+    pool = CompilePool(lambda: "not a tokenizer", 259, [0], num_workers=1)
+    for _ in range(2):  # its slot is free again: the next call tries a new worker
+        with pytest.raises(CompilerUnavailable, match="did not start"):
+            pool.check("regex", "a+", "field")
+    pool.close()
 
 
 _PROOF = textwrap.dedent('''

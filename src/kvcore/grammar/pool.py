@@ -34,6 +34,10 @@ WORKER_MEMORY_BYTES = 2 << 30  # address space a worker may add beyond its start
 STARTUP_TIMEOUT_S = 120.0  # importing llguidance and building its tokenizer
 
 
+class CompilerUnavailable(RuntimeError):
+    """No compile worker could start (the server's fault, not the request's: a 503)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Verdict:
     """A worker's measurements of a constraint it compiled."""
@@ -69,7 +73,7 @@ class _Worker:
         write_frame(self.stdin, setup)
         if self.answer(STARTUP_TIMEOUT_S) is None:
             self.kill()
-            raise RuntimeError("the constraint compile worker did not start")
+            raise RuntimeError(f"no answer within {STARTUP_TIMEOUT_S:g} s")
 
     def answer(self, timeout: float, cpu_limit: float | None = None) -> dict[str, Any] | None:
         """The next frame, or None when the worker died, the deadline passed or it spent more
@@ -145,15 +149,14 @@ class CompilePool:
         """Compile in a worker: its measurements, or ParamError naming `param` (a refusal, a
         crash, or past the time limit)."""
         worker = self._idle.get()
+        if worker is None:
+            worker = self._start()
         try:
-            if worker is None:
-                worker = self._start()
             write_frame(worker.stdin, {"kind": kind, "spec": spec, "param": param})
             reply = worker.answer(self.timeout_s * WALL_FACTOR, self.timeout_s)
         except (OSError, ValueError):  # the pipe broke: the worker died
             reply = None
-            if worker is not None:
-                worker.ended = True
+            worker.ended = True
         if reply is None:
             self._lost(worker, param)
         self._idle.put(worker)
@@ -165,8 +168,13 @@ class CompilePool:
         return Verdict(reply["num_bytes"], reply["compile_seconds"], reply["mask_seconds"])
 
     def _start(self) -> _Worker:
+        """A new worker for a free slot (CompilerUnavailable, the slot freed, if it fails)."""
         try:
             worker = _Worker({**self._setup, "tokenizer_json": self._tokenizer_json()})
+        except (OSError, ValueError, RuntimeError) as e:
+            self._idle.put(None)
+            raise CompilerUnavailable(f"the constraint compile worker did not start: "
+                                      f"{type(e).__name__}: {e}") from None
         except BaseException:
             self._idle.put(None)
             raise
@@ -174,12 +182,10 @@ class CompilePool:
             self._all.add(worker)
         return worker
 
-    def _lost(self, worker: _Worker | None, param: str) -> NoReturn:
+    def _lost(self, worker: _Worker, param: str) -> NoReturn:
         """A worker that crashed or ran past the deadline: killed, its slot freed for a new
         one, and the request's 400."""
         self._idle.put(None)
-        if worker is None:
-            raise ParamError(param, f"{param}: the constraint compiler is not available")
         timed_out = not worker.ended
         if not timed_out:
             with contextlib.suppress(subprocess.TimeoutExpired):
