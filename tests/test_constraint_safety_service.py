@@ -105,10 +105,11 @@ async def test_a_plain_streams_gaps_stay_bounded_while_large_grammars_arrive(
         aiohttp_client: Any, app: Any) -> None:
     """Two unique 20,000-way alternations (~0.2-0.5 s of compile each), three regexes that
     stall backtracking engines and a 100-property schema arrive during a 600-token stream.
-    Compiling on the event loop made such a stream's longest gap the compile's length (1.5-2.5
-    s in the issue's probes); here it stays within 2x its gap alone or 2x its gap while the
-    same requests arrive compiled already (their bodies and steps, not their compiles), or
-    alone + 0.25 s on a noisy 2-core machine where the gaps alone are milliseconds."""
+    Compiling on the event loop made a gap of the compile's length per grammar (1.5-2.5 s in
+    the issue's probes); here the gaps stay within 2x the longest alone or while the same
+    requests arrive compiled already (their bodies and steps, not their compiles), or alone +
+    0.25 s on a noisy 2-core machine where the gaps alone are milliseconds (measured again once
+    when a gap passes: a shared machine's hiccup rarely repeats, a compile on the loop does)."""
     client = await aiohttp_client(app)
 
     async def post(body: dict[str, Any]) -> tuple[int, bytes]:
@@ -121,12 +122,40 @@ async def test_a_plain_streams_gaps_stay_bounded_while_large_grammars_arrive(
     plain = {"prompt": "hello", "max_tokens": 600, "ignore_eos": True, "temperature": 0}
     await stream({**plain, "max_tokens": 8}, [])  # warm-up
     await post({"structured_outputs": {"regex": "warm"}, "max_tokens": 1})  # workers started
-    report = await shapes.stall_probe(post, stream, plain, 2, f"t{os.getpid()}")
+    report = await shapes.checked_stall_probe(post, stream, plain, 2, f"t{os.getpid()}")
     print("stall probe:", report)
     assert report["grammar_statuses"] == [200] * 6, report
-    alone, loaded = report["alone"]["max_s"], report["with_grammars"]["max_s"]
-    cached = report["with_cached_grammars"]["max_s"]
-    assert loaded <= max(2 * alone, 2 * cached, alone + 0.25), report
+    assert report["verdict"]["ok"], report
+
+
+@pytest.mark.asyncio
+async def test_the_stall_probe_catches_a_compile_on_the_event_loop(aiohttp_client: Any,
+                                                                 app: Any) -> None:
+    """The check above can fail: with prepare compiling on the event loop (as check_request
+    once did), the probe's verdict is a stall."""
+    engine = app[STATE_KEY].engine
+
+    async def on_the_loop(constraint: Any, tenant: str = "default",
+                          cache_salt: str | None = None) -> Any:
+        if constraint is None:
+            return None
+        return engine.engine.constraints._compile(constraint, tenant, cache_salt)
+
+    engine.prepare = on_the_loop
+    client = await aiohttp_client(app)
+
+    async def post(body: dict[str, Any]) -> tuple[int, bytes]:
+        resp = await client.post("/v1/completions", json={"prompt": "x", **body})
+        return resp.status, await resp.read()
+
+    async def stream(body: dict[str, Any], times: list[float]) -> None:
+        await _stream_times(client, body, times)
+
+    plain = {"prompt": "hello", "max_tokens": 600, "ignore_eos": True, "temperature": 0}
+    await post({"structured_outputs": {"regex": "warm"}, "max_tokens": 1})
+    report = await shapes.stall_probe(post, stream, plain, 2, f"loop{os.getpid()}")
+    verdict = shapes.stall_verdict(report)
+    assert not verdict["ok"] and report["with_grammars"]["max_s"] > 0.3, (verdict, report)
 
 
 def _rss() -> int:

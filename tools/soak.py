@@ -13,9 +13,11 @@ finished once), 4xx bodies in OpenAI's error shape naming the parameter, /metric
 running, 0 waiting, every KV block free), and a server log of JSON lines only, with no traceback
 and never the run's API key. Then the constraint phase (tools/soak_constraints.py): crash
 shapes and unsatisfiable, mistyped or oversized constraints must be 400s naming the field with
-the server answering after each, a plain stream's longest token gap while large grammars compile
-must stay within 2x its longest gap alone or while the same requests arrive compiled already
-(or alone + 0.25 s), and the server's RSS must stay flat across unique large schemas.
+the server answering after each, a plain stream's token gaps while large grammars compile must
+stay within 2x its longest gap alone or while the same requests arrive compiled already (or
+alone + 0.25 s; measured again once when a gap passes: a busy machine's hiccup rarely repeats, a
+compile on the event loop always does), and the server's RSS must stay flat across unique
+large schemas.
 
     flock /tmp/kvcore-bench.lock .venv/bin/python tools/soak.py --json soak.json
     .venv/bin/python tools/soak.py --url http://127.0.0.1:8000 --api-key KEY --log serve.log
@@ -919,7 +921,8 @@ async def constraint_phase(ctx: Ctx, pid: int | None) -> dict[str, Any]:
     run = secrets.token_hex(4)  # unique constraints: never a cache hit from an earlier soak
     plain = {"prompt": "Once upon a time", "ignore_eos": True, "temperature": 0,
              "max_tokens": max(min(256, ctx.max_model_len - 16), 1)}
-    stall = await shapes.stall_probe(answer, stream, plain, args.constraint_grammars, run)
+    stall = await shapes.checked_stall_probe(answer, stream, plain, args.constraint_grammars,
+                                             run)
     if any(status != 200 for status in stall["grammar_statuses"]):
         tally.fail("constraint stall", f"large constraints answered {stall['grammar_errors']}")
     memory = (await shapes.memory_loop(answer, lambda: shapes.rss_bytes(pid),
@@ -934,10 +937,8 @@ def constraint_checks(args: argparse.Namespace, report: dict[str, Any]
                       ) -> dict[str, bool | None]:
     if not report:
         return {"constraint_stall_bounded": None, "constraint_rss_flat": None}
-    stall, memory = report["stall"], report["memory"]
-    alone, loaded = stall["alone"]["max_s"], stall["with_grammars"]["max_s"]
-    cached = stall["with_cached_grammars"]["max_s"]
-    return {"constraint_stall_bounded": loaded <= max(2 * alone, 2 * cached, alone + 0.25),
+    memory = report["memory"]
+    return {"constraint_stall_bounded": report["stall"]["verdict"]["ok"],
             "constraint_rss_flat": (memory["growth_after_warm_mb"] <= args.constraint_rss_mb
                                     if memory else None)}
 

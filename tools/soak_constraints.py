@@ -115,14 +115,29 @@ def stall_bodies(num_grammars: int, run: str) -> list[dict[str, Any]]:
     return bodies
 
 
-def gaps(streams: list[list[float]]) -> dict[str, float | int]:
-    """Gaps between consecutive tokens within each stream of token arrival times."""
+STALL_FLOOR_S = 0.25  # a gap this much over the stream's longest alone is a stall, at least
+
+
+def gaps(streams: list[list[float]]) -> dict[str, Any]:
+    """Gaps between consecutive tokens within each stream of token arrival times (the five
+    longest kept)."""
     deltas = sorted(b - a for times in streams for a, b in zip(times, times[1:], strict=False))
     if not deltas:
-        return {"count": 0, "max_s": 0.0, "p50_s": 0.0}
+        return {"count": 0, "max_s": 0.0, "p99_s": 0.0, "p50_s": 0.0, "longest_s": []}
     return {"count": len(deltas), "max_s": round(deltas[-1], 4),
+            "longest_s": [round(d, 4) for d in deltas[-5:]],
             "p99_s": round(deltas[min(len(deltas) - 1, len(deltas) * 99 // 100)], 4),
             "p50_s": round(deltas[len(deltas) // 2], 4)}
+
+
+def stall_verdict(report: dict[str, Any]) -> dict[str, Any]:
+    """The bound on a gap while the constraints compile (2x the longest gap alone or while the
+    same requests arrive compiled, or the longest alone + STALL_FLOOR_S) and how many gaps
+    passed it (a compile on the event loop: a gap of 0.4-4 s)."""
+    alone = report["alone"]["max_s"]
+    bound = max(2 * alone, 2 * report["with_cached_grammars"]["max_s"], alone + STALL_FLOOR_S)
+    over = sum(1 for gap in report["with_grammars"]["longest_s"] if gap > bound)
+    return {"bound_s": round(bound, 4), "gaps_over": over, "ok": over == 0}
 
 
 Post = Callable[[dict[str, Any]], Awaitable[tuple[int, bytes]]]
@@ -166,6 +181,21 @@ async def stall_probe(post: Post, stream: Stream, plain: dict[str, Any], num_gra
             "grammar_errors": [raw[:300].decode(errors="replace") for status, raw in results
                                if status != 200],
             "ratio_max": round(loaded["max_s"] / alone["max_s"], 2) if alone["max_s"] else None}
+
+
+async def checked_stall_probe(post: Post, stream: Stream, plain: dict[str, Any],
+                              num_grammars: int, run: str) -> dict[str, Any]:
+    """stall_probe with its verdict, run a second time (new constraints) when a gap passed the
+    bound: a busy shared machine's hiccup (one 0.3 s gap among thousands, seen in CI) rarely
+    repeats; a compile on the event loop always does."""
+    report = await stall_probe(post, stream, plain, num_grammars, run)
+    report["verdict"] = stall_verdict(report)
+    if report["verdict"]["ok"]:
+        return report
+    retry = await stall_probe(post, stream, plain, num_grammars, run + "-again")
+    retry["verdict"] = stall_verdict(retry)
+    retry["first_try"] = report
+    return retry
 
 
 def rss_bytes(pid: int) -> int:
@@ -224,7 +254,7 @@ async def _main(args: Any) -> dict[str, Any]:
                  "max_tokens": args.stream_tokens}
         report: dict[str, Any] = {}
         if args.grammars:
-            report["stall"] = await stall_probe(post, stream, plain, args.grammars, run)
+            report["stall"] = await checked_stall_probe(post, stream, plain, args.grammars, run)
         if args.unique_schemas and args.pid:
             report["memory"] = await memory_loop(post, lambda: rss_bytes(args.pid),
                                                  args.unique_schemas, run)
