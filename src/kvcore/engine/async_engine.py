@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -15,11 +16,13 @@ import structlog
 from kvcore.cache import CacheEvent
 from kvcore.config import EngineConfig, ModelConfig, ParamError
 from kvcore.engine.engine import Engine, EngineStats
+from kvcore.engine.fair_queue import FairQueue
 from kvcore.engine.kv_snapshot import KVProbe
 from kvcore.model.tokenizer import Tokenizer
 from kvcore.request import RequestOutput
 from kvcore.request import Sequence as Seq
 from kvcore.sampling import BeamSearchParams, SamplingParams
+from kvcore.sampling.constraints import DEFAULT_TENANT, Compiled, Constraint
 
 log = structlog.get_logger(__name__)
 _INLINE_CHARS = 8192  # shorter prompt texts are tokenized on the event loop
@@ -69,6 +72,8 @@ class AsyncEngine:
         # a step may be running)
         self._stats: EngineStats = engine.stats()
         self._kv_probe = KVProbe()  # the KV inspector hook, see kv_snapshot() below
+        # tenants take turns at the constraint compile workers
+        self._compile_turns = FairQueue(engine.constraints.pool.num_workers)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
@@ -126,6 +131,9 @@ class AsyncEngine:
         if self.running:
             return
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcore-step")
+        # the constraint compiler's GIL-holding set-up, now rather than mid-serving
+        threading.Thread(target=self.engine.constraints.warm, name="kvcore-warm",
+                         daemon=True).start()
         self._wakeup = asyncio.Event()
         self._task = asyncio.create_task(self._drive(), name="kvcore-engine")
 
@@ -157,10 +165,12 @@ class AsyncEngine:
         request is checked once, here (Engine.check_request): a refusal (ParamError, a
         ValueError naming the parameter) raises from this call for token ids, so a server
         refuses bad input before it queues anything, and on the first __anext__ for a text
-        (tokenized first). Cancelling the consumer or closing the iterator aborts the request."""
+        (tokenized first) or for a constraint `prepare` did not compile yet (compiled then, off
+        the event loop). Cancelling the consumer or closing the iterator aborts the request."""
         request_id = request_id or uuid.uuid4().hex
         seq = None
-        if not isinstance(prompt, str):
+        if not isinstance(prompt, str) and (params.constraint is None or self.engine.constraints
+                                            .lookup(params.constraint, cache_salt)):
             seq = self.engine.check_request(request_id, prompt, params, priority=priority,
                                             cache_salt=cache_salt)
         return self._generate(seq, prompt, params, request_id, priority, cache_salt)
@@ -170,13 +180,21 @@ class AsyncEngine:
                         priority: int, cache_salt: str | None) -> AsyncIterator[RequestOutput]:
         if not self.running or self._wakeup is None:
             raise RuntimeError("AsyncEngine is not started (use `async with` or start())")
-        if seq is None:  # a long text tokenizes off the event loop
-            assert isinstance(prompt, str)
-            encode = self.engine.tokenizer.encode
-            prompt_ids = (encode(prompt) if len(prompt) < _INLINE_CHARS
-                          else await asyncio.to_thread(encode, prompt))
+        if seq is None:
+            text = None
+            prompt_ids: list[int]
+            if isinstance(prompt, str):  # a long text tokenizes off the event loop
+                text, encode = prompt, self.engine.tokenizer.encode
+                prompt_ids = (encode(text) if len(text) < _INLINE_CHARS
+                              else await asyncio.to_thread(encode, text))
+            else:
+                prompt_ids = list(prompt)
+            # compiled off the event loop, held until check_request has built the matcher
+            prepared = await self.prepare(params.constraint, cache_salt or DEFAULT_TENANT,
+                                          cache_salt)
             seq = self.engine.check_request(request_id, prompt_ids, params, priority=priority,
-                                            cache_salt=cache_salt, prompt_text=prompt)
+                                            cache_salt=cache_salt, prompt_text=text)
+            del prepared
         if request_id in self._streams:
             raise ParamError("request_id", "request_id is already in use")
         stream = self._streams[request_id] = _Stream()
@@ -206,6 +224,26 @@ class AsyncEngine:
                 self._aborts.append(request_id)
                 self._wakeup.set()
             self._streams.pop(request_id, None)
+
+    async def prepare(self, constraint: Constraint | None, tenant: str = DEFAULT_TENANT,
+                      cache_salt: str | None = None) -> Compiled | None:
+        """Compile a request's constraint before `generate`, off the event loop and off the
+        engine step: bounded, compiled in a worker process, then here on a compile thread
+        (kvcore.sampling.constraints.ConstraintCompiler); tenants take turns at the workers.
+        ParamError naming the field when it is refused. The result, while referenced, keeps the
+        compiled grammar findable for `generate` (same `cache_salt`); a cache hit returns at
+        once. The one call every API's constraints go through."""
+        if constraint is None:
+            return None
+        compiler = self.engine.constraints
+        compiled = compiler.lookup(constraint, cache_salt)
+        if compiled is not None:
+            return compiled
+        await self._compile_turns.acquire(tenant)
+        try:
+            return await asyncio.wrap_future(compiler.submit(constraint, tenant, cache_salt))
+        finally:
+            self._compile_turns.release()
 
     async def abort(self, request_id: str) -> None:
         """Abort a request between steps; its consumer gets a final output with reason abort."""

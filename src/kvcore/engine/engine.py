@@ -132,7 +132,8 @@ class Engine:
         max_tokens past max_model_len, more sequences than max_num_seqs, more blocks than the
         whole pool, a constraint that does not compile. Returns the request's first sequence,
         which `add` queues. Reads only what never changes after start-up, so any thread may
-        call it (AsyncEngine does, on the event loop)."""
+        call it (AsyncEngine does, on the event loop, once AsyncEngine.prepare compiled the
+        constraint off the loop: then a cache hit; compiled here, blocking, otherwise)."""
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ParamError("priority", f"priority must be an integer, got {priority!r}")
         if cache_salt is not None and not isinstance(cache_salt, str):
@@ -146,7 +147,7 @@ class Engine:
                        self.kv.block_size)
         # the constraint compiled against this vocabulary (cached): ParamError with its message
         matcher = (None if params.constraint is None
-                   else self.constraints.matcher(params.constraint))
+                   else self.constraints.matcher(params.constraint, cache_salt))
         beams = isinstance(params, BeamSearchParams)  # beams end by their policy, not stop ids
         eos_ids = frozenset() if beams or params.ignore_eos else frozenset(self.eos_token_ids)
         return Sequence(seq_id=request_id, request_id=request_id, prompt_token_ids=prompt_ids,
