@@ -104,3 +104,33 @@ def test_no_error_message_names_an_internal_id() -> None:
             if names.search(text):
                 offenders.append(f"{path.relative_to(ROOT)}:{line}: {text}")
     assert not offenders, "\n".join(offenders)
+
+
+@pytest.mark.asyncio
+async def test_token_ids_with_a_constraint_not_compiled_yet_are_checked_after_prepare(
+        tiny_model_dir: Path) -> None:
+    """AsyncEngine.generate never compiles on the event loop: token ids whose constraint is
+    not cached are checked on the first __anext__, after `prepare` compiled it off the loop;
+    a refusal still names its field, and nothing is left queued or allocated."""
+    from kvcore.engine import AsyncEngine, Engine
+    from kvcore.sampling.constraints import Constraint
+    from service_fixtures import tiny_config
+
+    engine = Engine(tiny_config(tiny_model_dir, max_num_seqs=4))
+    compiler = engine.constraints
+    async with AsyncEngine(engine) as async_engine:
+        choice = Constraint.choice(["yes", "no"])
+        stream = async_engine.generate([5, 6], SamplingParams(n=8, constraint=choice))
+        assert compiler.lookup(choice) is None  # not compiled by generate itself
+        with pytest.raises(ParamError) as err:
+            await anext(stream)
+        assert err.value.param == "n" and compiler.lookup(choice) is not None
+        bad = Constraint("grammar", "start: start", "structured_outputs.grammar")
+        with pytest.raises(ParamError) as err:
+            await anext(async_engine.generate([5, 6], SamplingParams(constraint=bad)))
+        assert err.value.param == "structured_outputs.grammar"
+        regex = Constraint("regex", "(ab)+")
+        outputs = [out async for out in async_engine.generate(
+            [5, 6], SamplingParams(max_tokens=4, temperature=0.0, constraint=regex))]
+        assert outputs[-1].finished and not engine.has_unfinished_requests()
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
