@@ -7,6 +7,7 @@ import operator
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import structlog
 
@@ -43,6 +44,15 @@ class SchedulerOutput:
     num_batched_tokens: int
 
 
+class TierHook(Protocol):
+    """The KV tiers (kvcore.engine.tier_driver): a waiting sequence whose prefix is loading
+    from a tier is not admitted yet (others may start meanwhile); a victim may be swapped out."""
+
+    def ready(self, seq: Sequence) -> bool: ...
+
+    def on_preempt(self, seq: Sequence) -> None: ...
+
+
 class Scheduler:
     """Every sequence's `num_computed_tokens` catches up with its tokens, under a token budget.
 
@@ -69,6 +79,7 @@ class Scheduler:
         self.num_pending_forks = 0
         self._arrivals = 0
         self._step = 0
+        self.tiers: TierHook | None = None
 
     # --- sequences in and out ---
 
@@ -175,7 +186,8 @@ class Scheduler:
             # nothing could run: the running sequences wait for the rest of their group, which
             # waits for blocks. Free the least important one if it ranks below the queue's head.
             victim = max(self.running, key=_victim_key)
-            if _queue_key(victim) < _queue_key(self.waiting[0]):
+            if _queue_key(victim) < _queue_key(self.waiting[0]) or not self._ready(
+                    self.waiting[0]):
                 break
             self.preempt(victim)
             plan.preempted.append(victim.seq_id)
@@ -221,8 +233,12 @@ class Scheduler:
         allow (FCFS: nobody overtakes the head of the queue)."""
         kv = self.kv
         waiting = self.waiting
-        while waiting and plan.budget > 0:
-            seq = waiting[0]
+        i = 0  # the head, past sequences whose prefix is loading from a tier
+        while i < len(waiting) and plan.budget > 0:
+            seq = waiting[i]
+            if not self._ready(seq):
+                i += 1
+                continue
             if len(self.running) + self.num_pending_forks + seq.num_seqs > self.max_num_seqs:
                 break
             num_cached = kv.allocate_prefix(seq.seq_id, seq.token_ids, seq.cache_salt)
@@ -232,7 +248,7 @@ class Scheduler:
             if copies is None:
                 kv.free(seq.seq_id)
                 break
-            del waiting[0]
+            del waiting[i]
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = num_cached
             if seq.first_scheduled_time is None:
@@ -243,11 +259,16 @@ class Scheduler:
             self.num_pending_forks += seq.num_pending_forks
             plan.take(seq, num_new, copies)
 
+    def _ready(self, seq: Sequence) -> bool:
+        return self.tiers is None or self.tiers.ready(seq)
+
     def preempt(self, seq: Sequence, uncache: bool = False) -> None:
         """Send a running sequence back to waiting: its blocks are freed, its K/V recomputed
         (`uncache`: see KVCacheManager.free; the engine core rolls back a step launched on K/V
         that a failed step never wrote)."""
         assert seq.status is SequenceStatus.RUNNING
+        if self.tiers is not None and not uncache:
+            self.tiers.on_preempt(seq)
         self._release(seq, uncache)
         num_computed = seq.num_computed_tokens
         seq.num_computed_tokens = 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -10,6 +11,7 @@ import structlog
 
 from kvcore.cache import KVCacheManager
 from kvcore.cache.kv_cache import KVCache
+from kvcore.cache.tiers import TierStats
 from kvcore.config import EngineConfig, ModelConfig, ParamError
 from kvcore.device import resolve_device
 from kvcore.engine.beam import BeamPolicy
@@ -25,6 +27,7 @@ from kvcore.engine.setup import (
     make_kv_cache,
     pool_size,
 )
+from kvcore.engine.tier_setup import make_tier_driver
 from kvcore.model.half_llama import HalfLlamaModel
 from kvcore.model.tokenizer import Tokenizer
 from kvcore.request import RequestOutput, Sequence, SequenceStatus
@@ -53,6 +56,7 @@ class EngineStats:
     # structured outputs: seconds per step computing token masks, as (bucket edges, counts
     # per bucket + one above all, sum); None before the first constrained step
     mask_seconds: tuple[tuple[float, ...], tuple[int, ...], float] | None = None
+    tiers: TierStats | None = None  # the KV tiers' counters (None: no tier)
 
 
 class Engine:
@@ -89,9 +93,13 @@ class Engine:
         async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                             else device == "cuda")
         speculator = None if config.speculative is None else Speculator(config.speculative)
-        self.core = EngineCore(scheduler, ModelRunner(self.model, self.kv_cache, block_size),
+        runner = ModelRunner(self.model, self.kv_cache, block_size)
+        self.core = EngineCore(scheduler, runner,
                                RowSampler(self.eos_token_ids, mc.vocab_size), mc.vocab_size,
                                config.seed, async_scheduling, speculator)
+        # the KV tiers behind the pool (None: off): one seam in the scheduler, one in the runner
+        self.tiers = make_tier_driver(config, self.kv, self.kv_cache, device, scheduler.seqs)
+        scheduler.tiers = runner.tiers = self.tiers
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
         # structured outputs: constraints compiled against this vocabulary (cached)
         self.constraints = ConstraintCompiler(self.tokenizer.to_json, mc.vocab_size,
@@ -176,6 +184,8 @@ class Engine:
         """Abort a request now (its blocks return to the pool); unknown id: None. Returns its
         final output (finish_reason "abort") for callers that stream it."""
         live = self.core.abort(request_id)
+        if self.tiers is not None:
+            self.tiers.forget(request_id)
         return self.output_processor.abort(request_id, live)
 
     def has_unfinished_requests(self) -> bool:
@@ -191,11 +201,20 @@ class Engine:
         error); an exception in the shared forward pass fails the requests of that step, and
         the engine goes on with the others and the queue."""
         core = self.core
-        return self.output_processor.process(
+        start = time.perf_counter()
+        outputs = self.output_processor.process(
             core.step(),
             stop_seq=lambda seq_id: core.finish_seq(seq_id, SequenceStatus.FINISHED_STOPPED),
             fail_request=lambda request_id: core.abort(request_id,
                                                        SequenceStatus.FINISHED_ERROR))
+        if self.tiers is not None:
+            self.tiers.after_step(time.perf_counter() - start, outputs)
+        return outputs
+
+    def close(self) -> None:
+        """Let the KV tiers' queued writes land and stop their threads (no-op without)."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     def stats(self) -> EngineStats:
         kv = self.kv
@@ -209,4 +228,5 @@ class Engine:
             block_size=kv.block_size, cache_dtype=self.cache_dtype,
             kv_cache_bytes=self.kv_cache.num_bytes,
             spec_decode=None if self.core.speculator is None else self.core.speculator.stats,
-            mask_seconds=self.core.constrainer.mask_times())
+            mask_seconds=self.core.constrainer.mask_times(),
+            tiers=None if self.tiers is None else self.tiers.stats())
