@@ -269,7 +269,8 @@ class Scheduler:
         assert seq.status is SequenceStatus.RUNNING
         if self.tiers is not None and not uncache:
             self.tiers.on_preempt(seq)
-        self._release(seq, uncache)
+        # blocks hashed for this step's tokens, which it no longer computes, leave the cache
+        self._release(seq, uncache, seq.num_computed_tokens)
         num_computed = seq.num_computed_tokens
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
@@ -279,10 +280,11 @@ class Scheduler:
                  num_computed_tokens=num_computed, num_tokens=seq.num_tokens,
                  num_free_blocks=self.kv.num_free_blocks)
 
-    def _release(self, seq: Sequence, uncache: bool = False) -> None:
+    def _release(self, seq: Sequence, uncache: bool = False,
+                 num_computed: int | None = None) -> None:
         self.running.remove(seq)
         self.num_pending_forks -= seq.num_pending_forks
-        self.kv.free(seq.seq_id, uncache)
+        self.kv.free(seq.seq_id, uncache, num_computed)
 
     def _enqueue(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
