@@ -14,6 +14,7 @@ from aiohttp import web
 
 from kvcore.engine import RequestFailed
 from kvcore.model.tokenizer import Tokenizer
+from kvcore.request import RequestMetrics
 from kvcore.service.auth import ANONYMOUS_TENANT
 from kvcore.service.errors import APIError
 from kvcore.service.formatter import Formatter
@@ -197,4 +198,13 @@ def _account(state: ServiceState, gen: Generation, fmt: Formatter, tenant: str,
              finish_reason=[fmt.finish_reasons.get(i) for i in range(len(gen.jobs) * n)],
              user=log_text(fmt.call.user),
              spec_acceptance=round(sum(m.num_accepted_tokens for m in finals) / drafted, 4)
-             if drafted else None)
+             if drafted else None, restored_tokens=_restored(finals))
+
+
+def _restored(finals: list[RequestMetrics]) -> dict[str, int] | None:
+    """Prompt tokens the call's requests restored from each KV tier (None: none)."""
+    out: dict[str, int] = {}
+    for metrics in finals:
+        for tier, num in (metrics.restored_tokens or {}).items():
+            out[tier] = out.get(tier, 0) + num
+    return out or None

@@ -10,6 +10,7 @@ import sys
 import structlog
 
 from kvcore.cli import CLIError
+from kvcore.cli.tier_args import add_tier_arguments, tier_config
 from kvcore.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvcore.config_speculative import SpeculativeConfig
 from kvcore.device import resolve_device
@@ -96,6 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-size", default="4MiB", metavar="SIZE",
                         help="413 for request bodies over this (default 4MiB)")
     parser.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
+    add_tier_arguments(parser)
     cluster = parser.add_argument_group(
         "cluster", "serve through N engine replicas on Ray Serve (needs `pip install "
         "kvcore[cluster]`); without --replicas, one engine in this process")
@@ -160,7 +162,7 @@ def _config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
     return EngineConfig(
         model=model_dir, device=args.device, seed=args.seed, enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling, quantization=args.quantization,
-        speculative=SpeculativeConfig.parse(args.speculative_config),
+        speculative=SpeculativeConfig.parse(args.speculative_config), tiers=tier_config(args),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           kv_cache_memory=memory, cache_dtype=args.kv_cache_dtype,
                           enable_prefix_caching=args.enable_prefix_caching,

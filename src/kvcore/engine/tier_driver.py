@@ -13,7 +13,7 @@ When a page is written: evicted from the pool (write-back, every policy); when t
 and cached (write_through), or hit by a second prefix lookup (write_through_selective), at the
 launch after the step that computed it; a swapped-out sequence's computed blocks at once. A
 load is started only when its estimated time (pages over each tier's measured bandwidth) beats
-recomputing its tokens (the measured prefill rate).
+recomputing its tokens (the measured marginal cost of a token in a step).
 """
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ from kvcore.cache.tiers import LoadJob, PageCopier, PageKey, TierStats, TierStor
 from kvcore.request import RequestOutput, Sequence, SequenceStatus
 
 SAVE, LOAD = 0, 1
-MIN_RATE_TOKENS = 64  # steps with fewer tokens say little about the prefill rate
-RATE_WEIGHT = 0.3  # of the newest step in the prefill rate's moving average
+COST_WEIGHT = 0.05  # of the newest step in the step-cost fit (exponential forgetting)
 MAX_HIT_COUNTS = 1 << 16  # write_through_selective's hit counters kept at most
 IDLE_WAIT_S = 0.05
 
@@ -62,6 +61,34 @@ class _Ops:
         self.items.append((LOAD, block_ids, pages))
 
 
+class StepCost:
+    """Seconds per step = fixed + per_token x tokens, fitted by least squares over recent steps
+    (exponentially weighted): per_token is what recomputing one more prompt token costs, the
+    fixed part (sampling, scheduling, launch) being paid by the step anyway."""
+
+    def __init__(self, weight: float = COST_WEIGHT) -> None:
+        self.weight = weight
+        self._sums = [0.0] * 5  # weight, x, y, x * x, x * y
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        keep, w = 1.0 - self.weight, self.weight
+        x, y = float(tokens), seconds
+        self._sums = [keep * a + w * b for a, b in zip(self._sums, (1.0, x, y, x * x, x * y),
+                                                      strict=True)]
+
+    @property
+    def per_token(self) -> float | None:
+        """Seconds per token, None until steps of different sizes were seen."""
+        n, x, y, xx, xy = self._sums
+        if n <= 0:
+            return None
+        var = xx / n - (x / n) ** 2
+        if var < 1.0:  # every step the same size: no slope to see
+            return None
+        slope = (xy / n - (x / n) * (y / n)) / var
+        return slope if slope > 0 else None
+
+
 class TierDriver:
     """Owns the engine's side of the tiers; every method runs in the engine step's thread."""
 
@@ -89,7 +116,7 @@ class TierDriver:
         self._restored: dict[str, dict[str, int]] = {}  # request_id -> tier -> tokens
         self._step_tokens = 0
         self._launched = False
-        self.prefill_rate: float | None = None  # tokens/s of prefill steps, measured
+        self.step_cost = StepCost()  # what recomputing a token costs, measured
         self.num_loads_skipped = 0  # lookups that found pages but recomputing was cheaper
         self.closed = False
 
@@ -137,10 +164,7 @@ class TierDriver:
         self._step_tokens = num_batched_tokens
         if self.closed:
             return None
-        for block in self._held:  # the admissions that wanted them have run
-            self.pool.free(block)
-        self._held = []
-        self._settle_orphans()
+        self._release_held()
         window = self.kv.window
         pending: list[tuple[Block, BlockHash]] = []
         for block, block_hash in self._computed:
@@ -174,28 +198,38 @@ class TierDriver:
     # --- the engine's seam ---
 
     def after_step(self, seconds: float, outputs: Sequence_[RequestOutput]) -> None:
-        """After Engine.step: its launch's tokens over `seconds` feed the prefill rate; each
+        """After Engine.step: its launch's tokens and `seconds` feed the step-cost fit; each
         output names the tokens its request restored from each tier; a step that launched
         nothing while pages load waits for the first to land (up to IDLE_WAIT_S) rather than
         spinning through empty steps."""
         tokens, self._step_tokens = self._step_tokens, 0
-        if tokens >= MIN_RATE_TOKENS and seconds > 0:
-            rate = tokens / seconds
-            old = self.prefill_rate
-            self.prefill_rate = rate if old is None else (
-                (1 - RATE_WEIGHT) * old + RATE_WEIGHT * rate)
+        if tokens:
+            self.step_cost.observe(tokens, seconds)
         for output in outputs:
             record = (self._restored.pop(output.request_id, None) if output.finished
                       else self._restored.get(output.request_id))
             if record:
                 output.metrics.restored_tokens = dict(record)
+        self._release_held()
         launched, self._launched = self._launched, False
         if not launched and self._loads:
             next(iter(self._loads.values())).job.done.wait(IDLE_WAIT_S)
 
     def forget(self, request_id: str) -> None:
-        """The request was aborted (its outputs no longer pass through after_step)."""
+        """The request was aborted: its loads' blocks go back at once (the loader reads into
+        its own buffer, never into them), and its outputs no longer pass through after_step."""
         self._restored.pop(request_id, None)
+        for seq_id, load in list(self._loads.items()):
+            if load.request_id == request_id:
+                del self._loads[seq_id]
+                for block in (*load.blocks, *load.pinned):
+                    self.pool.free(block)
+
+    @property
+    def prefill_rate(self) -> float | None:
+        """Prompt tokens per second that recomputing costs (None: not measured yet)."""
+        per_token = self.step_cost.per_token
+        return None if per_token is None else 1.0 / per_token
 
     def stats(self) -> TierStats:
         return self.store.stats(self.block_size)
@@ -254,8 +288,8 @@ class TierDriver:
             self._decided.pop(seq.seq_id, None)  # the pool cannot take it yet: look again
             return False
         load_s = sum(self.page_bytes / self.store.bandwidth(t) for t in found)
-        rate = self.prefill_rate
-        if rate is not None and load_s >= num_pages * bs / rate:
+        per_token = self.step_cost.per_token  # None: not measured yet, loads go ahead
+        if per_token is not None and load_s >= num_pages * bs * per_token:
             self.num_loads_skipped += 1
             return False
         for block in pinned:
@@ -278,27 +312,38 @@ class TierDriver:
         while len(self._hits) > MAX_HIT_COUNTS:
             self._hits.popitem(last=False)
 
-    def _land(self, load: _Load, count: bool) -> None:
-        """Landed pages enter the prefix cache (held until the next launch, so the admission
-        about to run finds them); their scatter runs before the next forward; the rest of
-        the blocks go back to the pool (their tokens are recomputed)."""
+    def _land(self, load: _Load, waiting: bool) -> None:
+        """Landed pages enter the prefix cache (for a waiting sequence held until its
+        admission, about to run, found them); their scatter runs before the next forward; the
+        rest of the blocks go back to the pool (their tokens are recomputed)."""
         job = load.job
-        restored: dict[str, int] = (self._restored.setdefault(load.request_id, {}) if count
+        restored: dict[str, int] = (self._restored.setdefault(load.request_id, {}) if waiting
                                     else {})
+        held = self._held if waiting else []
         ids: list[int] = []
         rows: list[int] = []
         for i, block in enumerate(load.blocks):
             if i < job.num_loaded and self.pool.register(block, load.hashes[i], job.keys[i][1]):
                 ids.append(block.block_id)
                 rows.append(i)
-                self._held.append(block)
+                held.append(block)
                 tier = job.tiers[i]
                 restored[tier] = restored.get(tier, 0) + self.block_size
             else:
                 self.pool.free(block)
-        self._held.extend(load.pinned)
+        held.extend(load.pinned)
+        if not waiting:
+            for block in held:
+                self.pool.free(block)
         if ids:
             self._ops.load(ids, job.pages if len(rows) == len(job.pages) else job.pages[rows])
+
+    def _release_held(self) -> None:
+        """The schedule that wanted the landed pages is over: they stay cached, unheld."""
+        for block in self._held:
+            self.pool.free(block)
+        self._held = []
+        self._settle_orphans()
 
     def _settle_orphans(self) -> None:
         """Loads whose sequence left the queue (admitted without them, finished, aborted):

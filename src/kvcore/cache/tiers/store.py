@@ -84,6 +84,15 @@ class _Writer:
             finally:
                 with self._lock:
                     self.queued_bytes -= len(keys) * gathered.pages.shape[1]
+                self._queue.task_done()
+
+    def flush(self, deadline: float) -> bool:
+        """Wait until every queued write landed (False: the deadline came first)."""
+        while self._queue.unfinished_tasks:
+            if time.monotonic() >= deadline or not self.thread.is_alive():
+                return False
+            time.sleep(0.001)
+        return True
 
     def close(self, timeout: float) -> None:
         self._queue.put(None)
@@ -202,6 +211,11 @@ class TierStore:
             self.counters.measured(name, num * self.page_bytes, seconds)
 
     # --- the end ---
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until every queued write landed (False: not within timeout seconds)."""
+        deadline = time.monotonic() + timeout
+        return all(w.flush(deadline) for w in self._writers)
 
     def close(self, timeout: float = 30.0) -> None:
         """Let queued writes land (up to timeout seconds in all), then stop the threads."""
