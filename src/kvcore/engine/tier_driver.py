@@ -280,13 +280,15 @@ class TierDriver:
         found = self.store.find(hashes[num_pool:])
         if not found:
             return False
-        num_pages = len(found)
         # the pool's prefix is held while the pages load (evicting it would orphan them; a
         # block some sequence holds cannot be evicted, and a free one is sealed, int4 or not)
         pinned = [block for block in hits if block.ref_count == 0]
-        if -(-len(tokens) // bs) - num_pool + len(pinned) > self.pool.num_free_blocks:
-            self._decided.pop(seq.seq_id, None)  # the pool cannot take it yet: look again
+        # as many pages as the pool takes, leaving a block for the sequence's next chunk
+        num_pages = min(len(found), self.pool.num_free_blocks - len(pinned) - 1)
+        if num_pages <= 0:
+            self._decided.pop(seq.seq_id, None)  # the pool cannot take them yet: look again
             return False
+        found = found[:num_pages]
         load_s = sum(self.page_bytes / self.store.bandwidth(t) for t in found)
         per_token = self.step_cost.per_token  # None: not measured yet, loads go ahead
         if per_token is not None and load_s >= num_pages * bs * per_token:
