@@ -113,7 +113,9 @@ async def run_sessions(args: argparse.Namespace) -> dict[str, Any]:
     saved: set[int] = set()
     timeout = aiohttp.ClientTimeout(total=None, sock_read=3600)
 
-    async with aiohttp.ClientSession(timeout=timeout) as http:
+    # one connection per request: llama-server closes kept-alive connections after a stream
+    connector = aiohttp.TCPConnector(force_close=True, limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
         async def session(s: int) -> None:
             for turn in range(args.first_turn - 1, args.last_turn):
                 prompt = prompt_of(system, users[s], replies[s], turn)
