@@ -42,7 +42,10 @@ class CupyTierStreams:
         return event
 
     def download(self, src: Any, dst: np.ndarray) -> Any:
-        src.get(stream=self._stream, out=dst)  # asynchronous into pinned memory
+        try:  # asynchronous into pinned memory (CuPy >= 13 blocks unless told not to)
+            src.get(stream=self._stream, out=dst, blocking=False)
+        except TypeError:  # an older CuPy: get() on a stream is asynchronous already
+            src.get(stream=self._stream, out=dst)
         return self._event(self._stream)
 
     def upload(self, src: np.ndarray, dst: Any) -> None:
