@@ -45,11 +45,9 @@ class SchedulerOutput:
 
 
 class TierHook(Protocol):
-    """The KV tiers (kvcore.engine.tier_driver): a waiting sequence whose prefix is loading
-    from a tier is not admitted yet (others may start meanwhile); a victim may be swapped out."""
-
+    """The KV tiers (kvcore.engine.tier_driver): ready() is False while a waiting sequence's
+    prefix loads (later ones may start); on_preempt() before a victim's blocks are freed."""
     def ready(self, seq: Sequence) -> bool: ...
-
     def on_preempt(self, seq: Sequence) -> None: ...
 
 
@@ -186,8 +184,8 @@ class Scheduler:
             # nothing could run: the running sequences wait for the rest of their group, which
             # waits for blocks. Free the least important one if it ranks below the queue's head.
             victim = max(self.running, key=_victim_key)
-            if _queue_key(victim) < _queue_key(self.waiting[0]) or not self._ready(
-                    self.waiting[0]):
+            head = self.waiting[0]
+            if _queue_key(victim) < _queue_key(head) or not self._ready(head):
                 break
             self.preempt(victim)
             plan.preempted.append(victim.seq_id)
@@ -233,14 +231,17 @@ class Scheduler:
         allow (FCFS: nobody overtakes the head of the queue)."""
         kv = self.kv
         waiting = self.waiting
-        i = 0  # the head, past sequences whose prefix is loading from a tier
+        i = 0  # the head, past sequences whose prefix is loading from a tier ...
+        num_loading = 0  # ... which keep their places under max_num_seqs
         while i < len(waiting) and plan.budget > 0:
             seq = waiting[i]
+            if (len(self.running) + self.num_pending_forks + num_loading + seq.num_seqs
+                    > self.max_num_seqs):
+                break
             if not self._ready(seq):
+                num_loading += seq.num_seqs
                 i += 1
                 continue
-            if len(self.running) + self.num_pending_forks + seq.num_seqs > self.max_num_seqs:
-                break
             num_cached = kv.allocate_prefix(seq.seq_id, seq.token_ids, seq.cache_salt)
             assert num_cached < seq.num_tokens, "the last token is always recomputed"
             num_new = min(seq.num_tokens - num_cached, plan.budget)
@@ -269,8 +270,7 @@ class Scheduler:
         assert seq.status is SequenceStatus.RUNNING
         if self.tiers is not None and not uncache:
             self.tiers.on_preempt(seq)
-        # blocks hashed for this step's tokens, which it no longer computes, leave the cache
-        self._release(seq, uncache, seq.num_computed_tokens)
+        self._release(seq, uncache, seq.num_computed_tokens)  # uncomputed blocks: uncached
         num_computed = seq.num_computed_tokens
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1

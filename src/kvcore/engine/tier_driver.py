@@ -283,8 +283,10 @@ class TierDriver:
         # the pool's prefix is held while the pages load (evicting it would orphan them; a
         # block some sequence holds cannot be evicted, and a free one is sealed, int4 or not)
         pinned = [block for block in hits if block.ref_count == 0]
-        # as many pages as the pool takes, leaving a block for the sequence's next chunk
-        num_pages = min(len(found), self.pool.num_free_blocks - len(pinned) - 1)
+        # as many pages as the pool takes, leaving a block for each running sequence's next
+        # token and one for this one's first chunk
+        running = sum(s.status is SequenceStatus.RUNNING for s in self.seqs.values())
+        num_pages = min(len(found), self.pool.num_free_blocks - len(pinned) - running - 1)
         if num_pages <= 0:
             self._decided.pop(seq.seq_id, None)  # the pool cannot take them yet: look again
             return False
