@@ -232,3 +232,15 @@ def test_two_replicas_share_one_tier_directory(tiny_model_dir: Path, tmp_path: P
     assert restored(b, "disk") > 0
     a.close()
     b.close()
+
+
+def test_an_mla_models_shared_latent_pages_restore_too(tmp_path: Path) -> None:
+    from tiny_deepseek import make_tiny_deepseek
+
+    model = make_tiny_deepseek(tmp_path / "v2", "v2", seed=1, max_position_embeddings=512)
+    reference = sessions(small_engine(model), range(2))
+    engine = small_engine(model, kv_offload_size=1 << 22, kv_tier_dir=str(tmp_path / "t"))
+    assert engine.tiers is not None and engine.tiers.copier.layout.shared_kv
+    assert sessions(engine, range(2)) == reference
+    assert sum(engine.stats().tiers.hit_tokens.values()) > 0  # type: ignore[union-attr]
+    engine.close()
