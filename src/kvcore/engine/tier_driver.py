@@ -50,8 +50,12 @@ class _Ops:
     saves merged into one gather, and (LOAD, block ids, pages), one scatter each."""
 
     items: list[tuple[int, list[int], Any]] = field(default_factory=list)
+    saved: set[BlockHash] = field(default_factory=set)  # a page is saved once a step
 
     def save(self, block_id: int, key: PageKey) -> None:
+        if key[0] in self.saved:
+            return
+        self.saved.add(key[0])
         if not self.items or self.items[-1][0] != SAVE:
             self.items.append((SAVE, [], []))
         self.items[-1][1].append(block_id)

@@ -48,8 +48,10 @@ class LoadJob:
 class _Writer:
     """One tier's background writer: a queue bounded in bytes, one thread."""
 
-    def __init__(self, tier: Tier, counters: TierCounters, max_bytes: int) -> None:
+    def __init__(self, tier: Tier, counters: TierCounters, max_bytes: int,
+                 done: Callable[[list[PageKey]], None]) -> None:
         self.tier = tier
+        self.done = done  # told when a batch was written (or failed)
         self.counters = counters
         self.max_bytes = max_bytes
         self.queued_bytes = 0
@@ -84,6 +86,7 @@ class _Writer:
             finally:
                 with self._lock:
                     self.queued_bytes -= len(keys) * gathered.pages.shape[1]
+                self.done(keys)
                 self._queue.task_done()
 
     def flush(self, deadline: float) -> bool:
@@ -112,8 +115,12 @@ class TierStore:
         self.page_bytes = page_bytes
         self._buffer = buffer
         self.counters = TierCounters()
-        self._writers = [_Writer(t, self.counters, max(max_queued_bytes, page_bytes))
-                         for t in self.tiers]
+        # pages queued and not written yet, by how many writers still hold them: not wanted
+        # again meanwhile (a block written through, then evicted before the write landed)
+        self._queued: dict[BlockHash, int] = {}
+        self._queued_lock = threading.Lock()
+        self._writers = [_Writer(t, self.counters, max(max_queued_bytes, page_bytes),
+                                 self._written) for t in self.tiers]
         self._loads: queue.Queue[LoadJob | None] = queue.Queue()
         self._loader = threading.Thread(target=self._run_loads, name="kvcore-tier-loader",
                                         daemon=True)
@@ -146,8 +153,18 @@ class TierStore:
     # --- writes (the engine step queues, the writers write) ---
 
     def wants(self, block_hash: BlockHash) -> bool:
-        """Some tier lacks the page (and takes writes)."""
-        return any(t.enabled and block_hash not in t for t in self.tiers)
+        """Some tier lacks the page (and takes writes), and no write of it is queued."""
+        return block_hash not in self._queued and any(
+            t.enabled and block_hash not in t for t in self.tiers)
+
+    def _written(self, keys: list[PageKey]) -> None:
+        with self._queued_lock:
+            for block_hash, _ in keys:
+                left = self._queued.get(block_hash, 0) - 1
+                if left > 0:
+                    self._queued[block_hash] = left
+                else:
+                    self._queued.pop(block_hash, None)
 
     def room(self, num_pages: int) -> bool:
         """Some writer's queue takes num_pages more pages now."""
@@ -161,6 +178,9 @@ class TierStore:
             if not writer.tier.enabled:
                 continue
             if writer.room(nbytes):
+                with self._queued_lock:
+                    for block_hash, _ in keys:
+                        self._queued[block_hash] = self._queued.get(block_hash, 0) + 1
                 writer.offer(keys, gathered, nbytes)
             else:
                 self.counters.add(self.counters.dropped, writer.tier.name, len(keys))
