@@ -14,7 +14,8 @@ import structlog
 from aiohttp import web
 
 from kvcore.cli import build_parser
-from kvcore.cli.serve import _config
+from kvcore.cache.tiers.disk import shared_secret
+from kvcore.cli.serve import _config, salt_secret
 from kvcore.config_tiers import TierConfig
 from kvcore.engine import AsyncEngine, Engine
 from kvcore.service import make_app
@@ -31,8 +32,9 @@ def tier_app(model_dir: Path) -> web.Application:
     return make_app(AsyncEngine(Engine(config)), served_model_name=MODEL_NAME)
 
 
-async def complete(client, prompt: list[int]) -> None:
-    resp = await client.post("/v1/completions", json={
+async def complete(client, prompt: list[int], key: str | None = None) -> None:
+    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+    resp = await client.post("/v1/completions", headers=headers, json={
         "model": MODEL_NAME, "prompt": prompt, "max_tokens": 2, "temperature": 0})
     assert resp.status == 200, await resp.text()
 
@@ -92,3 +94,36 @@ def test_serve_flags_build_the_tier_config(tmp_path: Path) -> None:
                                kv_tier_dir=str(tmp_path), kv_tier_disk_size=5 * 10**9,
                                kv_tier_write_policy="write_back", preemption_mode="recompute")
     assert not _config(build_parser().parse_args(["serve"]), "m").tiers.enabled
+
+
+@pytest.mark.asyncio
+async def test_a_restarted_server_finds_its_tenants_pages_on_disk(aiohttp_client,
+                                                                  tiny_model_dir: Path,
+                                                                  tmp_path: Path) -> None:
+    """Tenants' cache salts come from the tier directory's secret (a per-process secret would
+    name every block differently after a restart); another tenant still finds nothing."""
+    config = dataclasses.replace(tiny_config(tiny_model_dir, num_blocks=40, max_num_seqs=1),
+                                 tiers=TierConfig(kv_tier_dir=str(tmp_path)))
+    keys = {"key-a": "alice", "key-b": "bob"}
+
+    def app() -> web.Application:
+        return make_app(AsyncEngine(Engine(config)), served_model_name=MODEL_NAME,
+                        api_keys=keys, cache_salt_secret=salt_secret(config))
+    first = await aiohttp_client(app())
+    await complete(first, LONG, "key-a")
+    await first.close()  # drains: queued page writes land
+    second = await aiohttp_client(app())
+    with structlog.testing.capture_logs() as logs:
+        await complete(second, LONG + [5], "key-b")
+        await complete(second, LONG + [6], "key-a")
+    bob, alice = [e for e in logs if e["event"] == "request"]
+    assert bob["restored_tokens"] is None and bob["cached_tokens"] == 0
+    assert alice["restored_tokens"]["disk"] >= len(LONG) // 4 * 4 - 4
+
+
+def test_the_tier_directorys_secret_is_made_once(tmp_path: Path) -> None:
+    secret = shared_secret(tmp_path)
+    assert secret is not None and len(secret) == 32
+    assert shared_secret(tmp_path) == secret
+    assert (tmp_path / "salt.secret").stat().st_mode & 0o777 == 0o600
+    assert shared_secret(tmp_path / "salt.secret" / "x") is None  # not a directory

@@ -172,6 +172,17 @@ def _config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
                                   max_model_len=args.max_model_len))
 
 
+def salt_secret(config: EngineConfig) -> bytes | None:
+    """With a disk tier, the tenants' cache salts come from the directory's secret, so a
+    restarted server (or another replica) names a session's blocks as before and finds them;
+    otherwise a secret of this process (None: make_app draws one)."""
+    if config.tiers.kv_tier_dir is None:
+        return None
+    from kvcore.cache.tiers.disk import shared_secret
+
+    return shared_secret(config.tiers.kv_tier_dir)
+
+
 def _build_engine(config: EngineConfig) -> AsyncEngine:
     engine = AsyncEngine.from_config(config)
     stats = engine.stats()
@@ -211,7 +222,8 @@ def run(args: argparse.Namespace) -> int:
     app_kwargs = dict(api_keys=keys, served_model_name=names, max_body_size=max_body,
                       max_waiting=args.max_waiting,
                       max_sequences_per_request=args.max_sequences_per_request,
-                      body_timeout=args.body_timeout, admin_keys=admins)
+                      body_timeout=args.body_timeout, admin_keys=admins,
+                      cache_salt_secret=salt_secret(config))
     if args.replicas is not None:
         return _run_cluster(args, config, app_kwargs, edge)
     try:

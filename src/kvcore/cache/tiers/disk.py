@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import threading
 import time
 import uuid
@@ -208,3 +209,28 @@ def _hash_of(name: str) -> BlockHash | None:
     except ValueError:
         return None
 
+
+
+def shared_secret(root: str | Path) -> bytes | None:
+    """The secret every server using this tier directory derives its tenants' cache salts
+    from (`root/salt.secret`, 32 random bytes made once, readable by its owner only): chain
+    hashes, and so page names, must be the same after a restart and in every replica sharing
+    the directory. None when the directory cannot hold it (the disk tier is then off too)."""
+    path = Path(root) / "salt.secret"
+    try:
+        Path(root).mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            temp = path.with_name(f".salt.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(secrets.token_bytes(32))
+            try:
+                os.link(temp, path)  # atomic and exclusive: the first server's secret wins
+            except FileExistsError:
+                pass
+            finally:
+                os.unlink(temp)
+        secret = path.read_bytes()
+    except OSError:
+        return None
+    return secret if len(secret) == 32 else None
