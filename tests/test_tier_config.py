@@ -128,3 +128,16 @@ def test_the_router_sees_the_pool_not_the_tiers(tiny_model_dir: Path) -> None:
     back = {h for cached, h in engine.kv.pool.drain_events() if cached}
     assert evicted <= back  # loaded back into the pool: the router may name it again
     engine.close()
+
+
+def test_the_step_cost_fit_finds_the_per_token_cost() -> None:
+    from kvcore.engine.tier_driver import StepCost
+
+    cost = StepCost(weight=0.2)
+    assert cost.per_token is None
+    for tokens in (4, 4, 4):
+        cost.observe(tokens, 0.010 + 0.002 * tokens)
+    assert cost.per_token is None  # one step size: no slope to see yet
+    for tokens in (4, 300, 16, 800, 4, 64):
+        cost.observe(tokens, 0.010 + 0.002 * tokens)  # 10 ms a step + 2 ms a token
+    assert cost.per_token == pytest.approx(0.002, rel=1e-6)

@@ -141,7 +141,12 @@ async def run_sessions(args: argparse.Namespace) -> dict[str, Any]:
                 args.model = (await resp.json())["data"][0]["id"]
         metrics_before = await read_metrics(http, args.base_url)
         started = time.perf_counter()
-        await asyncio.gather(*(session(s) for s in range(args.sessions)))
+        at_once = asyncio.Semaphore(args.max_concurrency or args.sessions)
+
+        async def limited(s: int) -> None:
+            async with at_once:  # sessions in flight at once (each runs all its turns)
+                await session(s)
+        await asyncio.gather(*(limited(s) for s in range(args.sessions)))
         wall = time.perf_counter() - started
         metrics_after = await read_metrics(http, args.base_url)
     return summarize(args, records, wall, metrics_before, metrics_after)
@@ -236,6 +241,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", help="the model name to send (default: the server's first)")
     p.add_argument("--sessions", type=int, default=16)
     p.add_argument("--turns", type=int, default=8)
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="sessions in flight at once (default: all)")
     p.add_argument("--first-turn", type=int, default=1)
     p.add_argument("--last-turn", type=int, default=None)
     p.add_argument("--system-len", type=int, default=1500, help="system prompt + tools tokens")
