@@ -65,7 +65,7 @@ def test_plan_reports_each_tiers_capacity(capsys: pytest.CaptureFixture[str],
     page = plan["bytes_per_block"]  # tiny model: 2 layers x 2 heads x 16 x fp16, 4 tokens
     assert host["bytes_per_page"] == page == 2 * 2 * 2 * 16 * 2 * 4
     assert disk["bytes_per_page"] == page + pagefile.header_bytes(4)
-    assert PAGE_FILE_FIXED_BYTES == pagefile.header_bytes(4) - 8 * 4
+    assert pagefile.header_bytes(4) - 8 * 4 == PAGE_FILE_FIXED_BYTES
     assert host["pages"] == 2**20 // page and host["tokens"] == host["pages"] * 4
     assert host["sequences"] == host["pages"] // 16  # 64 tokens = 16 blocks each
     assert main(["plan", "--model", str(tiny_model_dir), "--kv-offload-size", "1MiB",

@@ -13,8 +13,8 @@ import pytest
 import structlog
 from aiohttp import web
 
-from kvcore.cli import build_parser
 from kvcore.cache.tiers.disk import shared_secret
+from kvcore.cli import build_parser
 from kvcore.cli.serve import _config, salt_secret
 from kvcore.config_tiers import TierConfig
 from kvcore.engine import AsyncEngine, Engine
