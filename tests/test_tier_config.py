@@ -131,9 +131,9 @@ def test_the_router_sees_the_pool_not_the_tiers(tiny_model_dir: Path) -> None:
 
 
 def test_the_step_cost_fit_finds_the_per_token_cost() -> None:
-    from kvcore.engine.tier_driver import StepCost
+    from kvcore.engine.tier_ops import PrefillCost
 
-    cost = StepCost(weight=0.2)
+    cost = PrefillCost(weight=0.2)
     assert cost.per_token is None
     for tokens in (4, 4, 4):
         cost.observe(tokens, 0.010 + 0.002 * tokens)

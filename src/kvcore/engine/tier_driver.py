@@ -21,15 +21,14 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Sequence_
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvcore.cache import Block, BlockHash, KVCacheManager, chain_hashes
 from kvcore.cache.tiers import LoadJob, PageCopier, PageKey, TierStats, TierStore
+from kvcore.engine.tier_ops import LOAD, SAVE, PrefillCost, StepOps
 from kvcore.request import RequestOutput, Sequence, SequenceStatus
 
-SAVE, LOAD = 0, 1
-COST_WEIGHT = 0.05  # of the newest step in the step-cost fit (exponential forgetting)
 MAX_HIT_COUNTS = 1 << 16  # write_through_selective's hit counters kept at most
 IDLE_WAIT_S = 0.05
 
@@ -42,55 +41,6 @@ class _Load:
     request_id: str
     # the prefix the pool already holds, held too: evicting it would orphan the pages
     pinned: list[Block]
-
-
-@dataclass(slots=True)
-class _Ops:
-    """The step's tier operations in schedule order: (SAVE, block ids, keys), consecutive
-    saves merged into one gather, and (LOAD, block ids, pages), one scatter each."""
-
-    items: list[tuple[int, list[int], Any]] = field(default_factory=list)
-    saved: set[BlockHash] = field(default_factory=set)  # a page is saved once a step
-
-    def save(self, block_id: int, key: PageKey) -> None:
-        if key[0] in self.saved:
-            return
-        self.saved.add(key[0])
-        if not self.items or self.items[-1][0] != SAVE:
-            self.items.append((SAVE, [], []))
-        self.items[-1][1].append(block_id)
-        self.items[-1][2].append(key)
-
-    def load(self, block_ids: list[int], pages: Any) -> None:
-        self.items.append((LOAD, block_ids, pages))
-
-
-class StepCost:
-    """Seconds per step = fixed + per_token x tokens, fitted by least squares over recent steps
-    (exponentially weighted): per_token is what recomputing one more prompt token costs, the
-    fixed part (sampling, scheduling, launch) being paid by the step anyway."""
-
-    def __init__(self, weight: float = COST_WEIGHT) -> None:
-        self.weight = weight
-        self._sums = [0.0] * 5  # weight, x, y, x * x, x * y
-
-    def observe(self, tokens: int, seconds: float) -> None:
-        keep, w = 1.0 - self.weight, self.weight
-        x, y = float(tokens), seconds
-        self._sums = [keep * a + w * b for a, b in zip(self._sums, (1.0, x, y, x * x, x * y),
-                                                      strict=True)]
-
-    @property
-    def per_token(self) -> float | None:
-        """Seconds per token, None until steps of different sizes were seen."""
-        n, x, y, xx, xy = self._sums
-        if n <= 0:
-            return None
-        var = xx / n - (x / n) ** 2
-        if var < 1.0:  # every step the same size: no slope to see
-            return None
-        slope = (xy / n - (x / n) * (y / n)) / var
-        return slope if slope > 0 else None
 
 
 class TierDriver:
@@ -110,7 +60,7 @@ class TierDriver:
         self.pool.on_evict = self._evicted
         if write_policy == "write_through":
             self.pool.on_cache = self._cached
-        self._ops = _Ops()
+        self._ops = StepOps()
         self._fresh: list[tuple[Block, BlockHash]] = []  # cached while this step is scheduled
         self._computed: list[tuple[Block, BlockHash]] = []  # computed by the step launched last
         self._loads: dict[str, _Load] = {}
@@ -120,7 +70,7 @@ class TierDriver:
         self._restored: dict[str, dict[str, int]] = {}  # request_id -> tier -> tokens
         self._step_tokens = 0
         self._launched = False
-        self.step_cost = StepCost()  # what recomputing a token costs, measured
+        self.step_cost = PrefillCost()  # what recomputing a token costs, measured
         self.num_loads_skipped = 0  # lookups that found pages but recomputing was cheaper
         self.closed = False
 
@@ -180,7 +130,7 @@ class TierDriver:
                 assert block.token_bytes is not None
                 self._ops.save(block.block_id, (block_hash, block.token_bytes))
         self._computed, self._fresh = pending + self._fresh, []
-        ops, self._ops = self._ops, _Ops()
+        ops, self._ops = self._ops, StepOps()
         if not ops.items:
             return None
         work = []
