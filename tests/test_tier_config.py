@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from engine_helpers import run_all
 from fake_device import fake_engine
 from kvcore.cache import chain_hashes
 from kvcore.cache.tiers import pagefile
@@ -84,18 +85,13 @@ def test_async_scheduling_over_the_tiers_gives_the_same_tokens(tiny_model_dir: P
 
     def outputs(on: bool, **tiers: Any) -> list[list[int]]:
         engine = fake_engine(tiny_model_dir, on, num_blocks=36, max_num_seqs=3, **tiers)
-        for i, prompt in enumerate(prompts * 2):  # every prompt twice: its pages come back
-            engine.add_request(f"r{i}", prompt, params)
-        done = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out.outputs[0].token_ids
+        # every prompt twice: its pages come back
+        done = [out.outputs[0].token_ids for out in run_all(engine, prompts * 2, params)]
         if on and tiers:
             stats = engine.stats().tiers
             assert stats is not None and sum(stats.hit_tokens.values()) > 0
         engine.close()
-        return [done[f"r{i}"] for i in range(len(prompts) * 2)]
+        return done
 
     reference = outputs(False)
     assert outputs(True, kv_offload_size=1 << 20, kv_tier_dir=str(tmp_path)) == reference

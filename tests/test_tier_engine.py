@@ -14,10 +14,9 @@ import numpy as np
 import pytest
 import structlog
 
-from engine_helpers import assert_pool_empty, make_engine
+from engine_helpers import assert_pool_empty, make_engine, run_all
 from kvcore.cache.kv_cache import CACHE_DTYPES
 from kvcore.engine import Engine
-from kvcore.request import RequestOutput
 from kvcore.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -28,20 +27,8 @@ USER = [[RNG.integers(3, 259, int(n)).tolist() for n in RNG.integers(6, 14, 4)]
         for _ in range(5)]  # 5 sessions x 4 turns
 
 
-def run(engine: Engine, requests: list[tuple[str, list[int], SamplingParams, str | None]]
-        ) -> dict[str, RequestOutput]:
-    for request_id, prompt, params, salt in requests:
-        engine.add_request(request_id, prompt, params, cache_salt=salt)
-    done: dict[str, RequestOutput] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
-
-
 def sessions(engine: Engine, turns: range = range(4), salt: str | None = None,
-             params: SamplingParams = GREEDY, tag: str = "") -> list[list[int]]:
+             params: SamplingParams = GREEDY) -> list[list[int]]:
     """Every session's turns in rounds (a turn's prompt: the session so far + its new user
     tokens); the generated tokens of each turn, in order."""
     history = [list(SYSTEM) for _ in USER]
@@ -50,11 +37,10 @@ def sessions(engine: Engine, turns: range = range(4), salt: str | None = None,
             history[s] += USER[s][turn] + [5 + turn] * 6
     outputs = []
     for turn in turns:
-        done = run(engine, [(f"{tag}s{s}t{turn}", history[s] + USER[s][turn], params, salt)
-                            for s in range(len(USER))])
+        done = run_all(engine, [history[s] + USER[s][turn] for s in range(len(USER))], params,
+                       cache_salt=salt)
+        outputs += [out.outputs[0].token_ids for out in done]
         for s in range(len(USER)):
-            out = done[f"{tag}s{s}t{turn}"]
-            outputs.append(out.outputs[0].token_ids)
             history[s] += USER[s][turn] + [5 + turn] * 6  # a fixed "assistant" reply
     return outputs
 
@@ -78,7 +64,7 @@ def reference(tiny_model_dir: Path) -> dict[str, list[list[int]]]:
     for dtype in CACHE_DTYPES:
         engine = small_engine(tiny_model_dir, cache_dtype=dtype)
         out[dtype] = sessions(engine)
-        out[dtype + "-seeded"] = sessions(engine, params=SEEDED, tag="x")
+        out[dtype + "-seeded"] = sessions(engine, params=SEEDED)
     return out
 
 
@@ -93,7 +79,7 @@ def test_outputs_are_identical_with_tiers_off_and_on(tiny_model_dir: Path, tmp_p
         args["kv_tier_dir"] = str(tmp_path)
     engine = small_engine(tiny_model_dir, **args)
     assert sessions(engine) == reference["fp16"]
-    assert sessions(engine, params=SEEDED, tag="x") == reference["fp16-seeded"]
+    assert sessions(engine, params=SEEDED) == reference["fp16-seeded"]
     stats = engine.stats()
     assert stats.tiers is not None and sum(stats.tiers.hit_tokens.values()) > 0
     assert stats.tiers.load_failures == 0
@@ -127,19 +113,19 @@ def test_a_restart_finds_the_sessions_on_disk(tiny_model_dir: Path, tmp_path: Pa
 def test_a_salt_never_restores_another_tenants_pages(tiny_model_dir: Path,
                                                     tmp_path: Path) -> None:
     engine = small_engine(tiny_model_dir, kv_offload_size=1 << 22, kv_tier_dir=str(tmp_path))
-    a = sessions(engine, range(1), salt="tenant-a", tag="a")
-    flood = [(f"f{i}", RNG.integers(3, 259, 60).tolist(), GREEDY, None) for i in range(4)]
-    run(engine, flood)  # the pool forgets tenant a's prefix; the tiers keep it
+    a = sessions(engine, range(1), salt="tenant-a")
+    # the pool forgets tenant a's prefix; the tiers keep it
+    run_all(engine, [RNG.integers(3, 259, 60).tolist() for _ in range(4)], GREEDY)
     restored_before = restored(engine, "host") + restored(engine, "disk")
-    b = sessions(engine, range(1), salt="tenant-b", tag="b")
+    b = sessions(engine, range(1), salt="tenant-b")
     assert restored(engine, "host") + restored(engine, "disk") == restored_before
-    assert sessions(engine, range(1), salt="tenant-a", tag="a2") == a == b
+    assert sessions(engine, range(1), salt="tenant-a") == a == b
     assert restored(engine, "host") + restored(engine, "disk") > restored_before
     engine.close()
     fresh = small_engine(tiny_model_dir, kv_tier_dir=str(tmp_path))  # on disk too
-    assert sessions(fresh, range(1), salt="tenant-c", tag="c") == a
+    assert sessions(fresh, range(1), salt="tenant-c") == a
     assert restored(fresh, "disk") == 0
-    assert sessions(fresh, range(1), salt="tenant-a", tag="a3") == a
+    assert sessions(fresh, range(1), salt="tenant-a") == a
     assert restored(fresh, "disk") > 0
     fresh.close()
 
@@ -147,14 +133,12 @@ def test_a_salt_never_restores_another_tenants_pages(tiny_model_dir: Path,
 def test_swap_preemption_gives_the_recompute_outputs(tiny_model_dir: Path) -> None:
     prompts = [RNG.integers(3, 259, 30).tolist() for _ in range(4)]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    requests = [(f"p{i}", p, params, None) for i, p in enumerate(prompts)]
     outputs, preemptions = {}, {}
     for mode in ("recompute", "swap"):
         tiers = {} if mode == "recompute" else {"kv_offload_size": 1 << 22,
                                                   "preemption_mode": "swap"}
         engine = make_engine(tiny_model_dir, num_blocks=40, **tiers)
-        done = run(engine, requests)
-        outputs[mode] = [done[r[0]].outputs[0].token_ids for r in requests]
+        outputs[mode] = [out.outputs[0].token_ids for out in run_all(engine, prompts, params)]
         preemptions[mode] = engine.scheduler.num_preemptions
         if mode == "swap":
             assert restored(engine, "host") > 0  # swapped-out blocks came back
@@ -225,10 +209,10 @@ def test_two_replicas_share_one_tier_directory(tiny_model_dir: Path, tmp_path: P
                                               reference: dict[str, Any]) -> None:
     a = small_engine(tiny_model_dir, kv_tier_dir=str(tmp_path))
     b = small_engine(tiny_model_dir, kv_tier_dir=str(tmp_path))
-    assert sessions(a, range(2), tag="a") == reference["fp16"][:2 * len(USER)]
+    assert sessions(a, range(2)) == reference["fp16"][:2 * len(USER)]
     a.tiers.store.flush()  # type: ignore[union-attr]
     # b never saw these sessions: their prefixes come from the pages a wrote
-    assert sessions(b, range(2, 4), tag="b") == reference["fp16"][2 * len(USER):]
+    assert sessions(b, range(2, 4)) == reference["fp16"][2 * len(USER):]
     assert restored(b, "disk") > 0
     a.close()
     b.close()

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from engine_helpers import run_all
 from kvcore.cache.kv_cache import KVCache
 from kvcore.cache.tiers import PageCopier
 from kvcore.device import cuda_available
@@ -66,17 +67,12 @@ def test_cuda_engine_gives_the_same_tokens_with_tiers(model_dir: Path, tmp_path:
     def run(**tiers: object) -> list[list[int]]:
         engine = Engine(engine_config(str(model_dir), device="cuda", block_size=16,
                                       num_blocks=16, max_num_seqs=2, **tiers))
-        for i, prompt in enumerate(prompts * 2):
-            engine.add_request(f"r{i}", prompt, params)
-        done = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out.outputs[0].token_ids
+        # every prompt twice: its pages come back
+        done = [out.outputs[0].token_ids for out in run_all(engine, prompts * 2, params)]
         if tiers:
             stats = engine.stats().tiers
             assert stats is not None and sum(stats.hit_tokens.values()) > 0
         engine.close()
-        return [done[f"r{i}"] for i in range(len(prompts) * 2)]
+        return done
 
     assert run(kv_offload_size=1 << 24, kv_tier_dir=str(tmp_path)) == run()
