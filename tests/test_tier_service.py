@@ -127,3 +127,26 @@ def test_the_tier_directorys_secret_is_made_once(tmp_path: Path) -> None:
     assert shared_secret(tmp_path) == secret
     assert (tmp_path / "salt.secret").stat().st_mode & 0o777 == 0o600
     assert shared_secret(tmp_path / "salt.secret" / "x") is None  # not a directory
+
+
+def test_bench_agent_runs_its_sessions_against_a_tier_server(tiny_model_dir: Path) -> None:
+    """tools/bench_agent.py end to end: every turn answered, later turns find their history
+    in the pool or the host tier (the pool, 160 tokens, holds about two sessions)."""
+    import sys
+
+    from service_live import live_server
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "tools"))
+    import bench_agent
+
+    with live_server(lambda: tier_app(tiny_model_dir)) as server:
+        report = bench_agent.main([
+            "--base-url", server.url, "--sessions", "3", "--turns", "3", "--system-len", "30",
+            "--turn-len", "12", "20", "--reply-len", "4", "8", "--max-tokens", "2",
+            "--vocab-size", "259", "--token-id-min", "3", "--warmup", "0"])
+    assert report["num_errors"] == 0 and report["num_turns"] == 9
+    assert all(r["tokens"] == 2 for r in report["records"])
+    assert sorted((r["session"], r["turn"]) for r in report["records"]) == [
+        (s, t) for s in range(3) for t in (1, 2, 3)]
+    assert report["ttft_p50_s_turns_ge2"] > 0 and report["cached_prompt_tokens"] > 0
+    assert report["tiers"]["kvcore:kv_tier_hits_total{host}"] > 0

@@ -69,12 +69,14 @@ async def one_turn(http: aiohttp.ClientSession, args: argparse.Namespace, prompt
                             "stream_options": {"include_usage": True}}
     if slot is not None:
         body["id_slot"] = slot
-    record: dict[str, Any] = {"prompt_tokens": len(prompt), "ttft": None, "tokens": 0,
+    record: dict[str, Any] = {"prompt_tokens": len(prompt), "ttft": None, "tokens": None,
                               "cached_tokens": None, "error": None}
+    chunks = 0
     start = time.perf_counter()
     async with http.post(f"{args.base_url}/v1/completions", json=body) as resp:
         if resp.status != 200:
             record["error"] = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+            record["tokens"] = 0
             return record
         async for raw in resp.content:
             line = raw.strip()
@@ -82,14 +84,17 @@ async def one_turn(http: aiohttp.ClientSession, args: argparse.Namespace, prompt
                 continue
             data = json.loads(line[6:])
             usage = data.get("usage")
-            if usage:
-                details = usage.get("prompt_tokens_details") or {}
-                record["cached_tokens"] = details.get("cached_tokens")
             choices = data.get("choices") or []
             if choices and choices[0].get("text"):
-                record["tokens"] += 1
+                chunks += 1
                 if record["ttft"] is None:
                     record["ttft"] = time.perf_counter() - start
+            if usage:  # the server's count (a chunk may hold no token's text, or several)
+                details = usage.get("prompt_tokens_details") or {}
+                record["cached_tokens"] = details.get("cached_tokens")
+                record["tokens"] = usage.get("completion_tokens")
+    if record["tokens"] is None:
+        record["tokens"] = chunks
     record["e2e"] = time.perf_counter() - start
     return record
 
