@@ -74,7 +74,12 @@ class _EngineCollector(Collector):
             yield per_pos
         mask = getattr(stats, "mask_seconds", None)
         if mask is not None:
-            yield _mask_histogram(name, *mask)
+            yield _histogram("structured_output_mask_seconds",
+                             "Seconds per step computing structured-output token masks.",
+                             name, *mask)
+        tiers = getattr(stats, "tiers", None)  # None: no KV tier
+        if tiers is not None:
+            yield from _tier_metrics(self._model_name, tiers)
         yield gauge("kv_cache_bytes", "Bytes held by the KV cache pool (the planner's figure).",
                     getattr(stats, "kv_cache_bytes", 0))
         info = GaugeMetricFamily("kvcore:cache_config_info", "KV cache configuration.",
@@ -83,11 +88,37 @@ class _EngineCollector(Collector):
         yield info
 
 
-def _mask_histogram(name: list[str], edges: tuple[float, ...], counts: tuple[int, ...],
-                    total: float) -> HistogramMetricFamily:
-    family = HistogramMetricFamily("kvcore:structured_output_mask_seconds",
-                                   "Seconds per step computing structured-output token masks.",
+def _tier_metrics(model: str, tiers: Any) -> Iterator[Metric]:
+    """The KV tiers: restored tokens, bytes held, pages written and dropped, per tier; failed
+    page loads; seconds per load (a chain of pages) and per write batch."""
+    per_tier = (
+        (CounterMetricFamily, "kv_tier_hits", "Prompt tokens restored from a KV tier.",
+         tiers.hit_tokens),
+        (GaugeMetricFamily, "kv_tier_bytes", "Bytes of KV pages a tier holds.", tiers.bytes),
+        (GaugeMetricFamily, "kv_tier_capacity_bytes", "Bytes a KV tier may hold.",
+         tiers.capacity_bytes),
+        (CounterMetricFamily, "kv_tier_stores", "KV pages written to a tier.", tiers.stores),
+        (CounterMetricFamily, "kv_tier_dropped_writes",
+         "KV pages not written to a tier: its write queue was full.", tiers.dropped_writes))
+    for kind, metric, doc, values in per_tier:
+        family = kind(f"kvcore:{metric}", doc, labels=["model_name", "tier"])
+        for tier in tiers.capacity_bytes:  # every tier, 0 before its first event
+            family.add_metric([model, tier], values.get(tier, 0))
+        yield family
+    failures = CounterMetricFamily("kvcore:kv_tier_load_failures",
+                                   "KV pages that could not be loaded (recomputed).",
                                    labels=["model_name"])
+    failures.add_metric([model], tiers.load_failures)
+    yield failures
+    yield _histogram("kv_tier_load_seconds", "Seconds per KV tier load (a chain of pages).",
+                     [model], *tiers.load_seconds)
+    yield _histogram("kv_tier_store_seconds", "Seconds per batch of KV pages written to a tier.",
+                     [model], *tiers.store_seconds)
+
+
+def _histogram(metric: str, doc: str, name: list[str], edges: tuple[float, ...],
+               counts: tuple[int, ...], total: float) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(f"kvcore:{metric}", doc, labels=["model_name"])
     cumulative, buckets = 0, []
     for edge, count in zip((*[str(e) for e in edges], "+Inf"), counts, strict=True):
         cumulative += count

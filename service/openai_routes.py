@@ -15,6 +15,7 @@ from aiohttp import web
 
 from kvcore.engine import RequestFailed
 from kvcore.model.tokenizer import Tokenizer
+from kvcore.request import RequestMetrics
 from kvcore.service.auth import ANONYMOUS_TENANT
 from kvcore.service.call import Call
 from kvcore.service.errors import APIError
@@ -199,4 +200,13 @@ def _account(state: ServiceState, call: Call, tenant: str, outcome: str) -> None
              finish_reason=[call.finish_reasons.get(i) for i in range(len(call.last) * n)],
              user=log_text(call.user),
              spec_acceptance=round(sum(m.num_accepted_tokens for m in finals) / drafted, 4)
-             if drafted else None)
+             if drafted else None, restored_tokens=_restored(finals))
+
+
+def _restored(finals: list[RequestMetrics]) -> dict[str, int] | None:
+    """Prompt tokens the call's requests restored from each KV tier (None: none)."""
+    out: dict[str, int] = {}
+    for metrics in finals:
+        for tier, num in (metrics.restored_tokens or {}).items():
+            out[tier] = out.get(tier, 0) + num
+    return out or None

@@ -37,14 +37,15 @@ def random_prompts(seed: int, num: int, low: int = 1, high: int = 40) -> list[li
 
 
 def run_all(engine: Engine, prompts: list[list[int]] | list[str],
-            params: SamplingParams | BeamSearchParams | list[SamplingParams]
-            ) -> list[RequestOutput]:
-    """Add every prompt, step until done; the final outputs in prompt order."""
+            params: SamplingParams | BeamSearchParams | list[SamplingParams],
+            cache_salt: str | None = None) -> list[RequestOutput]:
+    """Add every prompt (under `cache_salt`), step until done; the final outputs in prompt
+    order."""
     per = params if isinstance(params, list) else [params] * len(prompts)
     base = len(engine.scheduler.seqs) + id(prompts) % 100_000
     ids = [f"r{base}-{i}" for i in range(len(prompts))]
     for request_id, prompt, p in zip(ids, prompts, per, strict=True):
-        engine.add_request(request_id, prompt, p)
+        engine.add_request(request_id, prompt, p, cache_salt=cache_salt)
     outputs: dict[str, list[RequestOutput]] = {i: [] for i in ids}
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import structlog
 
+from kvcore.cache import chain_hashes
 from kvcore.config import ParamError
 from kvcore.engine.setup import check_capacity
 from kvcore.request import SequenceStatus
@@ -181,3 +182,22 @@ def test_eos_finishes_unless_ignored() -> None:
     s.advance(s.schedule())
     append(s, "b", 0)
     assert not s.seqs  # max_tokens: length
+
+
+def test_preempted_victim_blocks_hashed_this_step_leave_the_prefix_cache() -> None:
+    # regression: a decode scheduled earlier in the step hashed the block its token fills;
+    # preempted later in the same step, that token is never computed, so the block (one slot
+    # never written) must neither stay findable nor be evicted as a page (the KV tiers' hook)
+    s = make_scheduler(num_blocks=4, block_size=4, budget=32)
+    evicted: list[bytes] = []
+    s.kv.pool.on_evict = lambda block, block_hash, token_bytes: evicted.append(block_hash)
+    a = make_request("a", list(range(1, 7)), max_tokens=8, priority=1)
+    s.add(a)
+    run_step(s)  # a: 6 + 1 tokens
+    c = make_request("c", list(range(20, 28)), max_tokens=8, priority=0)
+    s.add(c)
+    run_step(s)  # a: 8 tokens, c: 8 + 1 (2 blocks each): the pool is full
+    dirty = chain_hashes(a.token_ids, 4, None)[1]  # a's 8th token (position 7) ends block 1
+    out = s.schedule()  # a's decode hashes block 1; c's needs a block: a is the victim
+    assert out.preempted_ids == ("a",)
+    assert dirty not in s.kv.pool.cached and dirty not in evicted

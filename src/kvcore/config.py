@@ -16,6 +16,7 @@ from kvcore.config_deepseek import (
     unknown_keys,
 )
 from kvcore.config_speculative import SpeculativeConfig
+from kvcore.config_tiers import TierConfig
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -340,11 +341,14 @@ class EngineConfig:
     # weights in memory (vLLM's --quantization): "none" fp32, "int8" / "q4" quantized (CPU);
     # "auto": a model converted from a GGUF keeps its own blocks on the CPU, else fp32
     quantization: str = "auto"
+    tiers: TierConfig = field(default_factory=TierConfig)  # KV tiers behind the pool (off)
 
     def __post_init__(self) -> None:
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
             raise ValueError(f"speculative must be a SpeculativeConfig or None (parse JSON with "
                              f"SpeculativeConfig.parse), got {self.speculative!r}")
+        if not isinstance(self.tiers, TierConfig):
+            raise ValueError(f"tiers must be a TierConfig, got {self.tiers!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.quantization not in ("auto", "none", "int8", "q4"):

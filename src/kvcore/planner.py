@@ -186,6 +186,48 @@ def plan_for_model(model_config: ModelConfig, dtype: str, context: int | None = 
                 shared_kv=shared, window_slots=window_slots)
 
 
+# kvcore.cache.tiers.pagefile's header less its token ids (8 bytes each); a test keeps it equal
+PAGE_FILE_FIXED_BYTES = 92
+
+
+@dataclass(frozen=True, slots=True)
+class TierPlan:
+    """What a KV tier of capacity_bytes holds."""
+
+    bytes_per_page: int  # one block of every layer (on disk: with its file's header)
+    pages: int
+    tokens: int
+    sequences: int  # of tokens_per_sequence tokens
+
+
+def page_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype: str, block_size: int,
+               shared_kv: bool = False, offload_dtype: str = "auto") -> int:
+    """One page (a block of every layer's K and V) as a tier holds it: the pool's own bytes
+    (offload_dtype auto), or the host tier's int4 / fp8 compression of a float pool."""
+    if offload_dtype == "auto":
+        per_block = bytes_per_block(num_layers, num_kv_heads, head_dim, dtype, block_size,
+                                    shared_kv)
+        return per_block - (4 if canonical_dtype(dtype) == "int4" else 0)  # no window entry
+    arrays = num_layers * (1 if shared_kv else 2)
+    values = bytes_per_token(num_layers, num_kv_heads, head_dim, "fp32", shared_kv) // 4
+    elements = values * block_size  # of one page
+    if offload_dtype == "fp8":
+        return elements + 4 * arrays  # one float32 scale per array
+    if offload_dtype != "int4":
+        raise ValueError(f"offload_dtype must be auto, int4 or fp8, got {offload_dtype!r}")
+    group = math.gcd(INT4_GROUP, head_dim)
+    keys = arrays if shared_kv else arrays // 2
+    return (elements // 2 + 4 * keys * num_kv_heads * head_dim
+            + 4 * (arrays - keys) * block_size * num_kv_heads * (head_dim // group))
+
+
+def tier_plan(capacity_bytes: int, bytes_per_page: int, block_size: int,
+              tokens_per_sequence: int) -> TierPlan:
+    pages = capacity_bytes // bytes_per_page
+    return TierPlan(bytes_per_page, pages, pages * block_size,
+                    pages // -(-tokens_per_sequence // block_size))  # whole blocks each
+
+
 def parse_size(text: str | int) -> int:
     """Bytes in "64GiB", "1.5 GB", "512KiB", "1000": KB/MB/GB/TB decimal, KiB..TiB binary."""
     if isinstance(text, int) and not isinstance(text, bool):

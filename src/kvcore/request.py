@@ -42,6 +42,7 @@ class RequestMetrics:
     finished_time: float | None = None
     num_draft_tokens: int = 0  # speculative decoding: draft tokens verified (all choices)
     num_accepted_tokens: int = 0  # of those, accepted
+    restored_tokens: dict[str, int] | None = None  # prompt tokens loaded from each KV tier
 
     @property
     def acceptance(self) -> float | None:

@@ -7,6 +7,7 @@ import operator
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import structlog
 
@@ -42,6 +43,13 @@ class SchedulerOutput:
     num_batched_tokens: int
 
 
+class TierHook(Protocol):
+    """The KV tiers (kvcore.engine.tier_driver): ready() is False while a waiting sequence's
+    prefix loads (later ones may start); on_preempt() before a victim's blocks are freed."""
+    def ready(self, seq: Sequence) -> bool: ...
+    def on_preempt(self, seq: Sequence) -> None: ...
+
+
 class Scheduler:
     """Every sequence's `num_computed_tokens` catches up with its tokens, under a token budget.
 
@@ -68,6 +76,7 @@ class Scheduler:
         self.num_pending_forks = 0
         self._arrivals = 0
         self._step = 0
+        self.tiers: TierHook | None = None
 
     # --- sequences in and out ---
 
@@ -168,7 +177,8 @@ class Scheduler:
             # nothing could run: the running sequences wait for the rest of their group, which
             # waits for blocks. Free the least important one if it ranks below the queue's head.
             victim = max(self.running, key=_victim_key)
-            if _queue_key(victim) < _queue_key(self.waiting[0]):
+            head = self.waiting[0]
+            if _queue_key(victim) < _queue_key(head) or not self._ready(head):
                 break
             self.preempt(victim)
             plan.preempted.append(victim.seq_id)
@@ -214,10 +224,17 @@ class Scheduler:
         allow (FCFS: nobody overtakes the head of the queue)."""
         kv = self.kv
         waiting = self.waiting
-        while waiting and plan.budget > 0:
-            seq = waiting[0]
-            if len(self.running) + self.num_pending_forks + seq.num_seqs > self.max_num_seqs:
+        i = 0  # the head, past sequences whose prefix is loading from a tier ...
+        num_loading = 0  # ... which keep their places under max_num_seqs
+        while i < len(waiting) and plan.budget > 0:
+            seq = waiting[i]
+            if (len(self.running) + self.num_pending_forks + num_loading + seq.num_seqs
+                    > self.max_num_seqs):
                 break
+            if not self._ready(seq):
+                num_loading += seq.num_seqs
+                i += 1
+                continue
             num_cached = kv.allocate_prefix(seq.seq_id, seq.token_ids, seq.cache_salt)
             assert num_cached < seq.num_tokens, "the last token is always recomputed"
             num_new = min(seq.num_tokens - num_cached, plan.budget)
@@ -225,7 +242,7 @@ class Scheduler:
             if copies is None:
                 kv.free(seq.seq_id)
                 break
-            del waiting[0]
+            del waiting[i]
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = num_cached
             if seq.first_scheduled_time is None:
@@ -236,12 +253,17 @@ class Scheduler:
             self.num_pending_forks += seq.num_pending_forks
             plan.take(seq, num_new, copies)
 
+    def _ready(self, seq: Sequence) -> bool:
+        return self.tiers is None or self.tiers.ready(seq)
+
     def preempt(self, seq: Sequence, uncache: bool = False) -> None:
         """Send a running sequence back to waiting: its blocks are freed, its K/V recomputed
         (`uncache`: see KVCacheManager.free; the engine core rolls back a step launched on K/V
         that a failed step never wrote)."""
         assert seq.status is SequenceStatus.RUNNING
-        self._release(seq, uncache)
+        if self.tiers is not None and not uncache:
+            self.tiers.on_preempt(seq)
+        self._release(seq, uncache, seq.num_computed_tokens)  # uncomputed blocks: uncached
         num_computed = seq.num_computed_tokens
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
@@ -251,10 +273,11 @@ class Scheduler:
                  num_computed_tokens=num_computed, num_tokens=seq.num_tokens,
                  num_free_blocks=self.kv.num_free_blocks)
 
-    def _release(self, seq: Sequence, uncache: bool = False) -> None:
+    def _release(self, seq: Sequence, uncache: bool = False,
+                 num_computed: int | None = None) -> None:
         self.running.remove(seq)
         self.num_pending_forks -= seq.num_pending_forks
-        self.kv.free(seq.seq_id, uncache)
+        self.kv.free(seq.seq_id, uncache, num_computed)
 
     def _enqueue(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 BlockHash = bytes  # a sha256 digest of (parent hash, token ids, extra keys)
 # a prefix-cache change for subscribers (the cluster router): (True, hash) = the hash became
@@ -100,6 +100,11 @@ class BlockPool:
         # prefix-cache changes since the last drain, or None while nobody subscribes (no cost);
         # a deque because the engine step (a worker thread) appends while the event loop drains
         self._events: deque[CacheEvent] | None = None
+        # the KV tiers' hooks (None: no tier): a cached block about to be reused, with its
+        # hash and token bytes (its data is intact until the step that reuses it writes it),
+        # and a block that just entered the prefix cache
+        self.on_evict: Callable[[Block, BlockHash, bytes], None] | None = None
+        self.on_cache: Callable[[Block], None] | None = None
 
     def enable_events(self) -> None:
         """Start recording prefix-cache changes (hashes cached / evicted) for `drain_events`."""
@@ -142,6 +147,9 @@ class BlockPool:
                 del cached[block.block_hash]
                 if self._events is not None:
                     self._events.append((False, block.block_hash))
+                if self.on_evict is not None:
+                    assert block.token_bytes is not None
+                    self.on_evict(block, block.block_hash, block.token_bytes)
                 block.block_hash = None
                 block.token_bytes = None
             block.ref_count = 1
@@ -219,6 +227,21 @@ class BlockPool:
                 cached[block_hash] = block
                 if self._events is not None:
                     self._events.append((True, block_hash))
+                if self.on_cache is not None:
+                    self.on_cache(block)
+
+    def register(self, block: Block, block_hash: BlockHash, token_bytes: bytes) -> bool:
+        """Enter a referenced block whose K/V was restored from a tier into the prefix cache;
+        False (nothing changed) when an equal block is already cached."""
+        assert block.ref_count > 0 and block.block_hash is None
+        if block_hash in self.cached:
+            return False
+        block.block_hash = block_hash
+        block.token_bytes = token_bytes
+        self.cached[block_hash] = block
+        if self._events is not None:
+            self._events.append((True, block_hash))
+        return True
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash; blocks in use keep their data and their references."""

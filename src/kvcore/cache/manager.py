@@ -250,18 +250,22 @@ class KVCacheManager:
                 block.ref_count += 1
         self._seqs[child_id] = child
 
-    def free(self, seq_id: str, uncache: bool = False) -> None:
+    def free(self, seq_id: str, uncache: bool = False, num_computed: int | None = None) -> None:
         """Drop the sequence's references; an unknown seq_id raises KeyError. `uncache`: blocks
         that no other sequence holds also leave the prefix cache (a failed forward pass may have
-        left them hashed but never written)."""
+        left them hashed but never written); so do those past `num_computed` tokens (a
+        preempted sequence's blocks hashed for a step it no longer runs in)."""
         seq = self._seqs.pop(seq_id)
         pool = self.pool
+        first_dirty = 0 if uncache else (len(seq.blocks) if num_computed is None
+                                         else num_computed // self.block_size)
         # free in reverse so the tail block is evicted first: a later prompt sharing a prefix
         # needs the head blocks, and a hit on block i is useless without blocks 0..i-1
-        for block in reversed(seq.blocks):
+        for i in range(len(seq.blocks) - 1, -1, -1):
+            block = seq.blocks[i]
             if block is None:
                 continue
-            if uncache and block.ref_count == 1:
+            if i >= first_dirty and block.ref_count == 1:
                 pool.uncache(block)
             self._drop(block)
 

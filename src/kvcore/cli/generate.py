@@ -9,6 +9,7 @@ import sys
 import structlog
 
 from kvcore.cli import CLIError
+from kvcore.cli.tier_args import add_tier_arguments, tier_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         'unchanged, only faster where drafts are accepted (default: off)')
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="show the engine's log lines and a timing summary")
+    # a disk tier keeps a long prompt's K/V for the next run (llama.cpp's --prompt-cache)
+    add_tier_arguments(parser, host=False, policy=False)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -74,22 +77,28 @@ def _generate(args: argparse.Namespace, model: str | None, prompt: str) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, seed=args.seed)
         model_dir = resolve_model(model)
+        tiers = tier_config(args)
         engine = Engine(engine_config(str(model_dir), device=args.device, max_num_seqs=1,
                                       enforce_eager=args.enforce_eager,
                                       async_scheduling=args.async_scheduling,
                                       speculative_config=args.speculative_config,
-                                      quantization=args.quantization))
+                                      quantization=args.quantization,
+                                      kv_tier_dir=tiers.kv_tier_dir,
+                                      kv_tier_disk_size=tiers.kv_tier_disk_size))
         if args.chat:
             prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
         engine.add_request("cli", prompt, params)
     except (ValueError, OSError) as e:
         raise CLIError(str(e)) from e
     outputs = []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outputs.append(out)
-            sys.stdout.write(out.outputs[0].text if out.outputs else "")
-            sys.stdout.flush()
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outputs.append(out)
+                sys.stdout.write(out.outputs[0].text if out.outputs else "")
+                sys.stdout.flush()
+    finally:
+        engine.close()  # a disk tier's pages land before the process ends
     sys.stdout.write("\n")
     if args.verbose and outputs:
         out = merge_outputs(outputs)
@@ -98,6 +107,7 @@ def _generate(args: argparse.Namespace, model: str | None, prompt: str) -> int:
         elapsed = (m.finished_time or 0.0) - (m.first_token_time or 0.0)
         rate = (len(choice.token_ids) - 1) / elapsed if elapsed > 0 else float("nan")
         print(f"[{len(out.prompt_token_ids)} prompt tokens, {len(choice.token_ids)} generated, "
-              f"finish_reason={choice.finish_reason}, {rate:.1f} tokens/s after the first]",
-              file=sys.stderr)
+              f"finish_reason={choice.finish_reason}, {rate:.1f} tokens/s after the first, "
+              f"{out.num_cached_tokens} prompt tokens cached (restored from tiers: "
+              f"{m.restored_tokens or {}})]", file=sys.stderr)
     return 0

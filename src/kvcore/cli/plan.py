@@ -11,15 +11,19 @@ from typing import Any
 from kvcore.cache.int4_window import num_window_slots
 from kvcore.cli import CLIError
 from kvcore.config import CacheConfig, ModelConfig, SchedulerConfig
+from kvcore.config_tiers import OFFLOAD_DTYPES
 from kvcore.planner import (
     DTYPE_BYTES,
     KV_DTYPES,
+    PAGE_FILE_FIXED_BYTES,
     KVPlan,
     canonical_dtype,
     format_size,
     full_kv_bytes_per_token,
+    page_bytes,
     parse_size,
     plan,
+    tier_plan,
 )
 
 DEFAULT_CONTEXT = 4096
@@ -69,6 +73,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per KV block (default 16)")
     parser.add_argument("--sliding-window", type=int, metavar="W",
                         help="attention window in tokens (overrides the model's)")
+    parser.add_argument("--kv-offload-size", metavar="SIZE",
+                        help="a host tier of this size: its capacity in tokens and sequences")
+    parser.add_argument("--kv-offload-dtype", default="auto", choices=OFFLOAD_DTYPES,
+                        help="the host tier's page format (default auto: the pool's bytes)")
+    parser.add_argument("--kv-tier-disk-size", metavar="SIZE",
+                        help="a disk tier of this size: its capacity in tokens and sequences")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -108,14 +118,44 @@ def run(args: argparse.Namespace) -> int:
         inputs["full_kv_bytes_per_token"] = full
         inputs["mla_ratio"] = round(full / result.bytes_per_token, 2)
     weights = _weight_bytes(Path(args.model)) if args.model is not None else None
+    tiers = _tiers(args, shape, dtype, result)
     if args.json:
-        print(json.dumps({**inputs, **asdict(result), "weight_bytes": weights}))
+        print(json.dumps({**inputs, **asdict(result), "weight_bytes": weights, "tiers": tiers}))
     else:
         print(_human(inputs, result))
+        for name, tier in tiers.items():
+            print(f"{name + ' tier:':<18}{format_size(tier['capacity_bytes'])} holds "
+                  f"{tier['pages']:,} pages of {format_size(tier['bytes_per_page'])} = "
+                  f"{tier['tokens']:,} tokens, {tier['sequences']:,} sequences of "
+                  f"{context:,} tokens")
         if weights:
             print("weights:          " + ", ".join(
                 f"{fmt} {format_size(size)}" for fmt, size in weights.items()))
     return 0
+
+
+def _tiers(args: argparse.Namespace, shape: ModelShape, dtype: str,
+           result: KVPlan) -> dict[str, dict[str, Any]]:
+    """Each tier's capacity (kvcore.cache.tiers' page sizes: a page is one block of every
+    layer; a disk page adds its file's header)."""
+    out: dict[str, dict[str, Any]] = {}
+    sizes = {"host": args.kv_offload_size, "disk": args.kv_tier_disk_size}
+    for name, size in sizes.items():
+        if size is None:
+            continue
+        try:
+            capacity = parse_size(size)
+            page = page_bytes(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype,
+                              args.block_size, shape.shared_kv,
+                              args.kv_offload_dtype if name == "host" else "auto")
+        except ValueError as e:
+            raise CLIError(f"--{'kv-offload-size' if name == 'host' else 'kv-tier-disk-size'}"
+                           f": {e}") from e
+        if name == "disk":
+            page += PAGE_FILE_FIXED_BYTES + 8 * args.block_size
+        tier = tier_plan(capacity, page, args.block_size, result.tokens_per_sequence)
+        out[name] = {"capacity_bytes": capacity, **asdict(tier)}
+    return out
 
 
 def _weight_bytes(path: Path) -> dict[str, int] | None:

@@ -10,6 +10,7 @@ import sys
 import structlog
 
 from kvcore.cli import CLIError
+from kvcore.cli.tier_args import add_tier_arguments, tier_config
 from kvcore.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvcore.config_speculative import SpeculativeConfig
 from kvcore.device import resolve_device
@@ -96,6 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-size", default="4MiB", metavar="SIZE",
                         help="413 for request bodies over this (default 4MiB)")
     parser.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
+    add_tier_arguments(parser)
     cluster = parser.add_argument_group(
         "cluster", "serve through N engine replicas on Ray Serve (needs the cluster extra: "
         "`pip install -e '.[cluster]'` from the checkout); without --replicas, one engine in "
@@ -161,7 +163,7 @@ def _config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
     return EngineConfig(
         model=model_dir, device=args.device, seed=args.seed, enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling, quantization=args.quantization,
-        speculative=SpeculativeConfig.parse(args.speculative_config),
+        speculative=SpeculativeConfig.parse(args.speculative_config), tiers=tier_config(args),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           kv_cache_memory=memory, cache_dtype=args.kv_cache_dtype,
                           enable_prefix_caching=args.enable_prefix_caching,
@@ -169,6 +171,17 @@ def _config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs,
                                   max_model_len=args.max_model_len))
+
+
+def salt_secret(config: EngineConfig) -> bytes | None:
+    """With a disk tier, the tenants' cache salts come from the directory's secret, so a
+    restarted server (or another replica) names a session's blocks as before and finds them;
+    otherwise a secret of this process (None: make_app draws one)."""
+    if config.tiers.kv_tier_dir is None:
+        return None
+    from kvcore.cache.tiers.disk import shared_secret
+
+    return shared_secret(config.tiers.kv_tier_dir)
 
 
 def _build_engine(config: EngineConfig) -> AsyncEngine:
@@ -210,7 +223,8 @@ def run(args: argparse.Namespace) -> int:
     app_kwargs = dict(api_keys=keys, served_model_name=names, max_body_size=max_body,
                       max_waiting=args.max_waiting,
                       max_sequences_per_request=args.max_sequences_per_request,
-                      body_timeout=args.body_timeout, admin_keys=admins)
+                      body_timeout=args.body_timeout, admin_keys=admins,
+                      cache_salt_secret=salt_secret(config))
     if args.replicas is not None:
         return _run_cluster(args, config, app_kwargs, edge)
     try:

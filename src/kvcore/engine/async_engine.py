@@ -156,6 +156,8 @@ class AsyncEngine:
         self._aborts.extend(self._streams)
         self._apply_aborts()
         self._publish()
+        # the KV tiers' queued writes land (a restart finds them), off the event loop
+        await asyncio.to_thread(self.engine.close)
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | BeamSearchParams,
                  request_id: str | None = None, *, priority: int = 0,

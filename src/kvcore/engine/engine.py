@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -10,6 +11,7 @@ import structlog
 
 from kvcore.cache import KVCacheManager
 from kvcore.cache.kv_cache import KVCache
+from kvcore.cache.tiers import TierStats
 from kvcore.config import EngineConfig, ModelConfig, ParamError
 from kvcore.device import resolve_device
 from kvcore.engine.beam import BeamSearches
@@ -26,6 +28,7 @@ from kvcore.engine.setup import (
     make_kv_cache,
     pool_size,
 )
+from kvcore.engine.tier_setup import make_tier_driver
 from kvcore.model.half_llama import HalfLlamaModel
 from kvcore.model.tokenizer import Tokenizer
 from kvcore.request import RequestOutput, Sequence, SequenceStatus
@@ -54,6 +57,7 @@ class EngineStats:
     # structured outputs: seconds per step computing token masks, as (bucket edges, counts
     # per bucket + one above all, sum); None before the first constrained step
     mask_seconds: tuple[tuple[float, ...], tuple[int, ...], float] | None = None
+    tiers: TierStats | None = None  # the KV tiers' counters (None: no tier)
 
 
 class Engine:
@@ -90,11 +94,15 @@ class Engine:
         async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                             else device == "cuda")
         speculator = None if config.speculative is None else Speculator(config.speculative)
-        self.core = EngineCore(scheduler, ModelRunner(self.model, self.kv_cache, block_size),
+        runner = ModelRunner(self.model, self.kv_cache, block_size)
+        self.core = EngineCore(scheduler, runner,
                                RowSampler(self.eos_token_ids, mc.vocab_size), mc.vocab_size,
                                config.seed, async_scheduling, speculator)
         self.beams = BeamSearches(self.core, self.eos_token_ids)  # the core's host rows
         self.num_generated_tokens = 0  # tokens the steps have drawn (the KV inspector's rate)
+        # the KV tiers behind the pool (None: off): one seam in the scheduler, one in the runner
+        self.tiers = make_tier_driver(config, self.kv, self.kv_cache, device, scheduler.seqs)
+        scheduler.tiers = runner.tiers = self.tiers
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
         # structured outputs: constraints compiled against this vocabulary (cached)
         self.constraints = ConstraintCompiler(self.tokenizer.to_json, mc.vocab_size,
@@ -173,6 +181,8 @@ class Engine:
         final output (finish_reason "abort") for callers that stream it."""
         live_beams = self.beams.forget(request_id)
         self.core.abort(request_id)
+        if self.tiers is not None:
+            self.tiers.forget(request_id)
         return self.output_processor.abort(request_id, live_beams)
 
     def has_unfinished_requests(self) -> bool:
@@ -189,14 +199,23 @@ class Engine:
         error); an exception in the shared forward pass fails the requests of that step, and
         the engine goes on with the others and the queue."""
         core = self.core
+        start = time.perf_counter()
         result = core.step()
         self.num_generated_tokens += len(result.tokens)
         for request_id in result.failed:
             self.beams.forget(request_id)
-        return self.output_processor.process(
+        outputs = self.output_processor.process(
             result, stop_seq=lambda seq: core.finish(seq, SequenceStatus.FINISHED_STOPPED),
             fail_request=lambda request_id: core.abort(request_id,
                                                        SequenceStatus.FINISHED_ERROR))
+        if self.tiers is not None:
+            self.tiers.after_step(time.perf_counter() - start, outputs)
+        return outputs
+
+    def close(self) -> None:
+        """Let the KV tiers' queued writes land and stop their threads (no-op without)."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     def stats(self) -> EngineStats:
         kv = self.kv
@@ -210,4 +229,5 @@ class Engine:
             block_size=kv.block_size, cache_dtype=self.cache_dtype,
             kv_cache_bytes=self.kv_cache.num_bytes,
             spec_decode=None if self.core.speculator is None else self.core.speculator.stats,
-            mask_seconds=self.core.constrainer.mask_times())
+            mask_seconds=self.core.constrainer.mask_times(),
+            tiers=None if self.tiers is None else self.tiers.stats())

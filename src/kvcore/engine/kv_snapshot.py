@@ -154,8 +154,11 @@ def _request_state(status: SequenceStatus, num_preemptions: int, num_computed: i
 
 
 def build_kv_snapshot(engine: Engine) -> dict[str, Any]:
-    """The pool, the requests and the planner's view, as JSON-ready data (no series, no seq)."""
-    return pool_snapshot(engine.kv, engine.scheduler) | {"planner": planner_view(engine)}
+    """The pool, the requests, the planner's view and the KV tiers' occupancy (None: no
+    tier), as JSON-ready data (no series, no seq)."""
+    tiers = None if engine.tiers is None else engine.tiers.snapshot()
+    return pool_snapshot(engine.kv, engine.scheduler) | {"planner": planner_view(engine),
+                                                         "tiers": tiers}
 
 
 def pool_snapshot(kv: KVCacheManager, scheduler: Scheduler) -> dict[str, Any]:

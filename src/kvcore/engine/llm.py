@@ -8,8 +8,10 @@ from typing import Any
 
 from kvcore.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvcore.config_speculative import SpeculativeConfig
+from kvcore.config_tiers import TierConfig
 from kvcore.engine.engine import Engine
 from kvcore.model.hub import resolve_model
+from kvcore.planner import parse_size
 from kvcore.request import RequestOutput, merge_outputs
 from kvcore.sampling import BeamSearchParams, SamplingParams
 
@@ -17,6 +19,7 @@ Prompt = str | Sequence[int]
 
 _CACHE_FIELDS = {f.name for f in dataclasses.fields(CacheConfig)}
 _SCHEDULER_FIELDS = {f.name for f in dataclasses.fields(SchedulerConfig)}
+_TIER_FIELDS = {f.name for f in dataclasses.fields(TierConfig)}  # kv_offload_size=, kv_tier_dir=
 _ENGINE_FIELDS = {"device", "seed", "enforce_eager", "async_scheduling", "quantization"}
 
 
@@ -25,18 +28,23 @@ def engine_config(model: str, speculative_config: SpeculativeConfig | dict[str, 
     """EngineConfig from flat keyword arguments (block_size=..., max_num_seqs=..., seed=...);
     `speculative_config`: vLLM's shape ({"method": "ngram", "num_speculative_tokens": 4, ...},
     or its JSON text), see SpeculativeConfig."""
-    unknown = set(engine_args) - _CACHE_FIELDS - _SCHEDULER_FIELDS - _ENGINE_FIELDS
+    known = _CACHE_FIELDS | _SCHEDULER_FIELDS | _ENGINE_FIELDS | _TIER_FIELDS
+    unknown = set(engine_args) - known
     if unknown:
         raise ValueError(f"unknown engine argument(s) {sorted(unknown)}; known: "
-                         f"{sorted(_CACHE_FIELDS | _SCHEDULER_FIELDS | _ENGINE_FIELDS)}")
+                         f"{sorted(known)}")
 
     def pick(names: set[str]) -> dict[str, Any]:
         return {k: v for k, v in engine_args.items() if k in names}
 
+    for size in ("kv_offload_size", "kv_tier_disk_size"):  # "8GiB" as the CLI takes it
+        if isinstance(engine_args.get(size), str):
+            engine_args[size] = parse_size(engine_args[size])
+
     return EngineConfig(model=model, cache=CacheConfig(**pick(_CACHE_FIELDS)),
                         scheduler=SchedulerConfig(**pick(_SCHEDULER_FIELDS)),
                         speculative=SpeculativeConfig.parse(speculative_config),
-                        **pick(_ENGINE_FIELDS))
+                        tiers=TierConfig(**pick(_TIER_FIELDS)), **pick(_ENGINE_FIELDS))
 
 
 class LLM:
@@ -46,6 +54,10 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.engine = Engine(engine_config(str(resolve_model(model)), **engine_args))
         self._counter = 0
+
+    def close(self) -> None:
+        """Let the KV tiers' queued writes land (also done at interpreter exit)."""
+        self.engine.close()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None

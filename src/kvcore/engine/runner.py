@@ -17,6 +17,7 @@ import numpy as np
 from kvcore.cache import PENDING_TOKEN_ID
 from kvcore.cache.kv_cache import KVCache
 from kvcore.device import array_module
+from kvcore.engine.tier_driver import TierDriver
 from kvcore.model import BatchInput, InputFill
 from kvcore.scheduler import SchedulerOutput
 
@@ -69,6 +70,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.stream: DeviceStream = InlineStream()  # a fake device's stream replaces it in tests
+        self.tiers: TierDriver | None = None  # the KV tiers' copies, run before the forward
 
     def launch(self, output: SchedulerOutput, sample: Callable[[Any], T],
                prev: PrevStep | None = None) -> Future[T]:
@@ -105,6 +107,10 @@ class ModelRunner:
         copy_ops = output.copy_ops
         model = self.model
         kv_cache = self.kv_cache
+        # the KV tiers' gathers and scatters (before the window's: a block it seals now is
+        # sealed before they run)
+        tier_ops = (None if self.tiers is None
+                    else self.tiers.take_ops(output.num_batched_tokens))
         window_ops = kv_cache.take_window_ops()  # int4: its fp16 window's slot moves and seals
         forward: Callable[..., Any] = (model.forward_device  # type: ignore[attr-defined]
                                        if getattr(model, "xp", np) is not np else model.forward)
@@ -118,6 +124,8 @@ class ModelRunner:
                 model_fill = InputFill(pending, ids[array_module(ids).asarray(src)])  # (P,)
             if window_ops:
                 kv_cache.apply_window_ops(window_ops)
+            if tier_ops is not None:
+                tier_ops()
             if copy_ops:
                 kv_cache.copy_blocks(copy_ops)
             if model_fill is None:
