@@ -79,6 +79,7 @@ async def _load(state: ServiceState) -> None:
         log.error("engine load failed", error=state.load_error)
         return
     state.engine = engine
+    state.tools()  # the tool format, chosen once per tokenizer
     if state.status == LOADING:
         state.status = READY
 
@@ -89,6 +90,7 @@ async def _engine_lifetime(app: web.Application) -> AsyncIterator[None]:
     loader = None
     if state.engine is not None:
         await state.engine.start()
+        state.tools()
         state.status = READY
     else:
         loader = asyncio.create_task(_load(state))

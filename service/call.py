@@ -19,6 +19,7 @@ from kvcore.request import CompletionOutput, RequestOutput
 from kvcore.sampling.params import BeamSearchParams, SamplingParams, TokenLogprob
 from kvcore.service.admission import Reservation
 from kvcore.service.errors import APIError, bad_request
+from kvcore.service.tool_format import FALLBACK, ToolFormat
 from kvcore.service.tools import ToolRequest
 
 Prompt = str | list[int]
@@ -39,6 +40,7 @@ class Call:
     cache_salt: str | None = None
     user: str | None = None
     tools: ToolRequest | None = None  # chat with tools (tool_choice other than "none")
+    tool_format: ToolFormat = FALLBACK  # chat: the template's, how messages and calls render
     # --- progress, once submitted ---
     call_id: str = ""
     prompt_ids: list[list[int]] = field(default_factory=list)  # per prompt, tokenized

@@ -25,7 +25,7 @@ from kvcore.service.protocol import check_prompt_chars, parse_chat, parse_comple
 from kvcore.service.state import STATE_KEY, TENANT_KEY, ServiceState, read_json
 from kvcore.service.streaming import MSGPACK_TYPE
 from kvcore.service.structured import prepare_constraint
-from kvcore.service.tool_format import chat_text, with_format
+from kvcore.service.tool_format import chat_text
 from kvcore.service.tools import structured_kind
 
 log = structlog.get_logger("kvcore.service")
@@ -47,7 +47,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         engine = state.ready_engine()
         tokenizer, max_model_len = engine.tokenizer, engine.max_model_len
         if kind == "chat":
-            call = with_format(parse_chat(body, engine.model_config.vocab_size), tokenizer)
+            call = parse_chat(body, engine.model_config.vocab_size, state.tools())
             texts: list[str | list[int]] = ["".join(m["content"] for m in call.messages)]
         else:
             call = parse_completion(body, engine.model_config.vocab_size)
@@ -76,7 +76,8 @@ def _tokenize(call: Call, tokenizer: Tokenizer) -> list[list[int]]:
     if call.kind == "completion":
         return [tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else p
                 for p in call.prompts]
-    return [tokenizer.encode(chat_text(call, tokenizer), add_special_tokens=False)]
+    return [tokenizer.encode(chat_text(call, tokenizer, call.tool_format),
+                             add_special_tokens=False)]
 
 
 async def respond(request: web.Request, state: ServiceState, call: Call, fmt: WireFormat,
