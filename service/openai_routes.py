@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
+from collections.abc import Iterator
 
 import structlog
 from aiohttp import web
@@ -42,33 +43,48 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     state = request.app[STATE_KEY]
     tenant = request.get(TENANT_KEY, ANONYMOUS_TENANT)
-    try:
+    with refusals_logged(tenant, kind):
         body = await read_json(request, state.max_body_size, state.body_timeout)
         engine = state.ready_engine()
-        tokenizer, max_model_len = engine.tokenizer, engine.max_model_len
         if kind == "chat":
             call = parse_chat(body, engine.model_config.vocab_size, state.tools())
-            texts: list[str | list[int]] = ["".join(m["content"] for m in call.messages)]
         else:
             call = parse_completion(body, engine.model_config.vocab_size)
-            texts = list(call.prompts)
-        name = state.model_name(call.model)
-        state.check_num_seqs(call.num_seqs)
-        for text in texts:
-            check_prompt_chars(text, max_model_len, tokenizer.max_token_chars,
-                               "messages" if kind == "chat" else "prompt")
-        call.call_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        # tokenizing (and templating) is request-sized CPU work: off the event loop
-        call.prompt_ids = await state.offload(tenant, _tokenize, call, tokenizer)
+        name = await tokenized(state, tenant, call,
+                               "chatcmpl" if kind == "chat" else "cmpl")
+    binary = MSGPACK_TYPE in request.headers.get("Accept", "")
+    fmt: WireFormat = (MsgpackFrames(call) if binary
+                       else OpenAIFormat(call, name, engine.tokenizer))
+    return await respond(request, state, call, fmt, tenant)
+
+
+@contextlib.contextmanager
+def refusals_logged(tenant: str, endpoint: str) -> Iterator[None]:
+    """The log line of a call refused before the engine: an admitted call's fields, no body."""
+    try:
+        yield
     except APIError as e:
-        # the log line of a call refused before the engine: an admitted call's fields, no body
-        log.info("request", request_id=None, tenant=tenant, endpoint=kind,
+        log.info("request", request_id=None, tenant=tenant, endpoint=endpoint,
                  outcome=f"error {e.status}", prompt_tokens=0, completion_tokens=0,
                  cached_tokens=0, ttft_s=None, finish_reason=[], user=None)
         raise
-    binary = MSGPACK_TYPE in request.headers.get("Accept", "")
-    fmt: WireFormat = MsgpackFrames(call) if binary else OpenAIFormat(call, name, tokenizer)
-    return await respond(request, state, call, fmt, tenant)
+
+
+async def tokenized(state: ServiceState, tenant: str, call: Call, id_prefix: str) -> str:
+    """Check a parsed Call's size, name it and tokenize it (off the event loop); returns the
+    served model name it asked for (404 for another)."""
+    engine = state.ready_engine()
+    name = state.model_name(call.model)
+    state.check_num_seqs(call.num_seqs)
+    texts: list[str | list[int]] = (["".join(m["content"] for m in call.messages)]
+                                    if call.kind == "chat" else list(call.prompts))
+    for text in texts:
+        check_prompt_chars(text, engine.max_model_len, engine.tokenizer.max_token_chars,
+                           "messages" if call.kind == "chat" else "prompt")
+    call.call_id = f"{id_prefix}-{uuid.uuid4().hex}"
+    # tokenizing (and templating) is request-sized CPU work: off the event loop
+    call.prompt_ids = await state.offload(tenant, _tokenize, call, engine.tokenizer)
+    return name
 
 
 def _tokenize(call: Call, tokenizer: Tokenizer) -> list[list[int]]:

@@ -31,6 +31,8 @@ class CallStream(Protocol):
 
     def feed(self, delta: str, final: bool) -> tuple[str, list[dict[str, Any]]]: ...
 
+    def events(self, delta: str, final: bool) -> list[str | dict[str, Any]]: ...
+
 
 @dataclass(frozen=True, slots=True)
 class ToolFormat:
