@@ -13,7 +13,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
 from kvcore.engine import AsyncEngine, EngineClient
-from kvcore.service import inspector, messages_routes, routes
+from kvcore.service import inspector, messages_routes, responses_routes, routes
 from kvcore.service.admission import Admission
 from kvcore.service.auth import TenantAuth, keys_from_list
 from kvcore.service.errors import APIError
@@ -189,6 +189,9 @@ def make_app(engine: EngineClient | Callable[[], EngineClient], *,
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/messages", messages_routes.create_message)
     app.router.add_post("/v1/messages/count_tokens", messages_routes.count_tokens)
+    app.router.add_post("/v1/responses", responses_routes.create_response)
+    app.router.add_get("/v1/responses/{id}", responses_routes.get_response)
+    app.router.add_delete("/v1/responses/{id}", responses_routes.delete_response)
     app.router.add_get("/v1/models", routes.models)
     app.router.add_post("/tokenize", routes.tokenize)
     app.router.add_post("/detokenize", routes.detokenize)

@@ -70,7 +70,8 @@ def refusals_logged(tenant: str, endpoint: str) -> Iterator[None]:
         raise
 
 
-async def tokenized(state: ServiceState, tenant: str, call: Call, id_prefix: str) -> str:
+async def tokenized(state: ServiceState, tenant: str, call: Call, id_prefix: str,
+                    messages_param: str = "messages") -> str:
     """Check a parsed Call's size, name it and tokenize it (off the event loop); returns the
     served model name it asked for (404 for another)."""
     engine = state.ready_engine()
@@ -80,7 +81,7 @@ async def tokenized(state: ServiceState, tenant: str, call: Call, id_prefix: str
                                     if call.kind == "chat" else list(call.prompts))
     for text in texts:
         check_prompt_chars(text, engine.max_model_len, engine.tokenizer.max_token_chars,
-                           "messages" if call.kind == "chat" else "prompt")
+                           messages_param if call.kind == "chat" else "prompt")
     call.call_id = f"{id_prefix}-{uuid.uuid4().hex}"
     # tokenizing (and templating) is request-sized CPU work: off the event loop
     call.prompt_ids = await state.offload(tenant, _tokenize, call, engine.tokenizer)

@@ -18,6 +18,7 @@ from kvcore.service.auth import TenantAuth
 from kvcore.service.call import Call
 from kvcore.service.errors import APIError, bad_request
 from kvcore.service.metrics import ServiceMetrics
+from kvcore.service.response_store import ResponseStore
 from kvcore.service.tool_format import ChatTools
 
 LOADING, READY, DRAINING, FAILED = "loading", "ready", "draining", "failed"
@@ -50,6 +51,7 @@ class ServiceState:
     # the KV inspector: engine request id -> tenant name, and the last /debug/kv body encoded
     tenants: dict[str, str] = field(default_factory=dict)
     inspector_body: tuple[dict[str, Any], bytes] | None = None
+    responses: ResponseStore = field(default_factory=ResponseStore)  # `store: true` Responses
 
     async def offload(self, tenant: str, fn: Callable[..., T], *args: Any) -> T:
         """Run request-sized CPU work in the bounded worker pool, off the event loop; tenants
