@@ -41,6 +41,7 @@ class Call:
     user: str | None = None
     tools: ToolRequest | None = None  # chat with tools (tool_choice other than "none")
     tool_format: ToolFormat = FALLBACK  # chat: the template's, how messages and calls render
+    keep_texts: bool = False  # streamed too: its answer is checked after generation
     # --- progress, once submitted ---
     call_id: str = ""
     prompt_ids: list[list[int]] = field(default_factory=list)  # per prompt, tokenized
@@ -135,7 +136,7 @@ class Call:
                 if c.finish_reason is not None:
                     self.finish_reasons[index] = c.finish_reason
                     self.stop_reasons[index] = c.stop_reason
-                if not self.stream:
+                if not self.stream or self.keep_texts:
                     self.texts.setdefault(index, []).append(c.text)
                     if c.logprobs:
                         self.choice_logprobs.setdefault(index, []).extend(c.logprobs)

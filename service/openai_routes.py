@@ -23,6 +23,7 @@ from kvcore.service.formatter import MsgpackFrames, OpenAIFormat, WireFormat
 from kvcore.service.inspector import forget_tenants
 from kvcore.service.logtext import log_text
 from kvcore.service.protocol import check_prompt_chars, parse_chat, parse_completion
+from kvcore.service.schema_check import answer_violations, needs_check
 from kvcore.service.state import STATE_KEY, TENANT_KEY, ServiceState, read_json
 from kvcore.service.streaming import MSGPACK_TYPE
 from kvcore.service.structured import prepare_constraint
@@ -121,6 +122,7 @@ async def respond(request: web.Request, state: ServiceState, call: Call, fmt: Wi
         kind = structured_kind(call)
         if kind is not None:
             state.metrics.observe_structured(kind)
+            call.keep_texts = needs_check(call)
         for request_id in call.request_ids:  # the KV inspector names each request's tenant
             state.tenants[request_id] = tenant
         # a client that goes away cancels this handler (aiohttp's handler_cancellation, which
@@ -149,6 +151,8 @@ async def respond(request: web.Request, state: ServiceState, call: Call, fmt: Wi
             state.untrack(task)
         forget_tenants(state, call.request_ids)
         _account(state, call, tenant, outcome)
+        if call.keep_texts and outcome == "ok":
+            _check_answers(state, call)
 
 
 async def _stream(request: web.Request, call: Call, fmt: WireFormat
@@ -190,6 +194,16 @@ async def _stream(request: web.Request, call: Call, fmt: WireFormat
     with contextlib.suppress(ConnectionError):
         await response.write_eof()
     return response, outcome
+
+
+def _check_answers(state: ServiceState, call: Call) -> None:
+    """The schema keywords decoding could not enforce, checked on the finished answers."""
+    for index, texts in call.texts.items():
+        broken = answer_violations(call, "".join(texts))
+        if broken:
+            state.metrics.unenforced.labels(state.metrics.model_name).inc()
+            log.warning("unenforced schema keyword broken", request_id=call.call_id,
+                        choice=index, where=broken[:8])
 
 
 def _account(state: ServiceState, call: Call, tenant: str, outcome: str) -> None:

@@ -6,6 +6,7 @@ response format with tools under "auto". Regression tests for the defects of the
 from __future__ import annotations
 
 import json
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import pydantic
 import pytest
 
 from kvcore.model.tokenizer import Tokenizer
+from kvcore.service.schema_check import violations
 from service_fixtures import MODEL_NAME, tiny_app, wait_pool_idle
 from service_live import live_server
 from tiny_model import make_tiny_model
@@ -166,3 +168,31 @@ def test_response_format_with_tools_under_auto(tiny_model_dir: Path) -> None:
                 model=MODEL_NAME, messages=MESSAGES, tools=CORPUS[:1], response_format=fmt,
                 tool_choice="required", max_tokens=4)
         assert bad.value.body["param"].startswith("response_format")  # type: ignore[index]
+
+
+def test_unenforced_keywords_are_checked_after_generation() -> None:
+    schema = {"type": "object", "$defs": {"tags": {"type": "array", "uniqueItems": True}},
+              "properties": {"a": {"$ref": "#/$defs/tags"}, "b": {"type": "array", "items": {
+                  "type": "object", "dependentRequired": {"x": ["y"]}}}}}
+    assert violations(schema, {"a": [1, 2], "b": [{"x": 1, "y": 2}]}) == []
+    assert violations(schema, {"a": [1, 1], "b": [{"x": 1}]}) == [
+        "$.a: uniqueItems", "$.b[0]: dependentRequired"]
+
+
+def test_a_broken_set_is_counted(tiny_model_dir: Path) -> None:
+    schema = {"type": "object", "properties": {"tags": {
+        "type": "array", "items": {"enum": ["a"]}, "uniqueItems": True, "minItems": 2,
+        "maxItems": 2}}, "required": ["tags"], "additionalProperties": False}
+    with live_server(lambda: tiny_app(tiny_model_dir, ENGINE)) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        for stream in (False, True):  # the only instance decoding allows repeats "a"
+            out = client.chat.completions.create(
+                model=MODEL_NAME, messages=MESSAGES, max_tokens=40, temperature=0,
+                stream=stream, response_format={"type": "json_schema", "json_schema": {
+                    "name": "s", "schema": schema}})
+            if stream:
+                list(out)  # type: ignore[arg-type]
+        with urllib.request.urlopen(f"{server.url}/metrics") as resp:
+            metrics = resp.read().decode()
+        assert 'kvcore:structured_output_unenforced_violations_total{model_name="tiny"} 2.0' in (
+            metrics), metrics
