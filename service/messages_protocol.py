@@ -148,8 +148,8 @@ def _user(blocks: list[Any], where: str, call_ids: set[str]) -> list[dict[str, A
         elif kind == "tool_result":
             call_id = block.get("tool_use_id")
             if call_id not in call_ids:
-                raise bad_request(f"{at}.tool_use_id {call_id!r} answers no earlier tool_use "
-                                  "block", f"{at}.tool_use_id")
+                raise bad_request(f"{at}.tool_use_id answers no earlier tool_use block",
+                                  f"{at}.tool_use_id")
             content = block.get("content", "")
             result = _text(content, f"{at}.content")
             if block.get("is_error") is True:

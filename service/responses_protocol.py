@@ -96,7 +96,7 @@ def _input(value: Any, known_ids: set[str]) -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             call_id = item.get("call_id")
             if call_id not in known_ids:
-                raise bad_request(f"{where}.call_id {call_id!r} answers no function_call of this "
+                raise bad_request(f"{where}.call_id answers no function_call of this "
                                   "conversation", f"{where}.call_id")
             output = item.get("output")
             out.append({"role": "tool", "tool_call_id": call_id,
