@@ -13,7 +13,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
 from kvcore.engine import AsyncEngine, EngineClient
-from kvcore.service import inspector, routes
+from kvcore.service import inspector, messages_routes, responses_routes, routes
 from kvcore.service.admission import Admission
 from kvcore.service.auth import TenantAuth, keys_from_list
 from kvcore.service.errors import APIError
@@ -40,21 +40,23 @@ ABORT_GRACE_S = 5.0  # after a drain's aborts, how long streams get to write the
 
 @web.middleware
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every error leaves in the OpenAI shape; an unexpected exception is a logged 500."""
+    """Every error leaves in the OpenAI shape (Anthropic's under /v1/messages); an unexpected
+    exception is a logged 500."""
+    anthropic = request.path.startswith("/v1/messages")
     try:
         return await handler(request)
     except APIError as e:
-        return e.response()
+        return e.response(anthropic)
     except web.HTTPException as e:  # aiohttp's own: 404 unknown route, 405 wrong method
         if e.status < 400:
             raise
         headers = {k: v for k, v in e.headers.items() if k in ("Allow", "Retry-After")}
-        return APIError(e.status, e.reason, headers=headers).response()
+        return APIError(e.status, e.reason, headers=headers).response(anthropic)
     except (asyncio.CancelledError, ConnectionError):
         raise
     except Exception:
         log.exception("unhandled error", path=log_text(request.path))
-        return APIError(500, "internal server error").response()
+        return APIError(500, "internal server error").response(anthropic)
 
 
 def _auth_middleware(auth: TenantAuth) -> Middleware:
@@ -79,6 +81,7 @@ async def _load(state: ServiceState) -> None:
         log.error("engine load failed", error=state.load_error)
         return
     state.engine = engine
+    state.tools()  # the tool format, chosen once per tokenizer
     if state.status == LOADING:
         state.status = READY
 
@@ -89,6 +92,7 @@ async def _engine_lifetime(app: web.Application) -> AsyncIterator[None]:
     loader = None
     if state.engine is not None:
         await state.engine.start()
+        state.tools()
         state.status = READY
     else:
         loader = asyncio.create_task(_load(state))
@@ -183,6 +187,11 @@ def make_app(engine: EngineClient | Callable[[], EngineClient], *,
     app.cleanup_ctx.append(_engine_lifetime)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/messages", messages_routes.create_message)
+    app.router.add_post("/v1/messages/count_tokens", messages_routes.count_tokens)
+    app.router.add_post("/v1/responses", responses_routes.create_response)
+    app.router.add_get("/v1/responses/{id}", responses_routes.get_response)
+    app.router.add_delete("/v1/responses/{id}", responses_routes.delete_response)
     app.router.add_get("/v1/models", routes.models)
     app.router.add_post("/tokenize", routes.tokenize)
     app.router.add_post("/detokenize", routes.detokenize)

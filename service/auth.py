@@ -94,6 +94,8 @@ class TenantAuth:
     def _key_of(self, request: web.Request, basic: bool = False) -> str:
         """The configured key the request presents; APIError 401 for a missing or unknown one."""
         header = request.headers.get("Authorization", "")
+        if not header and request.headers.get("x-api-key"):  # Anthropic's clients send this
+            header = "Bearer " + request.headers["x-api-key"]
         scheme, _, token = header.partition(" ")
         token = token.strip()
         if basic and scheme.lower() == "basic":
@@ -103,7 +105,8 @@ class TenantAuth:
                 token = ""
             token = token.partition(":")[2]  # user:password, the key is the password
         if scheme.lower() != "bearer" or not token:
-            raise APIError(401, "Missing API key: send `Authorization: Bearer <key>`",
+            raise APIError(401, "Missing API key: send `Authorization: Bearer <key>` (or "
+                           "`x-api-key: <key>`)",
                            code="invalid_api_key")
         # compare against every key in constant time so timing does not reveal a prefix
         found = None

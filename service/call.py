@@ -19,6 +19,7 @@ from kvcore.request import CompletionOutput, RequestOutput
 from kvcore.sampling.params import BeamSearchParams, SamplingParams, TokenLogprob
 from kvcore.service.admission import Reservation
 from kvcore.service.errors import APIError, bad_request
+from kvcore.service.tool_format import FALLBACK, ToolFormat
 from kvcore.service.tools import ToolRequest
 
 Prompt = str | list[int]
@@ -39,6 +40,8 @@ class Call:
     cache_salt: str | None = None
     user: str | None = None
     tools: ToolRequest | None = None  # chat with tools (tool_choice other than "none")
+    tool_format: ToolFormat = FALLBACK  # chat: the template's, how messages and calls render
+    keep_texts: bool = False  # streamed too: its answer is checked after generation
     # --- progress, once submitted ---
     call_id: str = ""
     prompt_ids: list[list[int]] = field(default_factory=list)  # per prompt, tokenized
@@ -133,7 +136,7 @@ class Call:
                 if c.finish_reason is not None:
                     self.finish_reasons[index] = c.finish_reason
                     self.stop_reasons[index] = c.stop_reason
-                if not self.stream:
+                if not self.stream or self.keep_texts:
                     self.texts.setdefault(index, []).append(c.text)
                     if c.logprobs:
                         self.choice_logprobs.setdefault(index, []).extend(c.logprobs)

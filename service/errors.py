@@ -22,6 +22,13 @@ ERROR_TYPES: dict[int, str] = {
 }
 
 
+# HTTP status -> the error type Anthropic's Messages API names
+ANTHROPIC_TYPES: dict[int, str] = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "not_found_error", 408: "timeout_error", 413: "request_too_large",
+    429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
+
+
 class APIError(Exception):
     """An error answered as {"error": {"message", "type", "param", "code"}} with its HTTP status."""
 
@@ -38,8 +45,17 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "Error"),
                           "param": self.param, "code": self.code}}
 
-    def response(self) -> web.Response:
-        response = web.json_response(self.body(), status=self.status, headers=self.headers)
+    def anthropic_body(self) -> dict[str, object]:
+        """Anthropic's shape; its errors have no `param`, so the message names the field."""
+        message = self.message
+        if self.param is not None and self.param not in message:
+            message = f"{self.param}: {message}"
+        return {"type": "error", "error": {
+            "type": ANTHROPIC_TYPES.get(self.status, "api_error"), "message": message}}
+
+    def response(self, anthropic: bool = False) -> web.Response:
+        body = self.anthropic_body() if anthropic else self.body()
+        response = web.json_response(body, status=self.status, headers=self.headers)
         if self.headers.get("Connection") == "close":
             response.force_close()  # e.g. a stalled body: the connection is not reusable
         return response

@@ -15,7 +15,7 @@ from kvcore.sampling.params import TokenLogprob
 from kvcore.service.call import Call
 from kvcore.service.errors import APIError
 from kvcore.service.streaming import MSGPACK_TYPE, SSE_DONE, msgpack_frame, sse_event
-from kvcore.service.tool_format import FORMATS, CallStream
+from kvcore.service.tool_format import CallStream
 
 # JSON has no -inf; OpenAI-compatible servers report impossible tokens at this floor (as vLLM does)
 LOGPROB_FLOOR = -9999.0
@@ -142,7 +142,7 @@ class OpenAIFormat:
         content: dict[str, Any] = {"content": text}
         if self.call.tools is None:
             return content, finish_reason
-        fmt = FORMATS[self.call.tools.format]
+        fmt = self.call.tool_format
         if final:
             text_or_none, calls = fmt.parse(text)
             content, num_calls = {"content": text_or_none}, len(calls)
@@ -177,6 +177,8 @@ class OpenAIFormat:
             content, finish_reason = self._content(index, text, finish_reason, False)
             if self.call.tools is None and not text and finish_reason is not None:
                 content = {}
+            if not content and finish_reason is None and not delta.logprobs:
+                return b""  # nothing new (a tool call's held-back text): no empty chunk
             entry["delta"] = content
         else:
             entry["text"] = text

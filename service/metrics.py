@@ -153,6 +153,10 @@ class ServiceMetrics:
         self.structured = Counter("kvcore:structured_output_requests",
                                   "Requests with a constrained output, by kind.",
                                   ["model_name", "kind"], registry=reg)
+        self.unenforced = Counter(
+            "kvcore:structured_output_unenforced_violations",
+            "Answers breaking a schema keyword that is checked only after generation.",
+            ["model_name"], registry=reg)
         reg.register(_EngineCollector(model_name, stats))
 
     def observe_structured(self, kind: str) -> None:

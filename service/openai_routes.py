@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
+from collections.abc import Iterator
 
 import structlog
 from aiohttp import web
@@ -23,10 +24,11 @@ from kvcore.service.formatter import MsgpackFrames, OpenAIFormat, WireFormat
 from kvcore.service.inspector import forget_tenants
 from kvcore.service.logtext import log_text
 from kvcore.service.protocol import check_prompt_chars, parse_chat, parse_completion
+from kvcore.service.schema_check import answer_violations, needs_check
 from kvcore.service.state import STATE_KEY, TENANT_KEY, ServiceState, read_json
 from kvcore.service.streaming import MSGPACK_TYPE
 from kvcore.service.structured import prepare_constraint
-from kvcore.service.tool_format import chat_text, with_format
+from kvcore.service.tool_format import chat_text
 from kvcore.service.tools import structured_kind
 
 log = structlog.get_logger("kvcore.service")
@@ -43,33 +45,49 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     state = request.app[STATE_KEY]
     tenant = request.get(TENANT_KEY, ANONYMOUS_TENANT)
-    try:
+    with refusals_logged(tenant, kind):
         body = await read_json(request, state.max_body_size, state.body_timeout)
         engine = state.ready_engine()
-        tokenizer, max_model_len = engine.tokenizer, engine.max_model_len
         if kind == "chat":
-            call = with_format(parse_chat(body, engine.model_config.vocab_size), tokenizer)
-            texts: list[str | list[int]] = ["".join(m["content"] for m in call.messages)]
+            call = parse_chat(body, engine.model_config.vocab_size, state.tools())
         else:
             call = parse_completion(body, engine.model_config.vocab_size)
-            texts = list(call.prompts)
-        name = state.model_name(call.model)
-        state.check_num_seqs(call.num_seqs)
-        for text in texts:
-            check_prompt_chars(text, max_model_len, tokenizer.max_token_chars,
-                               "messages" if kind == "chat" else "prompt")
-        call.call_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        # tokenizing (and templating) is request-sized CPU work: off the event loop
-        call.prompt_ids = await state.offload(tenant, _tokenize, call, tokenizer)
+        name = await tokenized(state, tenant, call,
+                               "chatcmpl" if kind == "chat" else "cmpl")
+    binary = MSGPACK_TYPE in request.headers.get("Accept", "")
+    fmt: WireFormat = (MsgpackFrames(call) if binary
+                       else OpenAIFormat(call, name, engine.tokenizer))
+    return await respond(request, state, call, fmt, tenant)
+
+
+@contextlib.contextmanager
+def refusals_logged(tenant: str, endpoint: str) -> Iterator[None]:
+    """The log line of a call refused before the engine: an admitted call's fields, no body."""
+    try:
+        yield
     except APIError as e:
-        # the log line of a call refused before the engine: an admitted call's fields, no body
-        log.info("request", request_id=None, tenant=tenant, endpoint=kind,
+        log.info("request", request_id=None, tenant=tenant, endpoint=endpoint,
                  outcome=f"error {e.status}", prompt_tokens=0, completion_tokens=0,
                  cached_tokens=0, ttft_s=None, finish_reason=[], user=None)
         raise
-    binary = MSGPACK_TYPE in request.headers.get("Accept", "")
-    fmt: WireFormat = MsgpackFrames(call) if binary else OpenAIFormat(call, name, tokenizer)
-    return await respond(request, state, call, fmt, tenant)
+
+
+async def tokenized(state: ServiceState, tenant: str, call: Call, id_prefix: str,
+                    messages_param: str = "messages") -> str:
+    """Check a parsed Call's size, name it and tokenize it (off the event loop); returns the
+    served model name it asked for (404 for another)."""
+    engine = state.ready_engine()
+    name = state.model_name(call.model)
+    state.check_num_seqs(call.num_seqs)
+    texts: list[str | list[int]] = (["".join(m["content"] for m in call.messages)]
+                                    if call.kind == "chat" else list(call.prompts))
+    for text in texts:
+        check_prompt_chars(text, engine.max_model_len, engine.tokenizer.max_token_chars,
+                           messages_param if call.kind == "chat" else "prompt")
+    call.call_id = f"{id_prefix}-{uuid.uuid4().hex}"
+    # tokenizing (and templating) is request-sized CPU work: off the event loop
+    call.prompt_ids = await state.offload(tenant, _tokenize, call, engine.tokenizer)
+    return name
 
 
 def _tokenize(call: Call, tokenizer: Tokenizer) -> list[list[int]]:
@@ -77,7 +95,8 @@ def _tokenize(call: Call, tokenizer: Tokenizer) -> list[list[int]]:
     if call.kind == "completion":
         return [tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else p
                 for p in call.prompts]
-    return [tokenizer.encode(chat_text(call, tokenizer), add_special_tokens=False)]
+    return [tokenizer.encode(chat_text(call, tokenizer, call.tool_format),
+                             add_special_tokens=False)]
 
 
 async def respond(request: web.Request, state: ServiceState, call: Call, fmt: WireFormat,
@@ -104,6 +123,7 @@ async def respond(request: web.Request, state: ServiceState, call: Call, fmt: Wi
         kind = structured_kind(call)
         if kind is not None:
             state.metrics.observe_structured(kind)
+            call.keep_texts = needs_check(call)
         for request_id in call.request_ids:  # the KV inspector names each request's tenant
             state.tenants[request_id] = tenant
         # a client that goes away cancels this handler (aiohttp's handler_cancellation, which
@@ -132,6 +152,8 @@ async def respond(request: web.Request, state: ServiceState, call: Call, fmt: Wi
             state.untrack(task)
         forget_tenants(state, call.request_ids)
         _account(state, call, tenant, outcome)
+        if call.keep_texts and outcome == "ok":
+            _check_answers(state, call)
 
 
 async def _stream(request: web.Request, call: Call, fmt: WireFormat
@@ -173,6 +195,16 @@ async def _stream(request: web.Request, call: Call, fmt: WireFormat
     with contextlib.suppress(ConnectionError):
         await response.write_eof()
     return response, outcome
+
+
+def _check_answers(state: ServiceState, call: Call) -> None:
+    """The schema keywords decoding could not enforce, checked on the finished answers."""
+    for index, texts in call.texts.items():
+        broken = answer_violations(call, "".join(texts))
+        if broken:
+            state.metrics.unenforced.labels(state.metrics.model_name).inc()
+            log.warning("unenforced schema keyword broken", request_id=call.call_id,
+                        choice=index, where=broken[:8])
 
 
 def _account(state: ServiceState, call: Call, tenant: str, outcome: str) -> None:

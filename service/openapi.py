@@ -48,6 +48,17 @@ _STREAMS: dict[str, Any] = {"application/json": {}, "text/event-stream": {},
                             "application/x-msgpack": {}}
 
 
+_RESPONSES_BODY = {"type": "object", "required": ["model", "input"], "properties": {
+    "model": _STR, "input": {"type": ["string", "array"]}, "instructions": _STR,
+    "tools": {"type": "array"}, "previous_response_id": _STR, "store": _BOOL, "stream": _BOOL,
+    "max_output_tokens": _INT, "text": {"type": "object"}}}
+_MESSAGES_BODY = {"type": "object", "required": ["model", "messages"], "properties": {
+    "model": _STR, "max_tokens": _INT, "system": {"type": ["string", "array"]},
+    "messages": {"type": "array"}, "tools": {"type": "array"},
+    "tool_choice": {"type": "object"}, "stream": _BOOL}}
+_EVENTS: dict[str, Any] = {"application/json": {}, "text/event-stream": {}}
+
+
 def _post(summary: str, schema: dict[str, Any], produces: dict[str, Any]) -> dict[str, Any]:
     return {"post": {"summary": summary,
                      "requestBody": {"required": True,
@@ -72,6 +83,16 @@ def openapi_document() -> dict[str, Any]:
                                      _COMPLETION_BODY, _STREAMS),
             "/v1/chat/completions": _post("Chat completion (stream: SSE; Accept msgpack: frames)",
                                           _CHAT_BODY, _STREAMS),
+            "/v1/responses": _post("OpenAI Responses API (stream: named SSE events)",
+                                   _RESPONSES_BODY, _EVENTS),
+            "/v1/responses/{id}": _get("A stored response of the caller's tenant") | {
+                "delete": {"summary": "Delete a stored response",
+                           "responses": {"200": {"description": "OK"}} | _ERRORS}},
+            "/v1/messages": _post("Anthropic Messages API (x-api-key or Bearer; stream: named "
+                                  "SSE events; Anthropic-shaped errors)", _MESSAGES_BODY,
+                                  _EVENTS),
+            "/v1/messages/count_tokens": _post("Prompt tokens of a Messages body",
+                                               _MESSAGES_BODY, {"application/json": {}}),
             "/v1/models": _get("The served model"),
             "/tokenize": _post("Token ids of a prompt or a chat", {
                 "type": "object", "properties": {"prompt": _STR, "messages": _MESSAGES,

@@ -6,10 +6,12 @@ SamplingParams / BeamSearchParams (its ParamError names the field, which becomes
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any, Literal
 
 from kvcore.config import ParamError
+from kvcore.sampling.constraints import Constraint
 from kvcore.sampling.params import BeamSearchParams, SamplingParams
 from kvcore.service.call import Call, Prompt
 from kvcore.service.errors import bad_request
@@ -23,7 +25,8 @@ from kvcore.service.fields import (
     get_str,
 )
 from kvcore.service.structured import parse_constraint
-from kvcore.service.tools import ToolRequest, parse_tools, tool_constraint
+from kvcore.service.tool_format import FALLBACK, FALLBACK_TOOLS, ChatTools
+from kvcore.service.tools import ToolRequest, parse_tools
 
 MAX_PROMPTS = 256  # prompts of one batched completions request
 MAX_USER_CHARS = 256  # the `user` field: an end-user id, echoed into the request log
@@ -156,19 +159,26 @@ def _sampling(body: dict[str, Any], vocab_size: int) -> dict[str, Any]:
     }
 
 
+def _with_answer(tools: ToolRequest, constraint: Constraint | None) -> ToolRequest:
+    """Tools with a response format: under "auto" the format is the answer's when it makes
+    no call (as vLLM applies it); a call-only choice has no such answer (400)."""
+    if constraint is None:
+        return tools
+    if tools.mode != "auto" or constraint.kind not in ("json_schema", "json_object"):
+        raise bad_request("tools combine only with a JSON response_format, and only under "
+                          'tool_choice "auto"', constraint.param)
+    answer = json.loads(constraint.spec) if constraint.spec else {"type": "object"}
+    return dataclasses.replace(tools, answer=answer)
+
+
 def _params(body: dict[str, Any], kind: str, vocab_size: int, max_tokens_param: str,
-            max_tokens: int | None, logprobs: int | None, tools: ToolRequest | None
-            ) -> SamplingParams | BeamSearchParams:
+            max_tokens: int | None, logprobs: int | None, tools: ToolRequest | None,
+            chat_tools: ChatTools | None) -> SamplingParams | BeamSearchParams:
     """The engine params: a 400 naming the body's field when a value is out of its range."""
     sampling = _sampling(body, vocab_size)
     if tools is not None:
-        if sampling["constraint"] is not None:
-            raise bad_request("tools and a constrained response_format / structured_outputs "
-                              "cannot be combined", sampling["constraint"].param)
-        try:  # a combined grammar past the size bound names `tools`
-            sampling["constraint"] = tool_constraint(tools)
-        except ParamError as e:
-            raise bad_request(str(e), e.param) from None
+        assert chat_tools is not None
+        sampling["constraint"] = chat_tools.constraint(_with_answer(tools, sampling["constraint"]))
     n = get_int(body, "n", 1)
     beam = get_bool(body, "use_beam_search", False)
     if beam and logprobs is not None:
@@ -195,7 +205,8 @@ def _params(body: dict[str, Any], kind: str, vocab_size: int, max_tokens_param: 
 
 def _call(body: dict[str, Any], kind: Literal["completion", "chat"], vocab_size: int,
           max_tokens_param: str, max_tokens: int | None, logprobs: int | None,
-          prompts: list[Prompt], messages: list[dict[str, Any]], echo: bool) -> Call:
+          prompts: list[Prompt], messages: list[dict[str, Any]], echo: bool,
+          chat_tools: ChatTools | None = None) -> Call:
     stream = get_bool(body, "stream", False)
     options = get_object(body, "stream_options")
     if options is not None and not stream:
@@ -208,14 +219,15 @@ def _call(body: dict[str, Any], kind: Literal["completion", "chat"], vocab_size:
             if name in body and body[name] not in allowed:
                 raise bad_request(f"{name} is only supported on /v1/chat/completions", name)
     tools = parse_tools(body) if kind == "chat" else None
-    params = _params(body, kind, vocab_size, max_tokens_param, max_tokens, logprobs, tools)
+    params = _params(body, kind, vocab_size, max_tokens_param, max_tokens, logprobs, tools,
+                     chat_tools)
     call = Call(kind=kind, model=get_str(body, "model"), prompts=prompts, messages=messages,
                 add_generation_prompt=get_bool(body, "add_generation_prompt", True),
                 params=params, stream=stream,
                 include_usage=get_bool(options or {}, "include_usage", False), echo=echo,
                 priority=get_int(body, "priority", 0) or 0,
                 cache_salt=get_str(body, "cache_salt", non_empty=True), user=_user(body),
-                tools=tools)
+                tools=tools, tool_format=chat_tools.format if chat_tools else FALLBACK)
     best_of = body.get("best_of")
     if best_of is not None and best_of != call.n:
         raise bad_request(f"best_of must equal n ({call.n}) when set: kvcore returns every "
@@ -252,7 +264,8 @@ def parse_completion(body: dict[str, Any], vocab_size: int) -> Call:
                  [], echo)
 
 
-def parse_chat(body: dict[str, Any], vocab_size: int) -> Call:
+def parse_chat(body: dict[str, Any], vocab_size: int,
+               chat_tools: ChatTools = FALLBACK_TOOLS) -> Call:
     messages = _messages(body)
     # max_completion_tokens is OpenAI's newer name; it wins over the deprecated max_tokens
     param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else (
@@ -263,4 +276,4 @@ def parse_chat(body: dict[str, Any], vocab_size: int) -> Call:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     logprobs = (top_logprobs or 0) if want_logprobs else None
     return _call(body, "chat", vocab_size, param, get_int(body, param, None), logprobs, [],
-                 messages, get_bool(body, "echo", False))
+                 messages, get_bool(body, "echo", False), chat_tools)

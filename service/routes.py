@@ -44,7 +44,7 @@ async def tokenize(request: web.Request) -> web.Response:
     if "messages" in body:
         messages = parse_chat({"messages": body["messages"],
                                "add_generation_prompt": body.get("add_generation_prompt")},
-                              engine.model_config.vocab_size)
+                              engine.model_config.vocab_size, state.tools())
         add_special = get_bool(body, "add_special_tokens", False)
     else:
         if not isinstance(body.get("prompt"), str):
@@ -69,7 +69,7 @@ async def tokenize(request: web.Request) -> web.Response:
 def _tokenize(tokenizer: Tokenizer, prompt: str | None, chat: Call | None,
               add_special: bool, token_strs: bool, max_model_len: int) -> bytes:
     if chat is not None:  # the text generation would see
-        prompt = chat_text(chat, tokenizer)
+        prompt = chat_text(chat, tokenizer, chat.tool_format)
     assert prompt is not None
     tokens = tokenizer.encode(prompt, add_special_tokens=add_special)
     if len(tokens) > max_model_len:

@@ -18,6 +18,8 @@ from kvcore.service.auth import TenantAuth
 from kvcore.service.call import Call
 from kvcore.service.errors import APIError, bad_request
 from kvcore.service.metrics import ServiceMetrics
+from kvcore.service.response_store import ResponseStore
+from kvcore.service.tool_format import ChatTools
 
 LOADING, READY, DRAINING, FAILED = "loading", "ready", "draining", "failed"
 DEFAULT_MAX_SEQUENCES_PER_REQUEST = 256  # prompts x n of one call
@@ -35,6 +37,7 @@ class ServiceState:
     metrics: ServiceMetrics
     created: int  # unix time, /v1/models
     engine: EngineClient | None = None
+    chat_tools: ChatTools | None = None  # the tokenizer's tool format, chosen once at start-up
     status: str = LOADING
     load_error: str | None = None
     max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
@@ -48,6 +51,7 @@ class ServiceState:
     # the KV inspector: engine request id -> tenant name, and the last /debug/kv body encoded
     tenants: dict[str, str] = field(default_factory=dict)
     inspector_body: tuple[dict[str, Any], bytes] | None = None
+    responses: ResponseStore = field(default_factory=ResponseStore)  # `store: true` Responses
 
     async def offload(self, tenant: str, fn: Callable[..., T], *args: Any) -> T:
         """Run request-sized CPU work in the bounded worker pool, off the event loop; tenants
@@ -63,6 +67,13 @@ class ServiceState:
         if num_seqs > self.max_sequences_per_request:
             raise bad_request(f"this call asks for {num_seqs} sequences (prompts x n); at most "
                               f"{self.max_sequences_per_request} per request", "n")
+    def tools(self) -> ChatTools:
+        """The engine tokenizer's tool format (the engine is ready: see ready_engine)."""
+        if self.chat_tools is None:
+            assert self.engine is not None
+            self.chat_tools = ChatTools.of(self.engine.tokenizer)
+        return self.chat_tools
+
     def ready_engine(self) -> EngineClient:
         """The engine, or 503 while loading, draining, or after a failed load."""
         if self.status != READY or self.engine is None:

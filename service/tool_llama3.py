@@ -1,7 +1,9 @@
 """Llama 3.1's JSON tool calls: the answer is `{"name": ..., "parameters": {...}}` (optionally
 after `<|python_tag|>`; several calls separated by `;`), results come back as `ipython` / `tool`
 turns. "required" and a named function constrain the whole answer to such calls; "auto" leaves
-text free unless the answer starts with `{`, which begins a call constrained from there."""
+text free unless the answer starts with `{`, which begins a call constrained from there. One
+parser serves streamed and whole answers (a whole answer is the stream parser fed all of it); a
+call cut by `length` is a call whose arguments are the text generated so far."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvcore.sampling.constraints import Constraint
-from kvcore.service.tools import ToolRequest, _strict, tool_call
+from kvcore.service.tools import ToolRequest, calls_grammar, fold_calls, tool_call
 
 PYTHON_TAG = "<|python_tag|>"
 SEP = ";"
@@ -21,40 +23,23 @@ _DECODER = json.JSONDecoder()
 
 def llama3_constraint(req: ToolRequest, token_id: Callable[[str], int | None]) -> Constraint:
     """Calls only ("required", named), or ("auto") calls or text whose first non-blank is not
-    `{`; calls may follow `<|python_tag|>` where the tokenizer has it (`token_id`: its id)."""
+    `{` (with a response format: calls or its JSON answer); calls may follow `<|python_tag|>`
+    where the tokenizer has it (`token_id`: its id)."""
     tools = [t for t in req.tools if req.named is None or t.name == req.named]
-    body = _strict({"anyOf": [{
-        "type": "object", "properties": {"name": {"const": t.name}, "parameters": t.parameters},
-        "required": ["name", "parameters"], "additionalProperties": False} for t in tools]})
-    repeat = f' ({json.dumps(SEP + " ")} call)*' if req.parallel else ""
-    start = "calls | TEXT" if req.mode == "auto" else "calls"
+    calls = [(f'{{"name": "{t.name}", "parameters": ', t.parameters, "}") for t in tools]
+    extra = " | TEXT" if req.mode == "auto" and req.answer is None else ""
     tag = token_id(PYTHON_TAG)
     if tag is not None:
-        start += f" | <[{tag}]> calls"
-    return Constraint("grammar", f"%llguidance {{}}\nstart: {start}\ncalls: call{repeat}\n"
-                                 f"call: %json {json.dumps(body)}\n"
-                                 "TEXT: /(\\s*[^{\\s][\\s\\S]*)?/\n", "tools")
+        extra += f" | <[{tag}]> calls"
+    grammar = calls_grammar(calls, SEP + " " if req.parallel else None,
+                            req.answer if req.mode == "auto" else None, extra)
+    return Constraint("grammar", grammar + "TEXT: /(\\s*[^{\\s][\\s\\S]*)?/\n", "tools")
 
 
 def parse_llama3(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content, OpenAI tool_calls) of a finished answer: calls only when the whole answer is
-    calls; anything else (text, a call cut by max_tokens) is content."""
-    rest = _strip_tag(text.strip())
-    calls = []
-    while rest.startswith("{"):
-        found = _one_call(rest)
-        if found is None:
-            break
-        call, end = found
-        calls.append(call)
-        rest = rest[end:].lstrip()
-        if rest.startswith(SEP):
-            rest = rest[1:].lstrip()
-        elif rest:
-            break
-    if calls and not rest:
-        return None, calls
-    return (text.strip() or None), []
+    """(content, OpenAI tool_calls) of a whole answer: the stream parser fed all of it."""
+    content, items = Llama3CallStream().feed(text, True)
+    return content or None, fold_calls(items)
 
 
 def _strip_tag(text: str) -> str:
@@ -96,9 +81,15 @@ class Llama3CallStream:
         self.args_start = 0
 
     def feed(self, delta: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
+        """(content delta, tool_calls delta items) of the text fed so far."""
+        out = self.events(delta, final)
+        return ("".join(e for e in out if isinstance(e, str)),
+                [e for e in out if not isinstance(e, str)])
+
+    def events(self, delta: str, final: bool) -> list[str | dict[str, Any]]:
+        """The same, in the answer's order: content (str) and tool_calls items (dict)."""
         self.text += delta
-        items: list[dict[str, Any]] = []
-        content = ""
+        out: list[str | dict[str, Any]] = []
         while True:
             rest = self.text[self.pos:]
             if self.state == "start":
@@ -112,17 +103,17 @@ class Llama3CallStream:
                 if self.state == "head":
                     self.pos = len(self.text) - len(body)
             elif self.state == "content":
-                content += rest
+                out.append(rest)
                 self.pos = len(self.text)
                 break
             elif self.state == "head":
                 match = _HEAD.match(rest)
                 if match is None or match.end() == len(rest):
                     if final:  # never became a call: the rest is content
-                        content += rest
+                        out.append(rest)
                         self.pos, self.state = len(self.text), "content"
                     break
-                items.append({"index": self.num_calls, **tool_call(match.group(1), "")})
+                out.append({"index": self.num_calls, **tool_call(match.group(1), "")})
                 self.call_start, self.args_start = self.pos, self.pos + match.end()
                 self.pos, self.state, self.args_sent = self.args_start, "args", 0
             elif self.state == "args":
@@ -133,7 +124,7 @@ class Llama3CallStream:
                     body = self.text[self.args_start:].rstrip()
                     arguments, end = body[:-1] if body.endswith("}") else body, 0
                 if len(arguments) > self.args_sent:
-                    items.append({"index": self.num_calls,
+                    out.append({"index": self.num_calls,
                                   "function": {"arguments": arguments[self.args_sent:]}})
                     self.args_sent = len(arguments)
                 if found is None:
@@ -151,4 +142,4 @@ class Llama3CallStream:
                     self.state = "content"
                     continue
                 break
-        return content, items
+        return [e for e in out if e != ""]

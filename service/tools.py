@@ -25,7 +25,6 @@ from kvcore.service.errors import bad_request
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_TOOLS = 128
-_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"arguments"\s*:\s*')
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
@@ -44,7 +43,8 @@ class ToolRequest:
     named: str | None  # the function tool_choice names
     parallel: bool
     raw: list[dict[str, Any]]  # the request's `tools`, for a template that renders them
-    format: str = "hermes"  # the chat template's tool-call format (tool_format.FORMATS)
+    # "auto" with a response format: the JSON schema of an answer that makes no call
+    answer: dict[str, Any] | None = None
 
 
 def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
@@ -108,25 +108,38 @@ def _tool(value: Any, i: int) -> Tool:
 
 
 def tool_constraint(req: ToolRequest) -> Constraint:
-    """The grammar of the answer: only calls ("required", named), or text with calls."""
+    """The grammar of the answer: only calls ("required", named), text with calls ("auto"), or
+    under "auto" with a response format, calls or the format's JSON answer. Each call's
+    arguments are their own `%json` root, so `$defs` / `$ref` in a tool's parameters resolve
+    as they do for a response format."""
     tools = [t for t in req.tools if req.named is None or t.name == req.named]
-    if req.mode == "auto":
+    if req.mode == "auto" and req.answer is None:
         tags = [llguidance.StructTag(trigger=OPEN, begin=f'{OPEN}\n{{"name": "{t.name}", '
-                                     f'"arguments": ', grammar=_strict(t.parameters),
+                                     f'"arguments": ', grammar=strict(t.parameters),
                                      end=f"}}\n{CLOSE}") for t in tools]
         return Constraint("grammar", llguidance.StructTag.to_grammar(tags, assume_special=False),
                           "tools")
-    body = _strict({"anyOf": [{
-        "type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
-        "required": ["name", "arguments"], "additionalProperties": False} for t in tools]})
-    repeat = ' ("\\n" call)*' if req.parallel else ""
-    grammar = (f"%llguidance {{}}\nstart: call{repeat}\n"
-               f"call: {json.dumps(OPEN + chr(10))} %json {json.dumps(body)} "
-               f"{json.dumps(chr(10) + CLOSE)}\n")
-    return Constraint("grammar", grammar, "tools")
+    calls = [(f"{OPEN}\n{{\"name\": \"{t.name}\", \"arguments\": ", t.parameters,
+              f"}}\n{CLOSE}") for t in tools]
+    return Constraint("grammar", calls_grammar(calls, "\n" if req.parallel else None,
+                                               req.answer if req.mode == "auto" else None),
+                      "tools")
 
 
-def _strict(schema: dict[str, Any]) -> dict[str, Any]:
+def calls_grammar(calls: list[tuple[str, dict[str, Any], str]], separator: str | None,
+                  answer: dict[str, Any] | None, extra_start: str = "") -> str:
+    """A Lark grammar of one call (or several, `separator` between them), each call its
+    (text before, parameters schema, text after); with `answer`, that JSON answer instead."""
+    rules = [f"call{i}: {json.dumps(before)} %json {json.dumps(strict(schema))} "
+             f"{json.dumps(after)}" for i, (before, schema, after) in enumerate(calls)]
+    repeat = f" ({json.dumps(separator)} call)*" if separator is not None else ""
+    start = "calls" + ("" if answer is None else f" | %json {json.dumps(strict(answer))}")
+    return (f"%llguidance {{}}\nstart: {start}{extra_start}\ncalls: call{repeat}\n"
+            f"call: {' | '.join(f'call{i}' for i in range(len(calls)))}\n"
+            + "\n".join(rules) + "\n")
+
+
+def strict(schema: dict[str, Any]) -> dict[str, Any]:
     return {**schema, "x-guidance": JSON_OPTIONS}
 
 
@@ -196,35 +209,16 @@ def _tools_prompt(tools: tuple[Tool, ...]) -> str:
             f"{CLOSE} for each call. Function results come back in <tool_response> tags.")
 
 
-def parse_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content, OpenAI tool_calls) of a finished answer; a call that does not parse (cut
-    by max_tokens) stays in the content."""
-    calls = []
-    content = text
-    for match in _CALL.finditer(text):
-        try:
-            body = json.loads(match.group(1))
-        except ValueError:
-            continue
-        if not (isinstance(body, dict) and isinstance(body.get("name"), str)):
-            continue
-        calls.append(tool_call(body["name"], _arguments_text(match.group(1), body)))
-        content = content.replace(match.group(0), "", 1)
-    content = content.strip()
-    return (content or None), calls
-
-
-def _arguments_text(text: str, body: dict[str, Any]) -> str:
-    """The arguments as the model wrote them (what a stream sends), else re-serialized."""
-    head = _HEAD.match(text)
-    if head is not None:
-        raw = text[head.end():].rstrip()[:-1].rstrip()  # without the call object's "}"
-        try:
-            if json.loads(raw) == body.get("arguments"):
-                return raw
-        except ValueError:
-            pass
-    return json.dumps(body.get("arguments", {}), ensure_ascii=False, separators=(",", ":"))
+def fold_calls(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`delta.tool_calls` items folded into whole calls, as the openai client folds them."""
+    calls: list[dict[str, Any]] = []
+    for item in items:
+        if "id" in item:
+            calls.append({"id": item["id"], "type": "function",
+                          "function": dict(item["function"])})
+        else:
+            calls[-1]["function"]["arguments"] += item["function"]["arguments"]
+    return calls
 
 
 def tool_call(name: str, arguments: str) -> dict[str, Any]:

@@ -44,8 +44,11 @@ MAX_GRAMMAR_SIZE = 500_000
 STEP_LEXER_FUEL = 200_000
 STEP_MAX_ITEMS = 50_000
 MAX_LEXER_STATES = 50_000  # lexer states a matcher may build lazily (~1-2 KB each)
-# JSON without optional whitespace: an unsure model cannot spend max_tokens on blanks
-JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
+# JSON without optional whitespace: an unsure model cannot spend max_tokens on blanks.
+# lenient: keywords llguidance cannot enforce (uniqueItems, contains, not, if/then/else,
+# dependentRequired, propertyNames, unevaluated*) are accepted and not enforced while decoding
+# (as pydantic's sets need); the service checks the ones it can after generation
+JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "lenient": True}
 COMPILE_NICE = 5  # compile threads and worker processes yield the cores to the engine
 T = TypeVar("T")
 
