@@ -66,6 +66,9 @@ NOT_RUN = {
                                 "model through 2 replicas and the prefix router, "
                                 "tests/test_cluster_autoscale.py min/max replicas, "
                                 "tests/test_cluster_cli.py these flags' checks",
+    r"kvcore serve --kv-offload-size \S+ --kv-tier-dir /var/":
+        "a disk tier under /var: tests/test_tier_service.py serves with host and disk tiers "
+        "(flags, metrics, a restart), tests/test_readme.py's server has a host tier",
     r"(python3 -c 'import secrets|export RAY_|ray |kvcore serve /models/)":
         "the multi-node steps: tests/test_cluster_two_nodes.py runs them on one machine",
 }
@@ -113,9 +116,13 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server(default_model_dir: Path) -> Iterator[Server]:
-    """`kvcore serve` as the README's first serve command line runs it: the default model."""
-    live = Server("kvcore serve", default_model_dir)
+def server(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """`kvcore serve` as the README's first serve command line runs it: the default model, with
+    small host and disk KV tiers so that the /debug/kv sample's tier fields are live too
+    (answers are the same with tiers on or off)."""
+    tier_dir = tmp_path_factory.mktemp("kv-tiers")
+    live = Server(f"kvcore serve --kv-offload-size 64MiB --kv-tier-dir {tier_dir} "
+                  "--kv-tier-disk-size 64MiB", default_model_dir)
     yield live
     assert live.stop() == 0
 
@@ -258,4 +265,6 @@ def test_the_debug_kv_sample_names_the_answer_s_fields(server: Server) -> None:
     fields = set(answer) | set(answer["planner"]) | set(answer["totals"]) | set(
         answer["series"]) | set(answer["counts"])
     fields |= {k for request in answer["requests"] for k in request}
+    tiers = answer["tiers"]  # the host tier's keys (the disk tier's are the same)
+    fields |= set(tiers) | set(tiers["tiers"]) | set(tiers["tiers"]["host"])
     assert documented - {"replica", "replicas"} <= fields | {"tenants"}, documented - fields
