@@ -69,7 +69,7 @@ class CachedModel:
             batch = replace(batch, logits_indices=np.arange(sum(map(len, new_ids)),
                                                             dtype=np.int64))
         window_ops = self.cache.take_window_ops()  # int4: slot moves and seals, as the runner
-        if window_ops:
+        if window_ops is not None:
             self.cache.apply_window_ops(window_ops)
         logits: np.ndarray = self.model.forward(batch, self.cache)
         return logits
