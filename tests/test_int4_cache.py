@@ -87,13 +87,12 @@ def test_window_slots_bookkeeping() -> None:
     window.open(0)
     assert window.num_free_slots == 1 and window.slot_of == [1, None, None, 0]
     window.copy(3, 0)
-    window.give_back(3, keep_rows=True)  # into the prefix cache, rows stale: sealed
-    window.give_back(0, keep_rows=False)  # dead: its slot given back
+    window.drop_user(3, held=False, cached=True)  # into the prefix cache, rows stale: sealed
+    window.drop_user(0, held=False, cached=False)  # dead: its slot given back
     window.give_back(0, keep_rows=True)  # already without a slot: nothing
     assert window.take_ops() == [(ASSIGN, 3, 0), (ASSIGN, 0, 1), (COPY, 0, 1), (SEAL, 3, 0),
                                  (RELEASE, 0, 1)]
-    window.open(2)
-    window.add_user(2)
+    window.open(2)  # its writer is its fp16 user
     window.written(2)
     window.step_seal(2)  # read sealed by the step's later rows: sealed in the step
     window.step_seal(2)  # clean now: nothing
@@ -107,7 +106,6 @@ def test_gpu_windows_seal_before_the_step() -> None:
     its slot goes back, before the next step."""
     window = WindowSlots(4, 2, 4, 4, seal_in_step=False)
     window.open(1)
-    window.add_user(1)
     window.step_seal(1)
     assert window.take_ops() == [(ASSIGN, 1, 0)]
     window.drop_user(1, held=True, cached=False)

@@ -95,11 +95,12 @@ class WindowSlots:
         return len(self._free)
 
     def open(self, block_id: int) -> None:
-        """A block handed out for writing: give it a slot (no user yet)."""
+        """A block handed out for writing: give it a slot; its writer is its one fp16 user."""
         assert self.slot_of[block_id] is None, f"block {block_id} is already open"
         slot = self._free.pop()
         self.slot_of[block_id] = slot
         self.dirty[block_id] = True
+        self.users[block_id] = 1
         self._ops.append((ASSIGN, block_id, slot))
 
     def copy(self, src_block: int, dst_block: int) -> None:
@@ -133,6 +134,16 @@ class WindowSlots:
         self.users[block_id] -= 1
         if self.users[block_id] == 0:
             self.give_back(block_id, keep_rows=held or cached)
+
+    def dropped(self, block: Any, user: bool) -> None:
+        """A sequence dropped its reference to a pool block (`user`: it was one of the block's
+        fp16 users): the slot goes back once no sequence reads the block in fp16, sealed if
+        the block stays readable (held by others or in the prefix cache)."""
+        cached = block.block_hash is not None
+        if user:
+            self.drop_user(block.block_id, held=block.ref_count > 0, cached=cached)
+        elif block.ref_count == 0:
+            self.give_back(block.block_id, keep_rows=cached)
 
     def give_back(self, block_id: int, keep_rows: bool) -> None:
         """Free the block's slot (no-op without one): its rows are sealed first if they are
@@ -173,12 +184,11 @@ class WindowedSequence(Protocol):
     fp16_start: int  # blocks from here on: this sequence is one of their fp16 users
 
 
-def launch_pass(window: WindowSlots, seqs: Iterable[WindowedSequence], block_size: int,
-                drop_user: Callable[[Any], None]) -> None:
+def launch_pass(window: WindowSlots, seqs: Iterable[WindowedSequence], block_size: int) -> None:
     """When a step is launched, for every sequence: the dirty blocks behind the super-block
     of its last row are sealed in the step (its later rows read them sealed); its launched
     tokens count as written; it stops being a fp16 user of the blocks behind the super-block
-    of its next row (`drop_user(block)`; their slots go back once no user is left)."""
+    of its next row (their slots go back once no user is left)."""
     span = window.window_blocks * block_size  # tokens per super-block
     for seq in seqs:
         if seq.num_tokens:
@@ -191,7 +201,8 @@ def launch_pass(window: WindowSlots, seqs: Iterable[WindowedSequence], block_siz
         start = min(seq.num_written // span * window.window_blocks, len(seq.blocks))
         for block in seq.blocks[seq.fp16_start:start]:
             if block is not None:
-                drop_user(block)
+                window.drop_user(block.block_id, held=block.ref_count > 0,
+                                 cached=block.block_hash is not None)
         seq.fp16_start = max(seq.fp16_start, start)
 
 

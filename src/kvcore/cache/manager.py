@@ -5,8 +5,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 
-from kvcore.cache.block_pool import Block, BlockHash, BlockPool, salt_key
+from kvcore.cache.block_pool import Block, BlockPool, salt_key
 from kvcore.cache.int4_window import WindowSlots, launch_pass
+from kvcore.cache.seq_blocks import SeqBlocks
 
 CopyOp = tuple[int, int]  # (src_block_id, dst_block_id), executed by the runner before forward
 # a token sampled on the device whose id the host does not know yet (async scheduling): only ever
@@ -18,26 +19,6 @@ class Admission(enum.Enum):
     OK = "ok"  # the blocks are free now
     NOT_NOW = "not_now"  # fits the pool, but not enough blocks are free yet
     NEVER = "never"  # needs more blocks than the whole pool holds
-
-
-class _Sequence:
-    __slots__ = ("blocks", "block_ids", "num_tokens", "block_hashes", "salt", "num_released",
-                 "num_scheduled", "num_written", "num_clean", "fp16_start")
-
-    def __init__(self, salt: bytes) -> None:
-        self.blocks: list[Block | None] = []  # the block table; None = released (sliding window)
-        self.block_ids: list[int | None] = []  # the same table as ids, kept in step with blocks
-        self.num_tokens = 0  # tokens with an allocated slot
-        self.block_hashes: list[BlockHash] = []  # chain hashes of the full blocks, in order
-        self.salt = salt  # extra key of the first block's hash (tenant isolation)
-        self.num_released = 0  # leading blocks already released by the sliding window
-        # int4 window: tokens the steps scheduled so far write (drafts excluded), those of the
-        # steps already launched, the leading blocks the in-step seal pass has been through,
-        # and the first block this sequence may still read in fp16 (int4_window's rule)
-        self.num_scheduled = 0
-        self.num_written = 0
-        self.num_clean = 0
-        self.fp16_start = 0
 
 
 class KVCacheManager:
@@ -67,7 +48,7 @@ class KVCacheManager:
         self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_prefix_hits = 0  # of those, tokens served from cached blocks
         self.num_cow_copies = 0  # copy-on-write block copies handed to the runner
-        self._seqs: dict[str, _Sequence] = {}
+        self._seqs: dict[str, SeqBlocks] = {}
         self.window: WindowSlots | None = None  # an int4 cache's fp16 window (attach_window)
 
     def attach_window(self, window: WindowSlots) -> None:
@@ -76,27 +57,15 @@ class KVCacheManager:
         writes, and at each launch seal in the step what its rows read sealed and give back
         the slots that no sequence reads in fp16 any more."""
         self.window = window
-        window.on_take = lambda: launch_pass(window, self._seqs.values(), self.block_size,
-                                             self._drop_user)
-
-    def _drop_user(self, block: Block) -> None:
-        assert self.window is not None
-        self.window.drop_user(block.block_id, held=block.ref_count > 0,
-                              cached=block.block_hash is not None)
+        window.on_take = lambda: launch_pass(window, self._seqs.values(), self.block_size)
 
     def _drop(self, block: Block, user: bool = False) -> None:
-        """One reference less (`user`: the sequence was one of the block's fp16 users); a
-        block nobody reads in fp16 any more gives its slot back, sealed if it stays readable."""
+        """One reference less (`user`: the sequence was one of the block's fp16 users)."""
         self.pool.free(block)
-        window = self.window
-        if window is None:
-            return
-        if user:
-            self._drop_user(block)
-        elif block.ref_count == 0:
-            window.give_back(block.block_id, keep_rows=block.block_hash is not None)
+        if self.window is not None:
+            self.window.dropped(block, user)
 
-    def _user(self, seq: _Sequence, index: int) -> bool:
+    def _user(self, seq: SeqBlocks, index: int) -> bool:
         """Whether the sequence is a fp16 user of its block `index` (an int4 cache)."""
         return self.window is not None and index >= seq.fp16_start
 
@@ -115,7 +84,7 @@ class KVCacheManager:
         num_prompt = len(token_ids)
         if num_prompt == 0:
             raise ValueError(f"token_ids of seq_id {seq_id!r} must not be empty")
-        seq = _Sequence(salt_key(salt))
+        seq = SeqBlocks(salt_key(salt))
         self._seqs[seq_id] = seq
         if not self.enable_prefix_caching:
             return 0
@@ -178,7 +147,7 @@ class KVCacheManager:
             seq.num_scheduled = end
         return ops
 
-    def _grow(self, seq: _Sequence, token_ids: Sequence[int], start: int,
+    def _grow(self, seq: SeqBlocks, token_ids: Sequence[int], start: int,
               end: int) -> list[CopyOp] | None:
         bs = self.block_size
         blocks = seq.blocks
@@ -195,8 +164,7 @@ class KVCacheManager:
             return None
         if window is not None:
             for block in new:
-                window.open(block.block_id)
-                window.add_user(block.block_id)
+                window.open(block.block_id)  # its writer (this sequence) is its fp16 user
         ops: list[CopyOp] = []
         if copy:
             assert last is not None
@@ -270,7 +238,7 @@ class KVCacheManager:
         parent = self._seqs[parent_id]
         if child_id in self._seqs:
             raise ValueError(f"child_id {child_id!r} is already allocated")
-        child = _Sequence(parent.salt)
+        child = SeqBlocks(parent.salt)
         child.blocks = list(parent.blocks)
         child.block_ids = list(parent.block_ids)
         child.num_tokens = parent.num_tokens
