@@ -4,8 +4,9 @@ greedy generations on chat prompts, each variant through its own paged KV cache.
 
 The text is split into windows of `context` tokens, each a fresh sequence prefilled `chunk` tokens
 per step through the cache, so the cache's error accumulates over the window as it does in use. An
-int4 cache is fed one block per step whatever the chunk: its window and sealing then treat every
-token as a decode step would (a longer step would read its own recent tokens in fp16).
+int4 cache reads each block by the rule of positions (a row's own super-block in fp16, every
+earlier block sealed), so how the text is chunked does not change its numbers; it is fed one
+block per step.
 """
 
 from __future__ import annotations
