@@ -25,6 +25,7 @@ KEEPALIVE_TIMEOUT_S = 75.0  # an idle keep-alive connection is closed after this
 # before it closes (aiohttp's default is 10 s: a stalled client would keep the connection)
 LINGERING_TIME_S = 2.0
 REFUSE_LINGER_S = 0.5  # a refused connection (over the cap) is closed this long after its 503
+SUPPORTED_VERSIONS = ((1, 0), (1, 1))  # this socket speaks HTTP/1 only
 
 
 def _raw_response(status: int, message: str) -> bytes:
@@ -55,6 +56,21 @@ class JSONErrorHandler(RequestHandler):
                                      status=status)
         response.force_close()
         return response
+
+
+def _unsupported_version(request: web.Request) -> web.StreamResponse:
+    """505 for a request line naming another HTTP version (`HTTP/2.0` on this HTTP/1 socket),
+    written raw: aiohttp would answer in the request's own version. The connection closes; the
+    response returned only lets aiohttp finish (its write meets the closed transport)."""
+    major, minor = request.version
+    log.warning("bad http request", status=505, error="HTTPVersionNotSupported",
+                version=f"{major}.{minor}")
+    transport = request.transport
+    if transport is not None and not transport.is_closing():
+        transport.write(_raw_response(505, f"HTTP/{major}.{minor} is not supported: this "
+                                           "server speaks HTTP/1.0 and HTTP/1.1"))
+        transport.close()
+    return web.Response(status=505)
 
 
 class _Connection(asyncio.Protocol):
@@ -178,6 +194,8 @@ class Edge:
 
         @web.middleware
         async def _arrived(request: web.Request, handler: Handler) -> web.StreamResponse:
+            if tuple(request.version) not in SUPPORTED_VERSIONS:
+                return _unsupported_version(request)
             connection = self.connections.get(request.transport)  # type: ignore[arg-type]
             if connection is not None:
                 connection.entered()

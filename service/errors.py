@@ -18,6 +18,7 @@ ERROR_TYPES: dict[int, str] = {
     431: "RequestHeaderFieldsTooLargeError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
+    505: "HTTPVersionNotSupportedError",
 }
 
 

@@ -23,6 +23,7 @@ from kvcore.service.logtext import log_text
 from kvcore.service.protocol import Call, check_prompt_chars, parse_chat, parse_completion
 from kvcore.service.state import STATE_KEY, TENANT_KEY, ServiceState, read_json
 from kvcore.service.streaming import MSGPACK_TYPE, SSE_DONE, msgpack_frame, sse_event
+from kvcore.service.structured import prepare_constraint
 from kvcore.service.tool_format import chat_text, with_format
 from kvcore.service.tools import structured_kind
 
@@ -87,10 +88,14 @@ async def _respond(request: web.Request, state: ServiceState, call: Call, jobs: 
     assert task is not None
     outcome = "ok"
     tracked = False
+    prepared: object = None
     try:
         # the engine checks each prompt first: a call that can never run is bad input (400),
-        # not a busy server
-        gen.check(call.priority, state.auth.cache_salt(tenant, call.cache_salt))
+        # not a busy server; its constraint compiled first, off the event loop (the result
+        # held until the call ends keeps the compiled grammar for the engine)
+        salt = state.auth.cache_salt(tenant, call.cache_salt)
+        prepared = await prepare_constraint(engine, call.params.constraint, tenant, salt)
+        gen.check(call.priority, salt)
         # reserved before any await: calls that arrive together each see the others' sequences
         reservation = state.admission.admit(engine, len(jobs) * call.n)
         state.track(task, gen)
@@ -120,6 +125,7 @@ async def _respond(request: web.Request, state: ServiceState, call: Call, jobs: 
         outcome = f"error 500 {type(e).__name__}"
         raise
     finally:
+        del prepared  # the call's hold on its compiled constraint ends with it
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.shield(gen.close())
         if tracked:

@@ -7,6 +7,7 @@ SamplingParams / BeamSearchParams (its ParamError names the field, which becomes
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -103,7 +104,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     if not isinstance(raw, list) or not raw:
         raise bad_request("messages must be a non-empty array", "messages")
     messages = []
-    for message in raw:
+    for i, message in enumerate(raw):
         if not isinstance(message, dict):
             raise bad_request("each message must be an object", "messages")
         role = message.get("role")
@@ -128,25 +129,42 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             entry["tool_call_id"] = call_id
         calls = message.get("tool_calls")
         if role == "assistant" and calls:
-            entry["tool_calls"] = _tool_calls(calls)
+            entry["tool_calls"] = _tool_calls(calls, i)
         messages.append(entry)
     return messages
 
 
-def _tool_calls(calls: Any) -> list[dict[str, Any]]:
+def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
     """An assistant message's earlier calls, as the chat template reads them."""
     if not isinstance(calls, list):
         raise bad_request("tool_calls must be an array", "messages")
     out = []
-    for call in calls:
+    for j, call in enumerate(calls):
         fn = call.get("function") if isinstance(call, dict) else None
         if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)
                 and isinstance(fn.get("arguments", "{}"), str | dict)):
             raise bad_request("each tool call needs function.name and function.arguments",
                               "messages")
+        if isinstance(fn.get("arguments"), str):
+            _check_arguments(fn["arguments"],
+                             f"messages[{i}].tool_calls[{j}].function.arguments")
         out.append({"id": call.get("id"), "type": "function",
                     "function": {"name": fn["name"], "arguments": fn.get("arguments", "{}")}})
     return out
+
+
+def _check_arguments(text: str, where: str) -> None:
+    """A call's arguments: a JSON object as text, whose strings (once decoded) are valid
+    Unicode: its escapes can spell a lone surrogate ("\\ud800") the body's check cannot see."""
+    try:
+        arguments = json.loads(text)
+    except (ValueError, RecursionError):
+        raise bad_request(f"{where} must be a JSON object string", "messages") from None
+    try:
+        json.dumps(arguments, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad_request(f"{where} holds text that is not valid Unicode (a lone surrogate)",
+                          "messages") from None
 
 
 def _value(body: dict[str, Any], name: str, default: Any) -> Any:
@@ -189,7 +207,10 @@ def _params(body: dict[str, Any], kind: str, vocab_size: int, max_tokens_param: 
         if sampling["constraint"] is not None:
             raise bad_request("tools and a constrained response_format / structured_outputs "
                               "cannot be combined", sampling["constraint"].param)
-        sampling["constraint"] = tool_constraint(tools)
+        try:  # a combined grammar past the size bound names `tools`
+            sampling["constraint"] = tool_constraint(tools)
+        except ParamError as e:
+            raise bad_request(str(e), e.param) from None
     n = get_int(body, "n", 1)
     beam = get_bool(body, "use_beam_search", False)
     if beam and logprobs is not None:

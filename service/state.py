@@ -12,10 +12,10 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from kvcore.engine import EngineClient
+from kvcore.engine.fair_queue import FairQueue
 from kvcore.service.admission import Admission
 from kvcore.service.auth import TenantAuth
 from kvcore.service.errors import APIError, bad_request
-from kvcore.service.fair_queue import FairQueue
 from kvcore.service.generation import Generation
 from kvcore.service.metrics import ServiceMetrics
 
@@ -51,7 +51,7 @@ class ServiceState:
 
     async def offload(self, tenant: str, fn: Callable[..., T], *args: Any) -> T:
         """Run request-sized CPU work in the bounded worker pool, off the event loop; tenants
-        take turns at the workers (kvcore.service.fair_queue)."""
+        take turns at the workers (kvcore.engine.fair_queue)."""
         await self.cpu_turns.acquire(tenant)
         try:
             return await asyncio.get_running_loop().run_in_executor(self.cpu_pool, fn, *args)

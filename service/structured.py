@@ -7,8 +7,10 @@ import json
 from typing import Any
 
 from kvcore.config import ParamError
+from kvcore.engine import EngineClient
+from kvcore.grammar.pool import CompilerUnavailable
 from kvcore.sampling.constraints import Constraint
-from kvcore.service.errors import bad_request
+from kvcore.service.errors import APIError, bad_request
 
 # vLLM's structured_outputs keys -> the constraint kind; the older top-level names alike
 _STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice",
@@ -41,6 +43,20 @@ def parse_constraint(body: dict[str, Any]) -> Constraint | None:
     return found[0] if found else None
 
 
+async def prepare_constraint(engine: EngineClient, constraint: Constraint | None, tenant: str,
+                             cache_salt: str | None) -> object:
+    """Compile a call's constraint (any API's: response formats, structured outputs, tools)
+    before its requests reach the engine: off the event loop, tenants taking turns, a 400
+    naming the field when it is refused (too large, too deep, no finite instance, a crash or
+    a timeout of its compile worker). Hold the result until the call ends."""
+    try:
+        return await engine.prepare(constraint, tenant, cache_salt)
+    except ParamError as e:
+        raise bad_request(str(e), e.param) from None
+    except CompilerUnavailable as e:
+        raise APIError(503, str(e), headers={"Retry-After": "1"}) from None
+
+
 def _response_format(value: Any) -> Constraint | None:
     if value is None:
         return None
@@ -58,6 +74,9 @@ def _response_format(value: Any) -> Constraint | None:
     if not isinstance(spec, dict):
         raise bad_request("response_format.json_schema must be an object with a schema",
                           "response_format.json_schema")
+    if not isinstance(spec.get("strict", False), bool | None):
+        raise bad_request(f"response_format.json_schema.strict must be a boolean, got "
+                          f"{spec['strict']!r}", "response_format.json_schema.strict")
     schema = spec.get("schema", {"type": "object"})  # OpenAI: an absent schema is any object
     return Constraint.json_schema(schema, "response_format.json_schema.schema")
 

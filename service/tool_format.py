@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvcore.config import ParamError
 from kvcore.model.tokenizer import Tokenizer
 from kvcore.sampling.constraints import Constraint
 from kvcore.service.errors import bad_request
@@ -81,6 +82,9 @@ def with_format(call: Any, tokenizer: Tokenizer) -> Any:
         return call
     fmt = tool_format(tokenizer.chat_template)
     tools = dataclasses.replace(call.tools, format=fmt.name)
-    constraint = fmt.constraint(tools, tokenizer.token_to_id)
+    try:  # a combined grammar past the size bound names `tools`
+        constraint = fmt.constraint(tools, tokenizer.token_to_id)
+    except ParamError as e:
+        raise bad_request(str(e), e.param) from None
     return dataclasses.replace(call, tools=tools,
                                params=dataclasses.replace(call.params, constraint=constraint))

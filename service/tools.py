@@ -101,6 +101,9 @@ def _tool(value: Any, i: int) -> Tool:
     description = fn.get("description") or ""
     if not isinstance(description, str):
         raise bad_request(f"tools[{i}].function.description must be a string", "tools")
+    if not isinstance(fn.get("strict", False), bool | None):
+        raise bad_request(f"tools[{i}].function.strict must be a boolean, got "
+                          f"{fn['strict']!r}", f"tools[{i}].function.strict")
     return Tool(name, description, params)
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kvcore.kernels as kernels
-from kvcore.kernels.cuda_ops import CudaOps
+from kvcore.kernels.cuda.ops import CudaOps
 
 
 class ReplayGraph:

@@ -203,6 +203,24 @@ extern "C" __global__ void staged(float* out, const float* x, int num_tiles) {
   }
   cp_async_wait<0>();
 }
+// A 16 x 16 16-bit matrix (rows of 24 elements in shared memory) through ldmatrix.x4 (TRANS:
+// .trans): lane l addresses row l % 8 (+ 8 for odd l / 8) at column 8 (l / 16), as a fragment
+// loader of an A operand would; out (32 lanes, 4 registers). SHIFT moves every address by
+// `shift` bytes (misaligned or outside shared memory); MIXED: lane 0 alone uses the other form.
+extern "C" __global__ void load_matrix(unsigned* out, const unsigned short* x, int trans,
+                                       int shift, int mixed) {
+  extern __shared__ __align__(16) unsigned short tile[];  // (16, 24)
+  const int lane = threadIdx.x;
+  for (int i = lane; i < 256; i += 32) tile[(i / 16) * 24 + i % 16] = x[i];
+  __syncthreads();
+  const int m = lane / 8;
+  const unsigned char* row = reinterpret_cast<const unsigned char*>(
+      tile + (8 * (m & 1) + lane % 8) * 24 + 8 * (m >> 1)) + shift;
+  unsigned r[4];
+  if ((trans != 0) != (mixed != 0 && lane == 0)) ldmatrix_x4_trans(r, row);
+  else ldmatrix_x4(r, row);
+  for (int i = 0; i < 4; ++i) out[lane * 4 + i] = r[i];
+}
 extern "C" __global__ void never_waits(const float* x) {
   __shared__ __align__(16) float buf[4];
   cp_async16(buf, x);
@@ -263,3 +281,29 @@ def test_cp_async_hazards_are_caught(ptx_path: Path) -> None:
     assert np.isnan(out).any()
     with pytest.raises(RuntimeError, match="never waited for"):
         EmuModule(ptx_path).get_function("never_waits")((1,), (32,), (x,))
+
+
+def test_ldmatrix_follows_the_ptx_lane_mapping(ptx_path: Path) -> None:
+    """ldmatrix.x4 and .x4.trans hand each lane the elements PTX ISA 9.7.14.5.15 assigns it; a
+    misaligned or out-of-bounds row address, or lanes using different forms, fail the launch."""
+    rng = np.random.default_rng()
+    x = rng.integers(0, 1 << 16, (16, 16), dtype=np.uint16)
+    # matrices m = 0..3: rows 8 (m % 2) .. + 7, columns 8 (m // 2) .. + 7
+    mats = [x[8 * (m % 2):8 * (m % 2) + 8, 8 * (m // 2):8 * (m // 2) + 8] for m in range(4)]
+    kernel = EmuModule(ptx_path).get_function("load_matrix")
+    for trans in (0, 1):
+        out = np.zeros((32, 4), np.uint32)
+        kernel((1,), (32,), (out, x, np.int32(trans), np.int32(0), np.int32(0)), shared_mem=768)
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            for m, mat in enumerate(mats):
+                lo, hi = ((mat[2 * t, g], mat[2 * t + 1, g]) if trans
+                          else (mat[g, 2 * t], mat[g, 2 * t + 1]))
+                assert out[lane, m] == int(lo) | int(hi) << 16, (trans, lane, m)
+    for shift, message in ((4, "16-byte aligned"), (768, "outside the launch's dynamic shared")):
+        with pytest.raises(RuntimeError, match=message):
+            kernel((1,), (32,), (np.zeros((32, 4), np.uint32), x, np.int32(0), np.int32(shift),
+                                 np.int32(0)), shared_mem=768)
+    with pytest.raises(RuntimeError, match="different warp collectives"):
+        kernel((1,), (32,), (np.zeros((32, 4), np.uint32), x, np.int32(0), np.int32(0),
+                             np.int32(1)), shared_mem=768)

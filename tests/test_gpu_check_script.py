@@ -32,3 +32,14 @@ def test_bench_refuses_without_gpu(tool: str) -> None:
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "no CUDA GPU available" in result.stderr
+
+
+def test_gpu_check_fits_one_ten_minute_call() -> None:
+    """The script's timeouts add up to at most 9 min 50 s (the device lends 10-minute calls),
+    and it times int4 decode beside fp16 and prefill TFLOP/s."""
+    import re
+
+    script = (ROOT / "tools" / "gpu_check.sh").read_text()
+    total = sum(int(t) for t in re.findall(r"\btimeout (\d+) ", script))
+    assert 0 < total <= 590, total
+    assert "tools/bench_int4_kernels.py" in script and "tools/bench_kernels.py" in script

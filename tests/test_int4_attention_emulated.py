@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvcore.cache import int4
-from kvcore.kernels.cuda_ops import CudaOps
+from kvcore.kernels.cuda.ops import CudaOps
 
 pytest.importorskip("cupy", reason="cupy's CCCL headers provide <nv/target> for cuda_fp16.h")
 if shutil.which("g++") is None:
@@ -34,19 +34,20 @@ def check(case: tuple, q_lens: list[int] | None = None, sealed_share: float = 0.
     rng = np.random.default_rng()
     kwargs, dense = int4_problem(rng, ctx, q_lens or [1] * len(ctx), heads, kv_heads, dim, bs,
                                  act, group, sealed_share)
-    out = ops().paged_attention_int4(**kwargs, sliding_window=window, num_partitions=parts)
+    out = ops().paged_attention_int4(**kwargs, sliding_window=window,
+                                     **({} if parts is None else {"partition_tokens": parts}))
     want = int4_f64(dense, window)
     assert out.dtype == kwargs["query"].dtype and out.shape == want.shape
     np.testing.assert_allclose(out.astype(np.float32), want, rtol=TOL[act], atol=TOL[act])
 
 
 DECODE_CASES = [
-    # (H, Hkv, D, block_size, context_lens, activation, int4 group, partitions, window)
+    # (H, Hkv, D, block_size, context_lens, activation, int4 group, partition_tokens, window)
     (8, 2, 64, 16, [1, 17, 100, 300], "f16", 32, None, None),  # GQA 4, tiles of 4 blocks
-    (16, 2, 128, 32, [513, 64, 40], "f16", 32, 3, None),      # GQA 8, split KV
-    (4, 4, 64, 16, [200, 33], "bf16", 64, 2, 50),              # GQA 1, one value group, window
+    (16, 2, 128, 32, [513, 64, 40], "f16", 32, 192, None),      # GQA 8, split KV
+    (4, 4, 64, 16, [200, 33], "bf16", 64, 32, 50),              # GQA 1, one value group, window
     (32, 1, 128, 16, [150, 9], "f16", 64, None, 70),           # GQA 32: two row blocks
-    (6, 2, 128, 32, [700, 5], "bf16", 32, 4, None),            # GQA 3, bf16
+    (6, 2, 128, 32, [700, 5], "bf16", 32, 192, None),            # GQA 3, bf16
 ]
 
 
@@ -59,7 +60,7 @@ def test_int4_decode(case: tuple) -> None:
 def test_int4_decode_tile_over_nine_blocks() -> None:
     """Block size 8 and a window start 7 keys into a block: the first 64-key tile touches 9
     blocks, every full one sealed (the most key scales a tile stages)."""
-    check((8, 2, 64, 8, [300, 90], "f16", 32, 1, 101), sealed_share=1.0)
+    check((8, 2, 64, 8, [300, 90], "f16", 32, None, 101), sealed_share=1.0)
 
 
 PREFILL_CASES = [
@@ -81,23 +82,28 @@ def test_int4_device_metadata_and_thread_order() -> None:
     rng = np.random.default_rng()
     kwargs, dense = int4_problem(rng, [200, 45], [1, 1], 8, 2, 64, 16, "f16", 32)
     outs = [ops(seed=seed).paged_attention_int4(**kwargs, sliding_window=None,
-                                                num_partitions=2, host_metadata=host)
+                                                partition_tokens=112, host_metadata=host)
             for seed, host in ((0, True), (1, False))]
     assert np.array_equal(outs[0], outs[1])
     np.testing.assert_allclose(outs[0].astype(np.float32), int4_f64(dense), rtol=3e-3,
                                atol=3e-3)
 
 
-@pytest.mark.parametrize("defines", [("KVC_BREAK_WAIT",), ("KVC_BREAK_SYNC",)])
-def test_broken_int4_decode_fails(defines: tuple[str, ...]) -> None:
-    """The int4 variant's mutants: a tile unpacked before its copies land, a buffer staged
-    again while it is still read."""
+@pytest.mark.parametrize("q_lens", [[1, 1], [40, 41]], ids=["decode", "prefill"])
+@pytest.mark.parametrize("defines", [("KVC_BREAK_WAIT",), ("KVC_BREAK_SYNC",),
+                                     ("KVC_BREAK_NIBBLE",)])
+def test_broken_int4_attention_fails(defines: tuple[str, ...], q_lens: list[int]) -> None:
+    """The int4 variants' mutants: a tile unpacked before its copies land, a buffer staged
+    again while it is still read, the wrong nibbles paired (decode: in the fragments, prefill:
+    in the unpack into the tile)."""
+    if defines == ("KVC_BREAK_SYNC",) and q_lens[0] > 1:
+        pytest.skip("prefill reads the block records only before its unpack barrier, so the "
+                    "stage's own barrier already orders the buffer's reuse: not a bug there")
     rng = np.random.default_rng()
-    kwargs, dense = int4_problem(rng, [300, 41], [1, 1], 8, 2, 64, 16, "f16", 32)
+    kwargs, dense = int4_problem(rng, [300, 41], q_lens, 8, 2, 64, 16, "f16", 32, 1.0)
     want = int4_f64(dense)
     try:
-        broken = ops(defines).paged_attention_int4(**kwargs, sliding_window=None,
-                                                   num_partitions=1)
+        broken = ops(defines).paged_attention_int4(**kwargs, sliding_window=None)
     except RuntimeError as exc:  # the emulator saw a copy land on a destination in use
         assert "cp.async" in str(exc)
         return

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from kvcore.cache import int4
-from kvcore.kernels import cuda_int4
-from kvcore.kernels.cuda_ops import CudaOps
+from kvcore.kernels.cuda import kv_int4
+from kvcore.kernels.cuda.ops import CudaOps
 
 pytest.importorskip("cupy", reason="cupy's CCCL headers provide <nv/target> for cuda_fp16.h")
 if shutil.which("g++") is None:
@@ -53,8 +53,8 @@ def test_seal_is_bit_exact(block_size: int, heads: int, head_dim: int, group: in
                for _ in range(2 * layers)]
     k_rows = int4.key_row_bytes(block_size, heads, head_dim)
     v_rows = int4.value_row_bytes(block_size, heads, head_dim, group)
-    assert (k_rows, v_rows) == (cuda_int4.key_row_bytes(block_size, heads, head_dim),
-                                cuda_int4.value_row_bytes(block_size, heads, head_dim, group))
+    assert (k_rows, v_rows) == (kv_int4.key_row_bytes(block_size, heads, head_dim),
+                                kv_int4.value_row_bytes(block_size, heads, head_dim, group))
     caches = [rng.integers(0, 256, (num_blocks, n), dtype=np.uint8)
               for _ in range(layers) for n in (k_rows, v_rows)]
     before = [c.copy() for c in caches]
@@ -109,7 +109,7 @@ def test_write_goes_to_the_window_slot(dtype: type) -> None:
 
 
 def test_seal_checks_its_arguments() -> None:
-    rows = (cuda_int4.key_row_bytes(16, 1, 64), cuda_int4.value_row_bytes(16, 1, 64, 32))
+    rows = (kv_int4.key_row_bytes(16, 1, 64), kv_int4.value_row_bytes(16, 1, 64, 32))
     k, v = (np.zeros((3, n), np.uint8) for n in rows)
     win = np.zeros((2, 16, 1, 64), np.float16)
     with pytest.raises(ValueError, match="at most once"):

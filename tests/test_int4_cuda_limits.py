@@ -58,3 +58,14 @@ def test_engine_on_cuda_refuses_head_dim_256_before_allocating(
     with pytest.raises(ValueError, match="head_dim 256: an int4 KV cache on cuda"):
         Engine(config)
     assert not made
+
+
+def test_value_group_of_8_is_refused_on_cuda() -> None:
+    """A value group of 8 would not compile (kv_int4_stage.cuh's static_assert): refused with
+    the group named."""
+    from kvcore.kernels.cuda.attention_kv_int4 import check_int4_limits
+
+    with pytest.raises(ValueError, match="int4 group 8: an int4 KV cache on cuda needs a "
+                                         "multiple of 16"):
+        check_int4_limits(16, 8, 2, 128, 8)
+    check_int4_limits(16, 8, 2, 128, 16)

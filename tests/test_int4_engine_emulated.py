@@ -24,7 +24,7 @@ from kvcore.engine import Engine
 from kvcore.engine.llm import engine_config
 from kvcore.engine.setup import int4_group
 from kvcore.kernels import cpu, int4_kv, int4_numba
-from kvcore.kernels.cuda_ops import CudaOps
+from kvcore.kernels.cuda.ops import CudaOps
 from kvcore.kernels.int4_kv import Int4Layer
 from kvcore.model import load_model
 from kvcore.model.half_llama import HalfLlamaModel

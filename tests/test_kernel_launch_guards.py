@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from kernel_problems import paged_problem
-from kvcore.kernels.cuda_attention import plan_paged_attention
-from kvcore.kernels.cuda_ops import CudaOps
+from kvcore.kernels.cuda.attention import plan_paged_attention
+from kvcore.kernels.cuda.ops import CudaOps
 
 
 class RecordingBackend:
@@ -88,8 +88,7 @@ def test_bad_launch_is_refused_before_any_kernel(mutate: Callable[[dict], dict],
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"num_partitions": 0}, r"num_partitions must be in \[1, 32\], got 0"),
-    ({"num_partitions": 33}, "num_partitions must be in"),
+    ({"partition_tokens": 0}, "partition_tokens must be >= 1, got 0"),
     ({"sliding_window": 0}, "sliding_window must be >= 1 or None, got 0"),
 ])
 def test_bad_options_are_refused(kwargs: dict, match: str) -> None:
@@ -110,9 +109,26 @@ def test_good_launch_picks_the_variants(heads: int, kernels: list[str]) -> None:
     backend = RecordingBackend()
     problem = paged_problem(np.random.default_rng(0), [40, 9], [1, 9], heads, 2, 64, 8,
                             "f16-fp8", 0.05, 0.02)
-    CudaOps(backend).paged_attention(**problem, num_partitions=1)
+    CudaOps(backend).paged_attention(**problem)
     assert backend.launched == kernels
     assert set(backend.fetched[0][2]) == {"KVC_HEAD_DIM=64", f"KVC_GROUP={heads // 2}",
                                           "KVC_SCALAR=__half", "KVC_CACHE=__nv_fp8_e4m3"}
     assert set(backend.fetched[-1][2]) == {"KVC_HEAD_DIM=64", "KVC_SCALAR=__half",
                                            "KVC_CACHE=__nv_fp8_e4m3"}
+
+
+@pytest.mark.parametrize("shape,decode,prefill", [
+    (("f16", "f16", 4, 128, 16), "paged_attention_decode_tc.cu", "paged_attention_prefill_mma.cu"),
+    (("bf16", "fp8", 8, 256, 16), "paged_attention_decode_tc.cu", "paged_attention_prefill_tc.cu"),
+    (("f16", "f16", 8, 64, 12), "paged_attention_prefill_tc.cu", "paged_attention_prefill_tc.cu"),
+    (("f16", "f16", 2, 64, 16), "paged_attention_decode.cu", "paged_attention_prefill_mma.cu"),
+    (("f32", "fp8", 8, 128, 16), "paged_attention_decode.cu", "paged_attention_prefill.cu"),
+    (("f16", "int4", 1, 128, 16), "paged_attention_decode_tc.cu",
+     "paged_attention_prefill_mma.cu"),
+])
+def test_the_kernel_table_picks(shape: tuple, decode: str, prefill: str) -> None:
+    """variants.pick: the table the planners launch from and compile_check builds from."""
+    from kvcore.kernels.cuda.variants import AttentionShape, pick
+
+    s = AttentionShape(*shape)
+    assert pick("decode", s).source == decode and pick("prefill", s).source == prefill

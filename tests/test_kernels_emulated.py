@@ -1,6 +1,6 @@
 """The unchanged CUDA kernels, run on the CPU by the emulation harness, equal the NumPy references.
 
-The launches go through kvcore.kernels.cuda_ops (the same wrappers the GPU path uses) with the
+The launches go through kvcore.kernels.cuda.ops (the same wrappers the GPU path uses) with the
 emulation backend; inputs are fresh random data. KVCORE_EMU_CASES=N adds N random decode cases.
 """
 
@@ -13,9 +13,15 @@ import numpy as np
 import pytest
 
 from kvcore.kernels import cpu as reference
-from kvcore.kernels.cuda_attention import decode_tc_blocks_per_sm
-from kvcore.kernels.cuda_occupancy import MAX_PARTITIONS, blocks_per_sm, decode_partitions
-from kvcore.kernels.cuda_ops import CudaOps
+from kvcore.kernels.cuda.attention import decode_tc_blocks_per_sm
+from kvcore.kernels.cuda.occupancy import (
+    MAX_PARTITIONS,
+    blocks_per_sm,
+    decode_partitions,
+    split_grid,
+    split_partitions,
+)
+from kvcore.kernels.cuda.ops import CudaOps
 
 pytest.importorskip("cupy", reason="cupy's CCCL headers provide <nv/target> for cuda_fp16.h")
 if shutil.which("g++") is None:
@@ -32,12 +38,13 @@ def ops(seed: int = 0, defines: tuple[str, ...] = ()) -> CudaOps:
 
 
 def check_attention(problem: dict, sliding_window: int | None = None,
-                    num_partitions: int | None = None, seed: int = 0,
+                    partition_tokens: int | None = None, seed: int = 0,
                     num_sms: int = 8) -> np.ndarray:
     """The kernels' output against the float64 oracle (and the CPU path's dtype and shape)."""
     backend = EmuBackend(order_seed=seed, num_sms=num_sms)
     out = CudaOps(backend).paged_attention(**problem, sliding_window=sliding_window,
-                                           num_partitions=num_partitions)
+                                           **({} if partition_tokens is None else
+                                              {"partition_tokens": partition_tokens}))
     expected = attention_f64(problem, sliding_window)
     assert out.dtype == problem["query"].dtype and out.shape == expected.shape
     tol = TOL[out.dtype]
@@ -46,21 +53,21 @@ def check_attention(problem: dict, sliding_window: int | None = None,
 
 
 DECODE_CASES = [
-    # (H, Hkv, D, block_size, context_lens, dtypes, num_partitions, window); groups of 4+ with
+    # (H, Hkv, D, block_size, context_lens, dtypes, partition_tokens, window); groups of 4+ with
     # fp16 / bf16 activations run on the tensor-core kernel in decode mode
     (4, 4, 64, 16, [1, 15, 16, 17], "f16", None, None),     # GQA 1, block edges
-    (6, 2, 64, 16, [100, 513, 17], "bf16", 3, None),        # 3:1, split KV
-    (16, 2, 128, 16, [513, 1, 100], "f16", 4, None),        # 8:1
-    (16, 1, 128, 8, [4097], "f16-fp8", None, None),         # 16:1, partitions from the SM count
-    (8, 1, 256, 16, [15, 100], "bf16-fp8", 2, 50),          # 8:1 head_dim 256, window
-    (3, 1, 256, 16, [513, 2], "f32", 5, None),              # 3:1 fp32, empty partitions
-    (8, 8, 128, 16, [100, 33], "f32-fp8", 2, 40),           # 1:1 fp8, window over partitions
-    (12, 1, 16, 4, [9, 30], "f16-fp8", 3, None),            # MQA 12: rows narrower than a warp
-    (4, 2, 32, 8, [23, 9], "f32-f16", 2, 10),               # fp32 model, fp16 cache
+    (6, 2, 64, 16, [100, 513, 17], "bf16", 176, None),        # 3:1, split KV
+    (16, 2, 128, 16, [513, 1, 100], "f16", 130, None),        # 8:1
+    (16, 1, 128, 8, [4097], "f16-fp8", None, None),         # 16:1, 9 partitions of 512
+    (8, 1, 256, 16, [15, 100], "bf16-fp8", 32, 50),          # 8:1 head_dim 256, window
+    (3, 1, 256, 16, [513, 2], "f32", 112, None),              # 3:1 fp32, empty partitions
+    (8, 8, 128, 16, [100, 33], "f32-fp8", 16, 40),           # 1:1 fp8, window over partitions
+    (12, 1, 16, 4, [9, 30], "f16-fp8", 12, None),            # MQA 12: rows narrower than a warp
+    (4, 2, 32, 8, [23, 9], "f32-f16", 8, 10),               # fp32 model, fp16 cache
     (6, 2, 32, 8, [19, 45], "f32-bf16", None, 20),
-    (16, 2, 64, 16, [100, 513], "f32-f16", 3, None),        # 8:1 on the fp32 (CUDA-core) kernel
-    (32, 1, 64, 16, [200, 3], "f16", 2, None),              # 32:1: two row blocks, 2 key slices
-    (16, 2, 32, 12, [100, 30], "f16", 2, None),             # block size 12: the smem-tile kernel
+    (16, 2, 64, 16, [100, 513], "f32-f16", 176, None),        # 8:1 on the fp32 (CUDA-core) kernel
+    (32, 1, 64, 16, [200, 3], "f16", 112, None),              # 32:1: two row blocks, 2 key slices
+    (16, 2, 32, 12, [100, 30], "f16", 48, None),             # block size 12: the smem-tile kernel
 ]
 
 
@@ -91,12 +98,23 @@ def test_random_decode_cases() -> None:
                                 int(rng.choice([4, 8, 16])), str(rng.choice(list(DTYPES))),
                                 poison=True)
         window = int(rng.integers(1, 60)) if rng.random() < 0.5 else None
-        check_attention(problem, window, int(rng.integers(1, 5)))
+        check_attention(problem, window, int(rng.integers(1, 64)))
+
+
+def test_split_partitions_follow_the_span_alone() -> None:
+    """GQA decode: a sequence's partitions are runs of at least 512 tokens (32 blocks of 16),
+    at most 32 of them, whatever else is in the batch; the grid takes the batch's most."""
+    assert split_partitions(256, 16) == 8  # 4k: 8 partitions of 512 tokens
+    assert split_partitions(1024, 16) == MAX_PARTITIONS  # 16k: 32 of 512
+    assert split_partitions(4096, 16) == MAX_PARTITIONS  # 64k: 32 of 2k
+    assert split_partitions(33, 16) == 2 and split_partitions(32, 16) == 1
+    assert split_grid(256, 16) == 8 and split_grid(8192, 16) == MAX_PARTITIONS
+    assert max(split_partitions(n, 16) for n in range(1, 5000)) == MAX_PARTITIONS
 
 
 def test_decode_partitions_follow_the_sm_count() -> None:
-    """Few (sequences x KV heads) on many SMs split more; long spans allow more partitions;
-    the count never exceeds the cap, whatever max_model_len a CUDA graph pads to."""
+    """MLA: few (sequences x row tiles) on many SMs split more; long spans allow more
+    partitions; the count never exceeds the cap, whatever max_model_len a CUDA graph pads to."""
     assert decode_partitions(1, 1024, 16, 132) == MAX_PARTITIONS  # batch 1 x 16k
     # batch 64 x 4k, 8 KV heads: 512 blocks fill 97% of one wave of 4 x 132 slots already
     assert decode_partitions(64 * 8, 256, 16, 132) == 1
@@ -155,7 +173,7 @@ def test_grids_sized_from_shapes_alone(window: int | None) -> None:
     # the variants of the MQA decode case and the MQA prefill case: no extra builds
     problem = paged_problem(rng, [37, 12, 20, 5], [1, 12, 4, 1], 12, 1, 16, 8, "f16-fp8",
                             0.05, 0.02)
-    out = ops().paged_attention(**problem, sliding_window=window, num_partitions=3,
+    out = ops().paged_attention(**problem, sliding_window=window, partition_tokens=16,
                                 host_metadata=False)
     expected = reference.paged_attention(**problem, sliding_window=window)
     np.testing.assert_allclose(out.astype(np.float32), expected.astype(np.float32),
@@ -189,26 +207,28 @@ def test_broken_decode_kernel_fails(defines: tuple[str, ...]) -> None:
     # barrier lets one read the other's partial state before it is written
     problem = paged_problem(rng, [70, 41], [1, 1], 4, 2, 32, 8, "f32-f16")
     expected = reference.paged_attention(**problem)
-    good = ops().paged_attention(**problem, num_partitions=1)
+    good = ops().paged_attention(**problem)
     np.testing.assert_allclose(good, expected, rtol=2e-5, atol=2e-5)
     for seed in (0, 1):
-        broken = ops(seed, defines).paged_attention(**problem, num_partitions=1)
+        broken = ops(seed, defines).paged_attention(**problem)
         assert not np.allclose(broken, expected, rtol=1e-3, atol=1e-3, equal_nan=False)
 
 
 @pytest.mark.parametrize("defines", [("KVC_BREAK_WAIT",), ("KVC_BREAK_SYNC",),
-                                     ("KVC_BREAK_FRAGMENT",), ("KVC_BREAK_GQA",)])
+                                     ("KVC_BREAK_FRAGMENT",), ("KVC_BREAK_GQA",),
+                                     ("KVC_BREAK_LDMATRIX",), ("KVC_BREAK_TRANS",)])
 def test_broken_register_tile_decode_fails(defines: tuple[str, ...]) -> None:
     """paged_attention_decode_tc.cu's mutants: a tile read before its cp.async wait, a buffer
     staged again without the barrier after the tile's last reader (3 tiles of 64 keys, so a
-    buffer is reused), P's A fragment registers swapped, the wrong query heads."""
+    buffer is reused), P's A fragment registers swapped, the wrong query heads, ldmatrix lanes
+    addressing their neighbour's row, V loaded without .trans."""
     rng = np.random.default_rng()
     problem = paged_problem(rng, [300, 41], [1, 1], 16, 2, 32, 8, "f16", poison=True)
     expected = attention_f64(problem)
-    good = ops().paged_attention(**problem, num_partitions=1)
+    good = ops().paged_attention(**problem)
     np.testing.assert_allclose(good.astype(np.float32), expected, rtol=2e-3, atol=2e-3)
     try:
-        broken = ops(0, defines).paged_attention(**problem, num_partitions=1)
+        broken = ops(0, defines).paged_attention(**problem)
     except RuntimeError as exc:  # the emulator saw a copy land on a destination in use
         assert "cp.async" in str(exc)
         return
@@ -216,7 +236,8 @@ def test_broken_register_tile_decode_fails(defines: tuple[str, ...]) -> None:
 
 
 @pytest.mark.parametrize("defines", [("KVC_BREAK_WAIT",), ("KVC_BREAK_SYNC",),
-                                     ("KVC_BREAK_FRAGMENT",), ("KVC_BREAK_GQA",)])
+                                     ("KVC_BREAK_FRAGMENT",), ("KVC_BREAK_GQA",),
+                                     ("KVC_BREAK_LDMATRIX",), ("KVC_BREAK_TRANS",)])
 def test_broken_register_tile_prefill_fails(defines: tuple[str, ...]) -> None:
     """paged_attention_prefill_mma.cu's mutants, on a chunk whose key span takes 3 tiles."""
     rng = np.random.default_rng()
@@ -314,3 +335,24 @@ def test_wrappers_check_arguments() -> None:
     with pytest.raises(ValueError, match="slot_mapping must be int64"):
         ops().reshape_and_cache(problem["query"][:, :2], problem["query"][:, :2],
                                 problem["k_cache"], problem["v_cache"], np.zeros(1, np.int32))
+
+
+@pytest.mark.parametrize("dtypes,heads", [("f16", 16), ("f32", 4)])  # decode_tc; CUDA-core
+def test_decode_bits_do_not_depend_on_the_batch(dtypes: str, heads: int) -> None:
+    """Same request, same answer: a sequence's decode output bits are the same alone, in a
+    batch of longer and shorter contexts (which widen the grid's partitions), and beside a
+    prefill chunk; its own partitions (of 48 tokens here, to split short contexts) are fixed by
+    its span alone."""
+    rng = np.random.default_rng()
+    problem = paged_problem(rng, [300, 700, 5, 90], [1, 1, 1, 20], heads, 2, 64, 16, dtypes,
+                            poison=True)
+
+    def row0(problem: dict) -> np.ndarray:
+        return ops().paged_attention(**problem, partition_tokens=48)[0]
+
+    batch = row0(problem)
+    alone = row0(dict(problem, query=problem["query"][:1].copy(),
+                      block_tables=problem["block_tables"][:1].copy(),
+                      context_lens=problem["context_lens"][:1].copy(),
+                      query_start_loc=problem["query_start_loc"][:2].copy()))
+    assert np.array_equal(batch.view(np.uint8), alone.view(np.uint8))

@@ -63,7 +63,7 @@ def test_mla_key_tile_fits_the_device() -> None:
     """The launcher sizes the key tiles to the device's opt-in shared memory (64 keys on an
     H100 / H200 at 512 + 64, 32 on an A100 with a 16-bit cache) and the launch is accepted."""
     from kvcore.kernels import cuda
-    from kvcore.kernels.cuda_mla import mla_key_tile, mla_smem_bytes
+    from kvcore.kernels.cuda.mla import mla_key_tile, mla_smem_bytes
 
     opt_in = cuda.ops().backend.smem_opt_in
     keys = mla_key_tile(576, 2, opt_in)

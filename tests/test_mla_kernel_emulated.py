@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from kvcore.kernels import mla as reference
-from kvcore.kernels.cuda_mla import mla_smem_bytes
-from kvcore.kernels.cuda_ops import CudaOps
+from kvcore.kernels.cuda.mla import mla_smem_bytes
+from kvcore.kernels.cuda.ops import CudaOps
 
 pytest.importorskip("cupy", reason="cupy's CCCL headers provide <nv/target> for cuda_fp16.h")
 if shutil.which("g++") is None:

@@ -13,8 +13,8 @@ import shutil
 import numpy as np
 import pytest
 
-from kvcore.kernels.cuda_mla import mla_key_tile
-from kvcore.kernels.cuda_ops import CudaOps
+from kvcore.kernels.cuda.mla import mla_key_tile
+from kvcore.kernels.cuda.ops import CudaOps
 
 pytest.importorskip("cupy", reason="cupy's CCCL headers provide <nv/target> for cuda_fp16.h")
 if shutil.which("g++") is None:
@@ -85,7 +85,8 @@ def test_the_mutants_problem_passes_unchanged(mutant_problem: dict) -> None:
     assert close(run(mutant_problem, 2), mutant_problem)
 
 
-@pytest.mark.parametrize("mutant", ["KVC_BREAK_WAIT", "KVC_BREAK_SYNC", "KVC_BREAK_FRAGMENT"])
+@pytest.mark.parametrize("mutant", ["KVC_BREAK_WAIT", "KVC_BREAK_SYNC", "KVC_BREAK_FRAGMENT",
+                                    "KVC_BREAK_LDMATRIX", "KVC_BREAK_TRANS"])
 def test_mutants_fail(mutant_problem: dict, mutant: str) -> None:
     """A tile read before its cp.async wait (NaN until the copy completes), a buffer re-staged
     without the barrier between swaps, P's A fragment with rows g + 8 and keys 8-15 swapped:

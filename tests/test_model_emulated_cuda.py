@@ -19,7 +19,7 @@ import pytest
 import kvcore.kernels as kernels
 from kvcore.cache.kv_cache import KVCache
 from kvcore.config import ModelConfig
-from kvcore.kernels.cuda_ops import CudaOps
+from kvcore.kernels.cuda.ops import CudaOps
 from kvcore.model import BatchInput, load_model
 
 pytest.importorskip("cupy", reason="cupy's CCCL headers provide <nv/target> for cuda_fp16.h")

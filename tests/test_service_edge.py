@@ -94,6 +94,18 @@ def test_parser_errors_answer_json_and_log_no_request_bytes(server: _Server,
     assert KEY not in log and "aaaaaaaa" not in log and "bbbbbbbb" not in log
 
 
+def test_an_unsupported_http_version_is_505(server: _Server) -> None:
+    """The HTTP/1 socket answers an `HTTP/2.0` request line with 505 in HTTP/1.1 (aiohttp alone
+    answered `HTTP/2.0 200 OK`; its parser refuses other versions, `HTTP/1.2` or `HTTP/3.0`,
+    with a 400), and closes the connection; the server goes on."""
+    answer = server.raw(b"GET /health HTTP/2.0\r\nHost: x\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 505 "), answer[:100]
+    status, body = _status_and_body(answer)
+    assert status == 505 and body["error"]["type"] == "HTTPVersionNotSupportedError"
+    assert server.raw(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+                      ).startswith(b"HTTP/1.1 200 ")
+
+
 def test_slow_headers_are_closed_with_408(server: _Server) -> None:
     with server.connect() as sock:
         start = time.monotonic()

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
+from kvcore.engine.fair_queue import FairQueue
 from kvcore.service import STATE_KEY
-from kvcore.service.fair_queue import FairQueue
 from kvcore.service.logtext import MAX_LOGGED_CHARS, log_text
 from kvcore.service.protocol import MAX_USER_CHARS
 from service_fixtures import tiny_app

@@ -11,7 +11,7 @@ import pytest
 
 from engine_helpers import allowed_tokens, make_engine, random_prompts, run_all
 from kvcore.sampling import SamplingParams
-from kvcore.sampling.constraints import MaskFiller
+from kvcore.sampling.masks import MaskFiller
 from kvcore.service.tool_stream import ToolCallStream
 from kvcore.service.tools import (
     call_text,

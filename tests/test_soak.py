@@ -84,6 +84,7 @@ def test_soak_tiny_server_passes(tiny_model_dir: Path, tmp_path: Path) -> None:
         "--burst", "40", "--burst-tokens", "400", "--max-waiting", "4", "--header-timeout", "1",
         "--body-timeout", "1",
         "--drain-timeout", "0", "--request-timeout", "20", "--duration", "60",
+        "--constraint-grammars", "1", "--unique-schemas", "8",
         "--log", str(tmp_path / "serve.log"),
         "--json", str(out)])
     assert json.loads(out.read_text()) == summary
@@ -111,4 +112,14 @@ def test_soak_tiny_server_passes(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert summary["connection_cap_503"].keys() == {"one at a time", "all at once"}
     assert all(refused > 0 for refused in summary["connection_cap_503"].values())
     assert summary["drain_finish_reasons"] == {"abort": 3} and summary["server_exit_code"] == 0
+    # the constraint phase: every crash and error shape a 400 naming its field (answered
+    # after each: checked by `failures`), large grammars compiled off the stream's path, and
+    # the RSS of unique large schemas flat
+    constraints = summary["constraints"]
+    assert set(constraints["statuses"].values()) == {400} and len(constraints["statuses"]) == 9
+    assert constraints["stall"]["grammar_statuses"] == [200] * 5
+    assert constraints["memory"]["statuses"] == {"200": 8}
+    assert summary["checks"]["constraint_stall_bounded"] is True
+    assert summary["checks"]["constraint_rss_flat"] is True
+    assert "505" in status  # the HTTP/2.0 request line
     assert (tmp_path / "serve.log").read_text().count('"event": "request"') > 0

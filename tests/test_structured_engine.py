@@ -169,19 +169,28 @@ def test_constraint_values_are_checked() -> None:
 
 
 def test_compile_is_bounded_and_cached(engine: Engine) -> None:
-    """A grammar past the size bound is refused with llguidance's message; the LRU keeps at
-    most `cache_size` compiled grammars, the most recently used."""
+    """A grammar past llguidance's size bound is refused with its message (from the worker,
+    naming the field); a compiled constraint is cached per cache salt, and the cache keeps the
+    most recently used within its bytes."""
     schema = Constraint.json_schema(SCHEMAS[30][1], "response_format")
     small = ConstraintCompiler(engine.tokenizer.to_json, engine.model_config.vocab_size,
-                               engine.eos_token_ids, cache_size=2, max_grammar_size=20)
+                               engine.eos_token_ids, max_grammar_size=20, num_workers=1)
     with pytest.raises(ParamError, match="response_format: .*size") as info:
         small.matcher(schema)
     assert info.value.param == "response_format"
-    compiler = ConstraintCompiler(engine.tokenizer.to_json, engine.model_config.vocab_size,
-                                  engine.eos_token_ids, cache_size=2)
+    small.close()
+    compiler = engine.constraints
+    first = compiler.compile(Constraint("regex", "a+"), "t", "salt")
+    assert compiler.compile(Constraint("regex", "a+"), "t", "salt") is first  # cached
+    assert compiler.lookup(Constraint("regex", "a+"), "other salt") is None  # per salt
+    assert first.num_bytes > 0 and compiler.cache.num_bytes >= first.num_bytes
+    budget = first.num_bytes * 2 + first.num_bytes // 2  # room for two entries
+    compiler.cache.__init__(budget, tenant_share=1.0)  # type: ignore[misc]
     for pattern in ("a+", "b+", "a+", "c+"):
         compiler.matcher(Constraint("regex", pattern))
-    assert [spec for _, spec in compiler._cache] == ["a+", "c+"]
+    assert compiler.cache.num_bytes <= budget
+    assert compiler.lookup(Constraint("regex", "b+")) is None  # least recently used: evicted
+    assert compiler.lookup(Constraint("regex", "c+")) is not None
 
 
 def test_constrained_rows_do_not_speculate_and_outputs_stay(tiny_model_dir: Path) -> None:

@@ -18,7 +18,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from engine_helpers import allowed_tokens, make_engine
 from kvcore.model.tokenizer import Tokenizer
-from kvcore.sampling.constraints import MaskFiller
+from kvcore.sampling.masks import MaskFiller
 from kvcore.service.tool_format import FALLBACK, HERMES, LLAMA3_JSON, tool_format
 from kvcore.service.tool_llama3 import Llama3CallStream, llama3_constraint, parse_llama3
 from kvcore.service.tools import parse_tools

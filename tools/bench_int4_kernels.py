@@ -45,7 +45,7 @@ def int4_inputs(cp: Any, batch: int, context: int, seed: int = 0) -> dict:
     """Random queries and an int4 cache with shuffled blocks: every block sealed from its fp16
     window slot (block i from slot i), then each sequence's last block reopened."""
     from kvcore.kernels import cuda
-    from kvcore.kernels.cuda_int4 import key_row_bytes, value_row_bytes
+    from kvcore.kernels.cuda.kv_int4 import key_row_bytes, value_row_bytes
 
     per_seq = -(-context // BLOCK_SIZE)
     num_blocks = batch * per_seq
@@ -118,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     import cupy as cp
 
     from kvcore.kernels import cuda
-    from kvcore.kernels.cuda_attention import plan_paged_attention
-    from kvcore.kernels.cuda_int4_attention import plan_int4_attention
+    from kvcore.kernels.cuda.attention import plan_paged_attention
+    from kvcore.kernels.cuda.attention_kv_int4 import plan_int4_attention
 
     backend = cuda.ops().backend
     copy_gbs = copy_bandwidth(cp, args.iters)

@@ -136,7 +136,7 @@ def decode_case(cp: Any, batch: int, context: int, fp8: bool, iters: int
                 ) -> tuple[float, float]:
     """(ms, GB/s) of one validated decode step over `batch` sequences of `context` tokens."""
     from kvcore.kernels import cuda
-    from kvcore.kernels.cuda_attention import plan_paged_attention
+    from kvcore.kernels.cuda.attention import plan_paged_attention
 
     p = paged_inputs(cp, [context] * batch, [1] * batch, fp8)
     out, launches = plan_paged_attention(cuda.ops().backend, **p)
@@ -156,7 +156,7 @@ def decode_case(cp: Any, batch: int, context: int, fp8: bool, iters: int
 def prefill_case(cp: Any, length: int, iters: int) -> float:
     """ms of one validated causal fp16 prefill of `length` tokens."""
     from kvcore.kernels import cuda
-    from kvcore.kernels.cuda_attention import plan_paged_attention
+    from kvcore.kernels.cuda.attention import plan_paged_attention
 
     p = paged_inputs(cp, [length], [length], fp8=False)
     out, launches = plan_paged_attention(cuda.ops().backend, **p)

@@ -80,7 +80,7 @@ def decode_case(cp: Any, heads: int, batch: int, context: int, fp8: bool,
                 iters: int) -> tuple[float, float, float]:
     """(ms, GB/s, TFLOP/s) of one validated MLA decode step."""
     from kvcore.kernels import cuda
-    from kvcore.kernels.cuda_mla import plan_mla_attention
+    from kvcore.kernels.cuda.mla import plan_mla_attention
 
     p = mla_inputs(cp, heads, [context] * batch, fp8)
     out, launches = plan_mla_attention(cuda.ops().backend, **p)

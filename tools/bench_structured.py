@@ -43,7 +43,8 @@ from kvcore.model import InputFill
 from kvcore.model.hub import ensure_default_model
 from kvcore.model.tokenizer import Tokenizer
 from kvcore.sampling import SamplingParams
-from kvcore.sampling.constraints import Constraint, ConstraintCompiler, MaskFiller
+from kvcore.sampling.constraints import Constraint, ConstraintCompiler
+from kvcore.sampling.masks import MaskFiller
 
 SCHEMA: dict[str, Any] = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0,

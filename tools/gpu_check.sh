@@ -8,9 +8,10 @@
 # and speculative decoding off / ngram / suffix at batch 1 and 64 (tools/bench_spec.py: tokens
 # identical to off, output tok/s, acceptance), and the int4 KV cache end to end
 # (tests/test_int4_gpu.py: the cuda engine with --kv-cache-dtype int4 vs the CPU engine, device
-# window operations and attention vs the CPU); the timeouts add up to 9 min 40 s (a 10-minute
-# call). Without a usable CUDA GPU it says so
-# and exits 2 at once.
+# window operations and attention vs the CPU), int4 KV decode timed beside fp16
+# (tools/bench_int4_kernels.py) and prefill TFLOP/s (tools/bench_kernels.py); the timeouts add up
+# to 9 min 50 s at most (a 10-minute call; tests/test_gpu_check_script.py holds the sum).
+# Without a usable CUDA GPU it says so and exits 2 at once.
 #
 #   bash tools/gpu_check.sh            # python3 (or $PYTHON) with cupy; kvcore from src/
 #
@@ -56,6 +57,8 @@ timeout 60 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_mla_gpu.py |
 timeout 45 "$PY" tools/bench_mla.py --quick --iters 10 || status=1
 echo "== tools/bench_kernels.py"
 timeout 85 "$PY" tools/bench_kernels.py --iters 10 || status=1
+echo "== tools/bench_int4_kernels.py (int4 KV decode beside fp16: time, bandwidth, speed-up)"
+timeout 40 "$PY" tools/bench_int4_kernels.py --quick --iters 10 || status=1
 echo "== tools/check_sampler_devices.py"
 timeout 45 "$PY" tools/check_sampler_devices.py || status=1
 echo "== int4 KV cache end to end (tests/test_int4_gpu.py)"
@@ -69,7 +72,7 @@ else
     SOURCE=()
 fi
 if [ ${#SOURCE[@]} -gt 0 ]; then
-    timeout 125 "$PY" tools/gpu_e2e.py "${SOURCE[@]}" || status=1
+    timeout 95 "$PY" tools/gpu_e2e.py "${SOURCE[@]}" || status=1
     echo "== tools/bench_spec.py (speculative decoding at batch 1 and 64: identical tokens, tok/s)"
     timeout 40 "$PY" tools/bench_spec.py "${SOURCE[@]}" --device cuda --num-prompts 4 \
         --max-tokens 32 --streams 1,64 || status=1

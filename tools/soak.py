@@ -11,7 +11,13 @@ admit no more sequences than --max-waiting plus --max-num-seqs). Then it checks:
 well-formed (ends with `data: [DONE]`, at most one error event and only last, every choice
 finished once), 4xx bodies in OpenAI's error shape naming the parameter, /metrics idle (0
 running, 0 waiting, every KV block free), and a server log of JSON lines only, with no traceback
-and never the run's API key.
+and never the run's API key. Then the constraint phase (tools/soak_constraints.py): crash
+shapes and unsatisfiable, mistyped or oversized constraints must be 400s naming the field with
+the server answering after each, a plain stream's token gaps while large grammars compile must
+stay within 2x its longest gap alone or while the same requests arrive compiled already (or
+alone + 0.25 s; measured again once when a gap passes: a busy machine's hiccup rarely repeats, a
+compile on the event loop always does), and the server's RSS must stay flat across unique
+large schemas.
 
     flock /tmp/kvcore-bench.lock .venv/bin/python tools/soak.py --json soak.json
     .venv/bin/python tools/soak.py --url http://127.0.0.1:8000 --api-key KEY --log serve.log
@@ -47,6 +53,8 @@ from typing import IO, Any
 
 import aiohttp
 
+import soak_constraints as shapes
+
 SERVE = [sys.executable, "-c", "import sys; from kvcore.cli import main; sys.exit(main())",
          "serve"]
 ANY = "<any param>"  # an expected error whose `param` is not checked
@@ -79,6 +87,7 @@ class Tally:
     drain_finish: Counter[str] = field(default_factory=Counter)
     close_s: dict[str, float] = field(default_factory=dict)  # slow clients: slowest close
     health_s: list[float] = field(default_factory=list)  # /health answer times during the plan
+    constraints: dict[str, Any] = field(default_factory=dict)  # the constraint phase's report
     failures: list[str] = field(default_factory=list)
     num_failures: int = 0
 
@@ -89,7 +98,7 @@ class Tally:
 
     def status(self, status: int | None) -> None:
         self.statuses[str(status)] += 1
-        if status is not None and status >= 500:
+        if status is not None and status >= 500 and status != 505:  # 505: the client's HTTP
             self.server_errors += 1
 
 
@@ -539,11 +548,13 @@ def raw_requests(key: str) -> list[tuple[str, bytes]]:
         ("bad chunk size", post + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n"),
         ("bad Content-Length", post + b"Content-Length: abc\r\n\r\n"),
         ("bare LF", b"GET /health HTTP/1.1\nHost: soak\n\n"),
+        ("HTTP/2.0 request line", b"GET /health HTTP/2.0\r\nHost: soak\r\n\r\n"),
     ]
 
 
 async def raw_case(ctx: Ctx, name: str, data: bytes) -> None:
-    """A request aiohttp's parser refuses: a 400 (or 431) JSON error, then the socket closes."""
+    """A request aiohttp's parser refuses: a 400 (or 431) JSON error, then the socket closes;
+    another HTTP version than 1.x: a 505, in HTTP/1.1."""
     reader, writer = await asyncio.open_connection(ctx.host, ctx.port)
     try:
         writer.write(data)
@@ -553,7 +564,8 @@ async def raw_case(ctx: Ctx, name: str, data: bytes) -> None:
         writer.close()
     status, body = parse_response(buf)
     ctx.tally.status(status)
-    if status not in (400, 431):
+    expected = (505,) if name.startswith("HTTP/2") else (400, 431)
+    if status not in expected or (status == 505 and not buf.startswith(b"HTTP/1.1 ")):
         ctx.tally.fail(f"raw {name}", f"status {status}: {buf[:160]!r}")
     elif problem := error_problem(body, None):
         ctx.tally.fail(f"raw {name}", problem)
@@ -870,6 +882,67 @@ async def drain_phase(ctx: Ctx, server: Server) -> int | None:
     return await asyncio.to_thread(server.wait, ctx.args.drain_timeout + 30)
 
 
+# ---- constraints: crash, error, stall and memory shapes (tools/soak_constraints.py) --------
+
+async def constraint_phase(ctx: Ctx, pid: int | None) -> dict[str, Any]:
+    """Each crash shape (at --constraint-scale times the lengths that crashed) and each error
+    shape a 400 naming its field, a plain request answered after each; a plain stream's gaps
+    while large grammars compile; the server's RSS across --unique-schemas large schemas."""
+    args, tally = ctx.args, ctx.tally
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    statuses: dict[str, int] = {}
+    for name, fields, param in (shapes.crash_cases(args.constraint_scale)
+                                + shapes.error_cases()):
+        tally.cases["constraint"] += 1
+        status, _, raw = await post(ctx, "/v1/chat/completions", {**chat, **fields})
+        tally.status(status)
+        statuses[name] = status
+        problem = f"answered {status}" if status != 400 else error_problem(raw, param)
+        if problem:
+            tally.fail(f"constraint {name}", problem)
+        alive, _, raw = await post(ctx, "/v1/chat/completions", chat)
+        tally.status(alive)
+        if alive != 200:
+            tally.fail(f"constraint {name}", f"the plain request after it answered {alive}")
+
+    async def answer(body: dict[str, Any]) -> tuple[int, bytes]:
+        status, _, raw = await post(ctx, "/v1/completions", {"prompt": "x", **body})
+        tally.status(status)
+        return status, raw
+
+    async def stream(body: dict[str, Any], times: list[float]) -> None:
+        async with ctx.http.post(ctx.url + "/v1/completions", json={**body, "stream": True},
+                                 headers=ctx.headers()) as resp:
+            tally.status(resp.status)
+            async for line in resp.content:
+                if line.startswith(b"data: {"):
+                    times.append(time.monotonic())
+
+    run = secrets.token_hex(4)  # unique constraints: never a cache hit from an earlier soak
+    plain = {"prompt": "Once upon a time", "ignore_eos": True, "temperature": 0,
+             "max_tokens": max(min(256, ctx.max_model_len - 16), 1)}
+    stall = await shapes.checked_stall_probe(answer, stream, plain, args.constraint_grammars,
+                                             run)
+    if any(status != 200 for status in stall["grammar_statuses"]):
+        tally.fail("constraint stall", f"large constraints answered {stall['grammar_errors']}")
+    memory = (await shapes.memory_loop(answer, lambda: shapes.rss_bytes(pid),
+                                       args.unique_schemas, run)
+              if pid is not None and args.unique_schemas else {})
+    if memory and memory["statuses"] != {"200": args.unique_schemas}:
+        tally.fail("constraint memory", f"unique schemas answered {memory['statuses']}")
+    return {"statuses": statuses, "stall": stall, "memory": memory}
+
+
+def constraint_checks(args: argparse.Namespace, report: dict[str, Any]
+                      ) -> dict[str, bool | None]:
+    if not report:
+        return {"constraint_stall_bounded": None, "constraint_rss_flat": None}
+    memory = report["memory"]
+    return {"constraint_stall_bounded": report["stall"]["verdict"]["ok"],
+            "constraint_rss_flat": (memory["growth_after_warm_mb"] <= args.constraint_rss_mb
+                                    if memory else None)}
+
+
 # ---- the server and its log ----------------------------------------------------------------
 
 class Server:
@@ -1018,6 +1091,9 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
             except TimeoutError:
                 tally.hung["admission"] += 1
                 tally.fail("admission", "the burst was not answered in full")
+            if args.constraints:
+                tally.constraints = await constraint_phase(
+                    ctx, server.proc.pid if server is not None else None)
         # the session's kept-alive connections are closed now: the cap check counts its own
         if server is not None:
             await asyncio.sleep(0.5)
@@ -1068,6 +1144,7 @@ def summarize(args: argparse.Namespace, model: str, t: Tally, plan: list[tuple[s
         "no_tracebacks": log["tracebacks"] == 0 if log else None,
         "api_key_not_logged": log["api_key_lines"] == 0 if log.get("key_checked") else None,
         "drain_exit_0": exit_code == 0 if owned else None,
+        **constraint_checks(args, t.constraints),
     }
     return {
         "model": model, "seed": args.seed, "concurrency": args.concurrency,
@@ -1083,7 +1160,7 @@ def summarize(args: argparse.Namespace, model: str, t: Tally, plan: list[tuple[s
         "connection_cap_503": t.cap_503,
         "admission_bursts_admitted_seqs": t.admitted_seqs, "idle_sockets": t.idle_sockets,
         "slow_client_close_s": t.close_s, "drain_finish_reasons": dict(t.drain_finish),
-        "health_probe": _gaps(t.health_s),
+        "health_probe": _gaps(t.health_s), "constraints": t.constraints,
         "server_exit_code": exit_code, "metrics_after": metrics,
         "leaked_blocks": metrics.get("leaked_blocks"),
         "log": {k: v for k, v in log.items() if k != "examples"},
@@ -1118,6 +1195,11 @@ def print_summary(s: dict[str, Any]) -> None:
     print(f"  slow clients closed after (s): {s['slow_client_close_s']}; drain: "
           f"{s['drain_finish_reasons']}, exit {s['server_exit_code']}")
     print(f"  /health during the run (s): {s['health_probe']}")
+    if s["constraints"]:
+        c = s["constraints"]
+        print(f"  constraint shapes: {c['statuses']}")
+        print(f"  constraint stall (token gaps, s): {c['stall']}")
+        print(f"  constraint memory: {c['memory']}")
     print(f"  after: {s['metrics_after']}")
     print(f"  log: {s['log']}")
     for line in s["failures"] + s["log_examples"]:
@@ -1153,6 +1235,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="max_tokens of the admission burst's calls: none may end while the burst "
                         "arrives (default 64)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-constraints", dest="constraints", action="store_false",
+                   help="skip the constraint phase (crash, error, stall and memory shapes)")
+    p.add_argument("--constraint-scale", type=float, default=1.0,
+                   help="crash shapes at this many times the lengths that crashed (default 1: "
+                        "~100 KB bodies; 10 needs --max-body-size of 2 MiB)")
+    p.add_argument("--constraint-grammars", type=int, default=2,
+                   help="unique 220 KB grammars sent during the stall probe (default 2)")
+    p.add_argument("--unique-schemas", type=int, default=40,
+                   help="unique large-enum schemas of the memory loop (default 40; 0: none)")
+    p.add_argument("--constraint-rss-mb", type=float, default=128.0,
+                   help="the server's RSS may grow this much after the loop's first quarter "
+                        "(default 128: the cache's 64 MiB tenant share and as much slack)")
     p.add_argument("--json", help="write the summary here as one JSON object")
     server = p.add_argument_group("limits of the server it starts (with --url: of that server)")
     server.add_argument("--max-num-seqs", type=int, default=8)

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-KERNEL_DIR = HERE.parents[1] / "src" / "kvcore" / "kernels"
+KERNEL_DIR = HERE.parents[1] / "src" / "kvcore" / "kernels" / "cuda"
 CACHE_DIR = Path(os.environ.get("KVCORE_EMU_CACHE")
                  or Path(tempfile.gettempdir()) / "kvcore_cuda_emu")
 DYNAMIC_SMEM_CAPACITY = 228 * 1024
@@ -275,7 +275,7 @@ class _PoisonedNumpy:
 
 
 class EmuBackend:
-    """The kvcore.kernels.cuda_ops backend that runs the kernels under emulation (NumPy arrays)."""
+    """The kvcore.kernels.cuda.ops backend that runs the kernels under emulation (NumPy arrays)."""
 
     xp = _PoisonedNumpy()
 

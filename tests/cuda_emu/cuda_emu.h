@@ -26,7 +26,8 @@ using std::max;
 using std::min;
 
 namespace emu {
-enum Collective : int { kSyncWarp = 1, kShuffle = 2, kBallot = 3 };
+// kLdmatrix + 2 num + trans: the ldmatrix forms (a lane's 16-byte value holds its row address)
+enum Collective : int { kSyncWarp = 1, kShuffle = 2, kBallot = 3, kLdmatrix = 16 };
 // Runs the calling lane's part of a warp collective: deposits `size` bytes of `value` and the
 // lane it reads from, waits for every lane of `mask`, then copies the source lane's deposit to
 // `out`. For kBallot `value` is an int predicate and `out` receives the 32-bit vote.

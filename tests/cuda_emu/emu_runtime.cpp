@@ -64,6 +64,7 @@ Fiber* current = nullptr;
 void (*kernel_tramp)(void**) = nullptr;
 void** kernel_args = nullptr;
 std::string error;
+unsigned long launch_shared_mem = 0;  // the dynamic shared memory the launch asked for
 
 void switch_to_scheduler() { swapcontext(&current->ctx, &scheduler); }
 
@@ -119,6 +120,23 @@ bool try_complete(int warp, int lane) {
       memcpy(g.out, in_mask ? lane_fiber(warp, g.src_lane)->value : g.value, g.size);
     } else if (g.kind == emu::kBallot) {
       memcpy(g.out, &vote, sizeof vote);
+    } else if (g.kind >= emu::kLdmatrix) {
+      // PTX ISA 9.7.14.5.15: lane l receives, from matrix m (rows addressed by lanes 8 m ..
+      // 8 m + 7), row l / 4 elements 2 (l % 4) and 2 (l % 4) + 1, or with .trans column l / 4
+      // of rows 2 (l % 4) and 2 (l % 4) + 1; the lower-indexed element in the low half
+      const int num = (g.kind - emu::kLdmatrix) / 2;
+      const bool trans = (g.kind - emu::kLdmatrix) % 2 != 0;
+      unsigned* out = static_cast<unsigned*>(g.out);
+      for (int m = 0; m < num; ++m) {
+        uint16_t e[2];
+        for (int k = 0; k < 2; ++k) {
+          const int row = trans ? 2 * (i % 4) + k : i / 4, col = trans ? i / 4 : 2 * (i % 4) + k;
+          const unsigned char* p;
+          memcpy(&p, lane_fiber(warp, 8 * m + row)->value, sizeof p);
+          memcpy(&e[k], p + 2 * col, 2);
+        }
+        out[m] = e[0] | static_cast<unsigned>(e[1]) << 16;
+      }
     }
     g.state = kRunnable;
   }
@@ -226,6 +244,21 @@ unsigned active_mask() {
 
 int lane_id() { return current->lane; }
 
+void ldmatrix(unsigned* out, const void* row, int num, bool trans) {
+  if (current->lane < 8 * num) {  // the lanes whose addresses the form reads
+    const uintptr_t a = reinterpret_cast<uintptr_t>(row);
+    if (a % 16) fail("ldmatrix: a row address must be 16-byte aligned");
+    bool inside = false;
+    for (int d = 0; d < emu_num_dynamic_smem(); ++d) {
+      const uintptr_t base = reinterpret_cast<uintptr_t>(emu_dynamic_smem(d));
+      inside |= a >= base && a + 16 <= base + launch_shared_mem;
+    }
+    if (!inside) fail("ldmatrix: a row address outside the launch's dynamic shared memory");
+  }
+  // .sync.aligned: every lane of the warp, the same form (a different form is another kind)
+  warp_collective(kLdmatrix + 2 * num + (trans ? 1 : 0), 0xffffffffu, &row, sizeof row, 0, out);
+}
+
 void cp_async(void* dst, const void* src, int bytes) {
   // src null: the zero-fill form (src-size 0), nothing is read
   if (reinterpret_cast<uintptr_t>(dst) % bytes || reinterpret_cast<uintptr_t>(src) % bytes) {
@@ -289,6 +322,7 @@ extern "C" __attribute__((visibility("default"))) int emu_launch(
   if (error.empty()) {
     kernel_tramp = tramp;
     kernel_args = args;
+    launch_shared_mem = shared_mem;
     gridDim = dim3(gx, gy, gz);
     blockDim = dim3(bx, by, bz);
     fibers.assign(threads, Fiber());

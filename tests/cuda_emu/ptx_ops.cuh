@@ -7,6 +7,12 @@
 // and the column of B the layout assigns; a kernel indexing a fragment wrongly gets wrong
 // numbers. Products of 16-bit inputs are exact in fp32 and summed in fp32.
 //
+// ldmatrix (PTX ISA 9.7.14.5.15) is a warp rendezvous (.sync.aligned: all 32 lanes, the same
+// form): lanes 8 i .. 8 i + 7 give the row addresses of matrix i, each 16-byte aligned inside the
+// launch's dynamic shared memory (anything else fails the launch); register i of lane l gets
+// row l / 4, elements 2 (l % 4), 2 (l % 4) + 1 of matrix i, or with .trans elements
+// (2 (l % 4), l / 4) and (2 (l % 4) + 1, l / 4). Rows are read when the last lane arrives.
+//
 // cp.async copies are deferred (emu_runtime.cpp): the destination reads as NaN (0xff bytes) until
 // a cp_async_wait covering the copy's group completes it, so a tile read before its wait, or a
 // buffer re-staged while another warp still reads it (a missing barrier), poisons the result;
@@ -20,6 +26,7 @@
 
 namespace emu {
 void cp_async(void* dst, const void* src, int bytes);
+void ldmatrix(unsigned* out, const void* row, int num, bool trans);
 void cp_async_commit();
 void cp_async_wait(int allowed_in_flight);
 
@@ -80,4 +87,53 @@ inline void cp_async_commit() { emu::cp_async_commit(); }
 template <int N>
 void cp_async_wait() {
   emu::cp_async_wait(N);
+}
+inline void ldmatrix_x4(unsigned (&r)[4], const void* smem) { emu::ldmatrix(r, smem, 4, false); }
+inline void ldmatrix_x4_trans(unsigned (&r)[4], const void* smem) {
+  emu::ldmatrix(r, smem, 4, true);
+}
+inline void ldmatrix_x2(unsigned (&r)[2], const void* smem) { emu::ldmatrix(r, smem, 2, false); }
+inline void ldmatrix_x2_trans(unsigned (&r)[2], const void* smem) {
+  emu::ldmatrix(r, smem, 2, true);
+}
+
+// fma.rn.f16x2 / sub.rn.f16x2 per 16-bit lane (the fp16 product is exact in double, the sum
+// rounded once to fp16 unless it needs more than double's 53 bits); prmt.b32's default mode.
+namespace emu {
+inline __half half_lane(unsigned r, int hi) {
+  const uint16_t bits = static_cast<uint16_t>(hi ? r >> 16 : r & 0xffffu);
+  __half h;
+  memcpy(&h, &bits, sizeof bits);
+  return h;
+}
+inline unsigned half_bits(__half h) {
+  uint16_t bits;
+  memcpy(&bits, &h, sizeof bits);
+  return bits;
+}
+}  // namespace emu
+inline unsigned hfma2_bits(unsigned a, unsigned b, unsigned c) {
+  unsigned d = 0;
+  for (int hi = 0; hi < 2; ++hi) {
+    const double r = static_cast<double>(__half2float(emu::half_lane(a, hi))) *
+                         static_cast<double>(__half2float(emu::half_lane(b, hi))) +
+                     static_cast<double>(__half2float(emu::half_lane(c, hi)));
+    d |= emu::half_bits(__double2half(r)) << (16 * hi);
+  }
+  return d;
+}
+inline unsigned hsub2_bits(unsigned a, unsigned b) {
+  unsigned d = 0;
+  for (int hi = 0; hi < 2; ++hi) {
+    const double r = static_cast<double>(__half2float(emu::half_lane(a, hi))) -
+                     static_cast<double>(__half2float(emu::half_lane(b, hi)));
+    d |= emu::half_bits(__double2half(r)) << (16 * hi);
+  }
+  return d;
+}
+inline unsigned prmt(unsigned a, unsigned b, unsigned sel) {
+  const unsigned long long bytes = a | static_cast<unsigned long long>(b) << 32;
+  unsigned d = 0;
+  for (int i = 0; i < 4; ++i) d |= static_cast<unsigned>(bytes >> (8 * ((sel >> (4 * i)) & 7)) & 0xff) << (8 * i);
+  return d;
 }

@@ -21,9 +21,11 @@ from kvcore.cluster.engine_view import IngressModel
 from kvcore.cluster.state import ReplicaReport, Route, RouterState
 from kvcore.config import ModelConfig, ParamError
 from kvcore.engine import EngineStats, RequestFailed, check_prompt
+from kvcore.grammar.native import check_shape
 from kvcore.model.tokenizer import Tokenizer
 from kvcore.request import CompletionOutput, RequestMetrics, RequestOutput
 from kvcore.sampling import BeamSearchParams, SamplingParams
+from kvcore.sampling.constraints import Constraint
 
 log = structlog.get_logger("kvcore.cluster")
 
@@ -163,6 +165,14 @@ class ClusterEngine:
             self._aborted.discard(request_id)
             stream.cancel()  # no-op once it finished; else the replica aborts the request
             self._state.finish(request_id, last.num_cached_tokens if last is not None else None)
+
+    async def prepare(self, constraint: Constraint | None, tenant: str = "default",
+                      cache_salt: str | None = None) -> None:
+        """The constraint's pure-Python bounds, off the event loop (ParamError naming the
+        field); the replica that takes the request compiles it (AsyncEngine.prepare)."""
+        if constraint is not None:
+            await asyncio.to_thread(check_shape, constraint.kind, constraint.spec,
+                                    constraint.param)
 
     async def abort(self, request_id: str) -> None:
         """Cancel the request's stream: the replica aborts it, and the consumer gets a final

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -16,10 +17,12 @@ import structlog
 from kvcore.cache import CacheEvent
 from kvcore.config import EngineConfig, ModelConfig, ParamError
 from kvcore.engine.engine import Engine, EngineStats
+from kvcore.engine.fair_queue import FairQueue
 from kvcore.engine.kv_snapshot import KVProbe
 from kvcore.model.tokenizer import Tokenizer
 from kvcore.request import RequestOutput
 from kvcore.sampling import BeamSearchParams, SamplingParams
+from kvcore.sampling.constraints import DEFAULT_TENANT, Compiled, Constraint
 
 log = structlog.get_logger(__name__)
 _INLINE_CHARS = 8192  # shorter prompt texts are tokenized on the event loop
@@ -36,14 +39,17 @@ class _Stream:
     step hands over with one append (and at most one wake-up), cheaper than an asyncio.Queue."""
 
     __slots__ = ("request_id", "prompt", "prompt_ids", "params", "max_tokens", "priority",
-                 "cache_salt", "items", "waiter")
+                 "cache_salt", "prepared", "items", "waiter")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int],
                  params: SamplingParams | BeamSearchParams, max_tokens: int, priority: int,
-                 cache_salt: str | None) -> None:
+                 cache_salt: str | None, prepared: Compiled | None = None) -> None:
         self.request_id, self.prompt, self.prompt_ids = request_id, prompt, prompt_ids
         self.params, self.max_tokens = params, max_tokens
         self.priority, self.cache_salt = priority, cache_salt
+        # the compiled constraint, held while the request lives: it stays findable for the
+        # driver's add_checked (never compiled there, whatever the cache evicts meanwhile)
+        self.prepared = prepared
         self.items: list[RequestOutput | BaseException] = []
         self.waiter: asyncio.Future[None] | None = None
 
@@ -76,6 +82,8 @@ class AsyncEngine:
         self._num_waiting_seqs = 0
         self._stats: EngineStats = engine.stats()
         self._kv_probe = KVProbe()  # the KV inspector hook, see kv_snapshot() below
+        # tenants take turns at the constraint compile workers
+        self._compile_turns = FairQueue(engine.constraints.pool.num_workers)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
@@ -133,6 +141,9 @@ class AsyncEngine:
         if self.running:
             return
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcore-step")
+        # the constraint compiler's GIL-holding set-up, now rather than mid-serving
+        threading.Thread(target=self.engine.constraints.warm, name="kvcore-warm",
+                         daemon=True).start()
         self._wakeup = asyncio.Event()
         self._task = asyncio.create_task(self._drive(), name="kvcore-engine")
 
@@ -162,17 +173,21 @@ class AsyncEngine:
         """Outputs of one request as it progresses (the last one has finished=True).
         The request is checked once, here: a refusal (ParamError, a ValueError naming the
         parameter) raises from this call for token ids, so a server refuses bad input before
-        it queues anything, and on the first __anext__ for a text (tokenized first).
+        it queues anything, and on the first __anext__ for a text (tokenized first) or for a
+        constraint `prepare` did not compile yet (compiled then, off the event loop).
         Cancelling the consumer or closing the iterator aborts the request."""
-        prompt_ids, max_tokens = None, 0
+        prompt_ids: list[int] | None = None
+        max_tokens: int | None = None  # None: checked on the first __anext__
         if not isinstance(prompt, str):
             prompt_ids = list(prompt)
-            max_tokens = self.engine.check_request(prompt_ids, params, priority, cache_salt)
+            if params.constraint is None or self.engine.constraints.lookup(params.constraint,
+                                                                           cache_salt):
+                max_tokens = self.engine.check_request(prompt_ids, params, priority, cache_salt)
         return self._generate(prompt, prompt_ids, max_tokens, params,
                               request_id or uuid.uuid4().hex, priority, cache_salt)
 
     async def _generate(self, prompt: str | Sequence[int], prompt_ids: list[int] | None,
-                        max_tokens: int,
+                        max_tokens: int | None,
                         params: SamplingParams | BeamSearchParams, request_id: str,
                         priority: int, cache_salt: str | None) -> AsyncIterator[RequestOutput]:
         if not self.running or self._wakeup is None:
@@ -182,13 +197,16 @@ class AsyncEngine:
             encode = self.engine.tokenizer.encode
             prompt_ids = (encode(prompt) if len(prompt) < _INLINE_CHARS
                           else await asyncio.to_thread(encode, prompt))
+        prepared = await self.prepare(params.constraint, cache_salt or DEFAULT_TENANT,
+                                      cache_salt)
+        if max_tokens is None:
             max_tokens = self.engine.check_request(prompt_ids, params, priority, cache_salt)
         # what depends on the engine's state (request ids, max_num_seqs) is checked by
         # Engine.add_checked when the driver adds the request: out of the first __anext__
         if request_id in self._streams:
             raise ParamError("request_id", f"request_id {request_id!r} is already in use")
         stream = _Stream(request_id, prompt if isinstance(prompt, str) else None, prompt_ids,
-                         params, max_tokens, priority, cache_salt)
+                         params, max_tokens, priority, cache_salt, prepared)
         self._streams[request_id] = stream
         self._adds.append(stream)
         self._wakeup.set()
@@ -216,6 +234,26 @@ class AsyncEngine:
                 self._aborts.append(request_id)
                 self._wakeup.set()
             self._streams.pop(request_id, None)
+
+    async def prepare(self, constraint: Constraint | None, tenant: str = DEFAULT_TENANT,
+                      cache_salt: str | None = None) -> Compiled | None:
+        """Compile a request's constraint before `generate`, off the event loop and off the
+        engine step: bounded, compiled in a worker process, then here on a compile thread
+        (kvcore.sampling.constraints.ConstraintCompiler); tenants take turns at the workers.
+        ParamError naming the field when it is refused. The result, while referenced, keeps the
+        compiled grammar findable for `generate` (same `cache_salt`); a cache hit returns at
+        once. The one call every API's constraints go through."""
+        if constraint is None:
+            return None
+        compiler = self.engine.constraints
+        compiled = compiler.lookup(constraint, cache_salt)
+        if compiled is not None:
+            return compiled
+        await self._compile_turns.acquire(tenant)
+        try:
+            return await asyncio.wrap_future(compiler.submit(constraint, tenant, cache_salt))
+        finally:
+            self._compile_turns.release()
 
     async def abort(self, request_id: str) -> None:
         """Abort a request between steps; its consumer gets a final output with reason abort."""

@@ -13,6 +13,7 @@ from kvcore.engine.engine import EngineStats
 from kvcore.model.tokenizer import Tokenizer
 from kvcore.request import RequestOutput
 from kvcore.sampling import BeamSearchParams, SamplingParams
+from kvcore.sampling.constraints import Constraint
 
 
 class EngineClient(Protocol):
@@ -31,6 +32,12 @@ class EngineClient(Protocol):
     @property
     def num_waiting(self) -> int:
         """Sequences waiting to run (n > 1 and beams count every sequence)."""
+
+    async def prepare(self, constraint: Constraint | None, tenant: str = "default",
+                      cache_salt: str | None = None) -> object:
+        """Check and compile a constraint before `generate` (ParamError naming the field when
+        it is refused), off the event loop, tenants taking turns; hold the result until the
+        request ends. The one call for every API's constraints."""
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | BeamSearchParams,
                  request_id: str | None = None, *, priority: int = 0,

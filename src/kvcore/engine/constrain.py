@@ -17,7 +17,7 @@ from kvcore.engine.records import Launched
 from kvcore.kernels.token_mask import apply_token_bitmask
 from kvcore.request import Sequence
 from kvcore.sampling import SamplingRow
-from kvcore.sampling.constraints import MaskFiller
+from kvcore.sampling.masks import MaskFiller
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -128,7 +128,8 @@ class Engine:
         """Every check of a request against the engine's fixed configuration (vocabulary,
         context, pool size, the constraint compiled and cached), once: the resolved max_tokens,
         or ParamError. Reads only what never changes after start-up, so any thread may call it
-        (AsyncEngine does, on the event loop, before it queues the request)."""
+        (AsyncEngine does, on the event loop, before it queues the request, once
+        AsyncEngine.prepare compiled the constraint off the loop: then a cache hit)."""
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ParamError("priority", f"priority must be an integer, got {priority!r}")
         if cache_salt is not None and not isinstance(cache_salt, str):
@@ -137,7 +138,8 @@ class Engine:
         max_tokens = check_prompt(prompt_ids, params, self.max_model_len,
                                   self.model_config.vocab_size, self.kv)
         if params.constraint is not None:  # ParamError with the compiler's message
-            self.constraints.matcher(params.constraint)
+            # a cache hit after AsyncEngine.prepare; compiled here (blocking) otherwise
+            self.constraints.compile(params.constraint, cache_salt=cache_salt)
         return max_tokens
 
     def add_checked(self, request_id: str, prompt_ids: list[int],
@@ -164,7 +166,7 @@ class Engine:
                        cache_salt=cache_salt, stop_token_ids=stop_ids, eos_token_ids=eos_ids,
                        num_pending_forks=num_seqs - 1)
         if params.constraint is not None:  # compiled by check_request: a cache hit
-            seq.matcher = self.constraints.matcher(params.constraint)
+            seq.matcher = self.constraints.matcher(params.constraint, cache_salt)
         self.output_processor.add(request_id, text, prompt_ids, params)
         try:
             self.core.add(seq, policy)  # admission control: nothing allocated on refusal

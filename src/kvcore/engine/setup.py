@@ -130,7 +130,7 @@ def int4_group(model_config: ModelConfig, block_size: int, device: str) -> int:
                          "fp16 or fp8")
     group = math.gcd(int4.DEFAULT_GROUP, kv_width)  # a head narrower than the group: one group
     if device == "cuda":
-        from kvcore.kernels.cuda_int4_attention import check_int4_limits
+        from kvcore.kernels.cuda.attention_kv_int4 import check_int4_limits
 
         check_int4_limits(block_size, model_config.num_heads, kv_heads, kv_width, group)
     return group

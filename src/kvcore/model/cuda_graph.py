@@ -5,10 +5,11 @@ per-launch CPU cost, which dominates at small batches. A graph replays fixed dev
 fixed grid shapes, so `GraphedDecode` keeps, per capture size S_pad, static device buffers for
 every DeviceBatch field (block tables padded to the width of max_model_len), and each step copies
 its padded host arrays into them (one copy per array), replays, and reads logits rows 0..S-1.
-The padded table width does not size the attention grid: with device metadata the decode kernel
-splits each sequence's own context into a partition count fixed from the shapes and the SM count
-(kernels.cuda_occupancy.decode_partitions): at most MAX_PARTITIONS (32) however wide the tables,
-so a graph for a 128k max_model_len launches a 32-partition grid and scratch, not 256.
+The padded table width sizes the attention grid only up to a cap: each decode sequence splits its
+own context into partitions fixed by its span alone (kernels.cuda.occupancy.split_partitions, runs
+of at least 512 tokens, at most MAX_PARTITIONS = 32), so a graph for a 128k max_model_len
+launches a 32-partition grid and scratch, not 256, and a row's result is the same in the graph as
+outside it.
 
 Padding rows: input id 0 at position 0, slot -1 (reshape_and_cache skips it: nothing is written
 to the cache), one query token against a context of 1 token in block 0 (a real block, so the

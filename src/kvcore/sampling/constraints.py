@@ -1,37 +1,39 @@
-"""Structured-output constraints: a JSON schema, regex, choice or grammar compiled by llguidance
-into one matcher per sequence, and the token bitmasks of a step's constrained rows."""
+"""Structured-output constraints: a JSON schema, regex, choice or grammar, compiled by llguidance
+(after kvcore.grammar bounded it and a worker process compiled it first) into one matcher per
+sequence."""
 
 from __future__ import annotations
 
 import json
 import threading
-import time
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+import weakref
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import llguidance
-import numpy as np
-from llguidance.numpy import fill_next_token_bitmask_par
 
 from kvcore.config import ParamError
+from kvcore.grammar.cache import CACHE_BYTES, TENANT_SHARE, Compiled, CompiledCache
+from kvcore.grammar.native import (
+    JSON_OPTIONS,
+    KINDS,
+    MAX_GRAMMAR_SIZE,
+    MAX_SPEC_CHARS,
+    CompileThreads,
+    build,
+    grammar_text,
+    make_tokenizer,
+    parser_limits,
+)
+from kvcore.grammar.pool import COMPILE_TIMEOUT_S, NUM_WORKERS, CompilePool
 
-KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
-MAX_SPEC_CHARS = 256 * 1024  # a schema / regex / grammar longer than this is refused unread
+__all__ = ["JSON_OPTIONS", "KINDS", "MAX_SPEC_CHARS", "Compiled", "Constraint",
+           "ConstraintCompiler", "SeqMatcher"]
+
 MAX_CHOICES = 1024
-COMPILE_CACHE_SIZE = 256  # compiled grammars kept per tokenizer (LRU)
-# llguidance's own bounds on a grammar's compile work (its defaults, spelled out: ~20 ms of
-# regex analysis, 500k grammar symbols) and on one mask computation: beyond them the compile
-# fails with llguidance's message (a 400), never a stalled engine
-INITIAL_LEXER_FUEL = 1_000_000
-MAX_GRAMMAR_SIZE = 500_000
-STEP_LEXER_FUEL = 200_000
-STEP_MAX_ITEMS = 50_000
-# JSON without optional whitespace: an unsure model cannot spend max_tokens on blanks
-JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
-MASK_TIME_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+DEFAULT_TENANT = "default"
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,19 +76,7 @@ class Constraint:
 
     def grammar(self) -> str:
         """The llguidance grammar text (ParamError when the spec cannot be one)."""
-        matcher = llguidance.LLMatcher
-        if self.kind == "json_schema" or self.kind == "json_object":
-            try:
-                return matcher.grammar_from_json_schema(self.spec or '{"type": "object"}',
-                                                        overrides=JSON_OPTIONS)  # type: ignore
-            except ValueError as e:
-                raise ParamError(self.param, f"{self.param}: invalid JSON schema: {e}") from None
-        if self.kind == "regex":
-            return matcher.grammar_from_regex(self.spec)
-        if self.kind == "choice":
-            options = " | ".join(json.dumps(o) for o in json.loads(self.spec))
-            return matcher.grammar_from_lark(f"start: {options}")
-        return matcher.grammar_from_lark(self.spec)
+        return grammar_text(self.kind, self.spec, self.param)
 
 
 class SeqMatcher:
@@ -136,94 +126,106 @@ class SeqMatcher:
 
 
 class ConstraintCompiler:
-    """Compiles constraints for one tokenizer, with a bounded LRU of compiled grammars (a hit
-    costs a matcher copy). Thread-safe. `tokenizer_json` gives the tokenizer.json text when
-    the first constraint needs it."""
+    """Compiles constraints for one tokenizer; thread-safe. A constraint is compiled once per
+    cache salt (tenants never share compiled grammars, as they never share KV blocks): in a
+    worker process first (kvcore.grammar.pool: bounds, time and memory limits, a crash costs
+    one request), then here on a big-stack compile thread, and kept in a byte-bounded cache
+    (kvcore.grammar.cache). `tokenizer_json` gives the tokenizer.json text when the first
+    constraint needs it."""
 
     def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int,
-                 eos_token_ids: Sequence[int], cache_size: int = COMPILE_CACHE_SIZE,
-                 max_grammar_size: int = MAX_GRAMMAR_SIZE) -> None:
+                 eos_token_ids: Sequence[int], *, cache_bytes: int = CACHE_BYTES,
+                 tenant_share: float = TENANT_SHARE, num_workers: int = NUM_WORKERS,
+                 timeout_s: float = COMPILE_TIMEOUT_S,
+                 max_grammar_size: int = MAX_GRAMMAR_SIZE,
+                 pool: CompilePool | None = None) -> None:
         self._tokenizer_json = tokenizer_json
+        self._json_text: str | None = None
         self.vocab_size = vocab_size
         self._eos = list(eos_token_ids)
-        self._cache_size = cache_size
-        self._cache: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
+        self.cache = CompiledCache(cache_bytes, tenant_share)
+        self.pool = pool if pool is not None else CompilePool(
+            self._tokenizer_text, vocab_size, self._eos, num_workers=num_workers,
+            timeout_s=timeout_s, max_grammar_size=max_grammar_size)
+        self._threads: CompileThreads | None = None
+        self._num_threads = self.pool.num_workers
+        self._limits = parser_limits(max_grammar_size)
         self._lock = threading.Lock()
         self._tokenizer: llguidance.LLTokenizer | None = None
-        self._limits = llguidance.LLParserLimits(
-            initial_lexer_fuel=INITIAL_LEXER_FUEL, max_grammar_size=max_grammar_size,
-            step_lexer_fuel=STEP_LEXER_FUEL, step_max_items=STEP_MAX_ITEMS)
+        # the worker processes end with this compiler (or at exit)
+        self._finalizer = weakref.finalize(self, self.pool.close)
+
+    def _tokenizer_text(self) -> str:
+        """The tokenizer.json text, serialized once (each worker's start reads it)."""
+        with self._lock:
+            if self._json_text is None:
+                self._json_text = self._tokenizer_json()
+            return self._json_text
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
-        """llguidance's view of the vocabulary, built on first use (0.3 s for 49k tokens)."""
+        """llguidance's view of the vocabulary, built on first use or by warm() (0.3 s for
+        49k tokens, holding the GIL)."""
+        text = self._tokenizer_text()
         with self._lock:
             if self._tokenizer is None:
-                self._tokenizer = llguidance.LLTokenizer(
-                    self._tokenizer_json(), n_vocab=self.vocab_size,
-                    eos_token=self._eos or None)
+                self._tokenizer = make_tokenizer(text, self.vocab_size, self._eos)
             return self._tokenizer
 
-    def matcher(self, constraint: Constraint) -> SeqMatcher:
-        """A fresh matcher at the constraint's start (ParamError with llguidance's message when
-        it does not compile)."""
-        key = (constraint.kind, constraint.spec)
+    def warm(self) -> None:
+        """Build what the first compile would otherwise build while requests are served: the
+        tokenizer's JSON text and llguidance's tokenizer (both hold the GIL: a stall of every
+        stream if they ran mid-serving). The worker processes start on first use."""
+        _ = self.tokenizer
+
+    @staticmethod
+    def key(constraint: Constraint, cache_salt: str | None) -> Hashable:
+        return cache_salt, constraint.kind, constraint.spec
+
+    def lookup(self, constraint: Constraint, cache_salt: str | None = None) -> Compiled | None:
+        """The compiled constraint if it is cached (or held by a running request)."""
+        return self.cache.get(self.key(constraint, cache_salt))
+
+    def submit(self, constraint: Constraint, tenant: str = DEFAULT_TENANT,
+               cache_salt: str | None = None) -> Future[Compiled]:
+        """compile() on a compile thread (for callers that must not block)."""
         with self._lock:
-            template = self._cache.get(key)
-            if template is not None:
-                self._cache.move_to_end(key)
-                return SeqMatcher(template.deep_copy())
-        tokenizer = self.tokenizer
-        grammar = constraint.grammar()
-        template = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=self._limits)
-        if template.is_error():
-            raise ParamError(constraint.param, f"{constraint.param}: "
-                                               f"{template.get_error()}")
-        with self._lock:
-            self._cache[key] = template
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
-        return SeqMatcher(template.deep_copy())
+            if self._threads is None:
+                self._threads = CompileThreads(self._num_threads)
+                weakref.finalize(self, self._threads.close)
+            threads = self._threads
+        return threads.submit(lambda: self._compile(constraint, tenant, cache_salt))
 
+    def compile(self, constraint: Constraint, tenant: str = DEFAULT_TENANT,
+                cache_salt: str | None = None) -> Compiled:
+        """The compiled constraint, from the cache or compiled now (blocking: the worker, then
+        a compile thread). ParamError naming the field when it is refused."""
+        compiled = self.lookup(constraint, cache_salt)
+        return compiled if compiled is not None else (
+            self.submit(constraint, tenant, cache_salt).result())
 
-class MaskTimes:
-    """A histogram of the seconds each step's mask computation took (host data, read by the
-    service's metrics at scrape time)."""
+    def _compile(self, constraint: Constraint, tenant: str,
+                 cache_salt: str | None) -> Compiled:
+        key = self.key(constraint, cache_salt)
+        compiled = self.cache.get(key)
+        if compiled is not None:
+            return compiled
+        verdict = self.pool.check(constraint.kind, constraint.spec, constraint.param)
+        # the same input, the same code and stack size as in the worker that just survived it
+        # (its pure-Python bounds included: not run again here, where they would hold the GIL)
+        built = build(self.tokenizer, constraint.kind, constraint.spec, constraint.param,
+                      self._limits, shape_checked=True)
+        compiled = Compiled(key, built.template, verdict.num_bytes, tenant)
+        self.cache.put(compiled)
+        return compiled
 
-    def __init__(self, buckets: tuple[float, ...] = MASK_TIME_BUCKETS) -> None:
-        self.buckets = buckets
-        self.counts = [0] * (len(buckets) + 1)  # the last: above every bucket
-        self.total = 0.0
+    def matcher(self, constraint: Constraint, cache_salt: str | None = None) -> SeqMatcher:
+        """A fresh matcher at the constraint's start: a copy of the cached template (compiled
+        first when it is not cached: the synchronous path)."""
+        return SeqMatcher(self.compile(constraint, cache_salt=cache_salt).template.deep_copy())
 
-    def snapshot(self) -> tuple[tuple[float, ...], tuple[int, ...], float]:
-        """(bucket upper edges, counts per bucket + one above all, sum of seconds)."""
-        return self.buckets, tuple(self.counts), self.total
-
-    def observe(self, seconds: float) -> None:
-        i = next((i for i, edge in enumerate(self.buckets) if seconds <= edge), len(self.buckets))
-        self.counts[i] += 1
-        self.total += seconds
-
-
-class MaskFiller:
-    """Fills the token bitmasks of a step's constrained rows, (C, ceil(V / 32)) int32, in a
-    worker thread while the forward pass runs: llguidance fills the rows in parallel without
-    the GIL."""
-
-    def __init__(self, vocab_size: int, num_threads: int | None = None) -> None:
-        self.num_words = (vocab_size + 31) // 32
-        self._executor = llguidance.LLExecutor(num_threads)
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvcore-mask")
-        self.times = MaskTimes()
-
-    def fill(self, matchers: Sequence[SeqMatcher]) -> np.ndarray:
-        start = time.perf_counter()
-        masks = np.empty((len(matchers), self.num_words), dtype=np.int32)  # (C, W)
-        fill_next_token_bitmask_par(self._executor,
-                                    [(m.matcher, i) for i, m in enumerate(matchers)], masks)
-        self.times.observe(time.perf_counter() - start)
-        return masks
-
-    def submit(self, job: Callable[[], np.ndarray]) -> Future[np.ndarray]:
-        """Run `job` (which calls fill) in the mask worker, in submission order."""
-        return self._worker.submit(job)
+    def close(self) -> None:
+        """End the worker processes and compile threads (also done when collected)."""
+        self._finalizer()
+        if self._threads is not None:
+            self._threads.close()

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcore.kernels.cuda_launch import (
+from kvcore.kernels.cuda.launch import (
     Backend,
     Launch,
     cache_suffix_of,
@@ -17,7 +17,7 @@ from kvcore.kernels.cuda_launch import (
     suffix_of,
     upload_seq_metadata,
 )
-from kvcore.kernels.cuda_occupancy import MAX_PARTITIONS, blocks_per_sm, decode_partitions
+from kvcore.kernels.cuda.occupancy import MAX_PARTITIONS, blocks_per_sm, decode_partitions
 
 SM80_SMEM_OPT_IN = 163 * 1024  # the most dynamic shared memory a block may opt in to
 SM90_SMEM_OPT_IN = 227 * 1024
@@ -26,9 +26,10 @@ _CTYPES = {"f16": "__half", "bf16": "__nv_bfloat16", "fp8": "__nv_fp8_e4m3"}
 MLA_THREADS = 256
 MLA_ROWS = 64  # (position, head) query rows per block
 MLA_WIDTH_LIMIT = 1024  # kv_lora_rank + rope dim the kernel's tiles are written for
-# registers per thread of mla_paged_attention (ptxas: 212-225 at 512 + 64 on sm_80 / sm_90): 1
-# block of 8 warps per SM, as shared memory allows; the planner reads it, a compile test bounds it
-MLA_REGISTERS = 232
+# registers per thread of mla_paged_attention (ptxas: 237-254 at 512 + 64 on sm_80 / sm_90, the
+# fp8 cache's fragment conversions the most): 1 block of 8 warps per SM, as shared memory allows;
+# the planner reads it, a compile test bounds it
+MLA_REGISTERS = 255
 
 
 def mla_defines(kv_lora_rank: int, rope_dim: int, suffix: str, cache_suffix: str,

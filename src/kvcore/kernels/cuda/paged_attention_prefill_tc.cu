@@ -25,6 +25,7 @@
 #include <mma.h>
 
 #include "common.cuh"
+#include "split_kv_reduce.cuh"
 #include "tc_stage.cuh"
 
 #ifndef KVC_HEAD_DIM
@@ -71,7 +72,7 @@ __device__ void prefill_tc_tile(
     float* __restrict__ max_logits,            // (S, H, P)
     float* __restrict__ exp_sums,              // (S, H, P)
     int num_heads, int num_kv_heads, int block_size, int max_blocks, int sliding_window,
-    int num_partitions, float scale, float v_scale, unsigned char* smem) {
+    int num_partitions, int partition_tokens, float scale, float v_scale, unsigned char* smem) {
   const int kvh = blockIdx.x, seq = blockIdx.y;
   const int G = num_heads / num_kv_heads, positions = kQT / G;  // query positions per tile
   const int q_start = query_start_loc[seq];
@@ -127,12 +128,14 @@ __device__ void prefill_tc_tile(
   const long long row_stride = (long long)num_kv_heads * kD;
   int k_begin = sliding_window > 0 ? max(0, pos0 - sliding_window + 1) : 0;
   int k_end = pos0 + nq;  // the last query sees keys up to its own position
+  int count = 1;  // the sequence's decode partitions (kv_split: fixed by its own span)
   if (decode) {  // this partition's run of whole KV blocks, as paged_attention_decode splits
     const int kb_first = k_begin / block_size, kb_end = (k_end + block_size - 1) / block_size;
-    const int per_part = (kb_end - kb_first + num_partitions - 1) / num_partitions;
-    const int kb_lo = kb_first + part * per_part;
-    k_begin = max(k_begin, kb_lo * block_size);
-    k_end = min(k_end, min(kb_end, kb_lo + per_part) * block_size);
+    const KvSplit split = kv_split(kb_first, kb_end, block_size, partition_tokens, part);
+    if (part >= split.count) return;  // block-uniform, before any barrier
+    count = split.count;
+    k_begin = max(k_begin, split.lo * block_size);
+    k_end = min(k_end, split.hi * block_size);
   }
   for (int kb = k_begin; kb < k_end; kb += kKT) {
     __syncthreads();  // the previous tile's K / V are no longer read (and Q / O are staged)
@@ -264,7 +267,7 @@ __device__ void prefill_tc_tile(
   const int h = KVC_QHEAD(kvh, row % G, G, num_kv_heads);
   // l = 0 only for an empty decode partition: zeros and a zero weight for the reduction
   const float inv = l > 0.0f ? v_scale / l : 0.0f;
-  if (num_partitions > 1) {
+  if (count > 1) {
     const long long idx = ((long long)seq * num_heads + h) * num_partitions + part;
     for (int d = half * (kD / 2); d < (half + 1) * (kD / 2); ++d) {
       tmp_out[idx * kD + d] = o_s[row * kLdO + d] * inv;
@@ -285,12 +288,13 @@ extern "C" __global__ void __launch_bounds__(KVC_PREFILL_TC_THREADS, 1) paged_at
     KVC_SCALAR* out, const KVC_SCALAR* query, const KVC_CACHE* k_cache, const KVC_CACHE* v_cache,
     const int* block_tables, const int* context_lens, const int* query_start_loc, float* tmp_out,
     float* max_logits, float* exp_sums, int num_heads, int num_kv_heads, int block_size,
-    int max_blocks, int sliding_window, int num_partitions, float scale, float k_scale,
-    float v_scale) {
+    int max_blocks, int sliding_window, int num_partitions, int partition_tokens, float scale,
+    float k_scale, float v_scale) {
   extern __shared__ __align__(128) unsigned char kvc_tc_smem[];
   prefill_tc_tile<KVC_SCALAR, KVC_CACHE>(out, query, k_cache, v_cache, block_tables,
                                          context_lens, query_start_loc, tmp_out, max_logits,
                                          exp_sums, num_heads, num_kv_heads, block_size,
                                          max_blocks, sliding_window, num_partitions,
-                                         scale * k_scale, v_scale, kvc_tc_smem);
+                                         partition_tokens, scale * k_scale, v_scale,
+                                         kvc_tc_smem);
 }

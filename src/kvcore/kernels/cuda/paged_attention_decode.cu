@@ -6,8 +6,8 @@
 //
 // grid (num_kv_heads, num_seqs, num_partitions), 128 threads (4 warps; 8 for groups over 4, so
 // that a warp holds the state of one query head up to groups of 8, ceil(G / 8) above). A block owns one KV head
-// of one sequence and one partition: a run of whole KV blocks (the sequence's span split into
-// num_partitions equal runs, so a fixed grid fits any context). Warp w serves the query heads
+// of one sequence and one partition: a run of whole KV blocks (kv_split: fixed by the sequence's
+// own span, never by the batch; blocks past the sequence's partitions return at once). Warp w serves the query heads
 // g = w % HW + HW * j (HW = head warps) and walks every (warps / HW)-th KV block of the partition:
 // it translates the block-table entry once per KV block, then reads the K and V rows of the block
 // with coalesced 16-byte loads, lane = (token sub-row, 16-byte chunk), all loads of U steps issued
@@ -115,7 +115,8 @@ __device__ __forceinline__ void merge_state(float& m, float& l, float (&o)[E], f
 }
 
 struct DecodeArgs {
-  int num_heads, num_kv_heads, block_size, max_blocks, num_partitions, sliding_window;
+  int num_heads, num_kv_heads, block_size, max_blocks, num_partitions, partition_tokens,
+      sliding_window;
   float scale, k_scale, v_scale;
 };
 
@@ -149,9 +150,9 @@ __device__ void decode_partition(
   const int first = a.sliding_window > 0 ? max(0, ctx - a.sliding_window) : 0;
   const int bs = a.block_size;
   const int kb_first = first / bs, kb_end = (ctx + bs - 1) / bs;
-  const int per_part = (kb_end - kb_first + a.num_partitions - 1) / a.num_partitions;
-  const int kb_lo = kb_first + part * per_part;
-  const int kb_hi = min(kb_end, kb_lo + per_part);
+  const KvSplit split = kv_split(kb_first, kb_end, bs, a.partition_tokens, part);
+  if (part >= split.count) return;  // past this sequence's partitions (block-uniform)
+  const int kb_lo = split.lo, kb_hi = split.hi;
 
   const int lane = threadIdx.x % KVC_WARP, warp = threadIdx.x / KVC_WARP;
   const int hs = warp % kHW, tw = warp / kHW;
@@ -305,7 +306,7 @@ __device__ void decode_partition(
     const int h = KVC_QHEAD(kvh, g, kG, a.num_kv_heads);
     // an empty partition (l = 0) writes zeros and a zero weight
     const float inv = l[j] > 0.0f ? a.v_scale / l[j] : 0.0f;
-    if (a.num_partitions == 1) {
+    if (split.count == 1) {
       scalar_t* dst = out + ((long long)q_row * a.num_heads + h) * kD + c * E;
 #pragma unroll
       for (int e = 0; e < E; ++e) dst[e] = from_float<scalar_t>(o[j][e] * inv);
@@ -326,20 +327,27 @@ extern "C" __global__ void __launch_bounds__(KVC_DECODE_THREADS, 1) paged_attent
     KVC_SCALAR* out, float* tmp_out, float* max_logits, float* exp_sums, const KVC_SCALAR* query,
     const KVC_CACHE* k_cache, const KVC_CACHE* v_cache, const int* block_tables,
     const int* context_lens, const int* query_start_loc, int num_heads, int num_kv_heads,
-    int block_size, int max_blocks, int num_partitions, int sliding_window, float scale,
-    float k_scale, float v_scale) {
+    int block_size, int max_blocks, int num_partitions, int partition_tokens,
+    int sliding_window, float scale, float k_scale, float v_scale) {
   extern __shared__ __align__(16) float kvc_smem[];
   const DecodeArgs a = {num_heads, num_kv_heads, block_size, max_blocks, num_partitions,
-                        sliding_window, scale, k_scale, v_scale};
+                        partition_tokens, sliding_window, scale, k_scale, v_scale};
   decode_partition<KVC_SCALAR, KVC_CACHE>(out, tmp_out, max_logits, exp_sums, query, k_cache,
                                           v_cache, block_tables, context_lens, query_start_loc, a,
                                           kvc_smem);
 }
 
+// grid (H, S): merges the partitions of each one-token sequence (its count recomputed from its
+// span by kv_split, as the decode kernels cut it); scratch rows hold num_partitions entries.
 extern "C" __global__ void paged_attention_reduce(
     KVC_SCALAR* out, const float* tmp_out, const float* max_logits, const float* exp_sums,
-    const int* query_start_loc, int num_heads, int head_dim, int num_partitions) {
+    const int* query_start_loc, const int* context_lens, int num_heads, int head_dim,
+    int num_partitions, int block_size, int sliding_window, int partition_tokens) {
   extern __shared__ __align__(16) float kvc_smem[];
+  const int ctx = context_lens[blockIdx.y];
+  const int first = sliding_window > 0 ? max(0, ctx - sliding_window) : 0;
+  const int count = kv_split(first / block_size, (ctx + block_size - 1) / block_size, block_size,
+                             partition_tokens, 0).count;
   decode_reduce<KVC_SCALAR>(out, tmp_out, max_logits, exp_sums, query_start_loc, num_heads,
-                            head_dim, num_partitions, kvc_smem);
+                            head_dim, num_partitions, count, kvc_smem);
 }

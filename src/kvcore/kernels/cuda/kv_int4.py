@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from kvcore.kernels.cuda_launch import (
+from kvcore.kernels.cuda.launch import (
     Backend,
     Launch,
     check_contiguous,
@@ -108,7 +108,7 @@ def int4_write_launch(backend: Backend, key: Any, value: Any, k_window: Any, v_w
         check_contiguous(name, array)
     if num_tokens == 0:
         return None
-    return Launch(backend.function("int4_cache.cu", f"reshape_and_cache_int4_{suffix}"),
+    return Launch(backend.function("kv_int4_cache.cu", f"reshape_and_cache_int4_{suffix}"),
                   (num_tokens,), (128,),
                   (key, value, k_window, v_window, window_slot, slot_mapping,
                    np.int32(block_size), np.int32(key.shape[1] * key.shape[2])))
@@ -147,7 +147,7 @@ def seal_launch(backend: Backend, k_caches: list[Any], v_caches: list[Any],
     if len(set(blocks.tolist())) != len(blocks):
         raise ValueError("pairs must seal each block at most once")
     smem = block_size * head_dim * 5  # the slot's head as floats, and its codes
-    return Launch(backend.function("int4_cache.cu", "seal_blocks_int4"),
+    return Launch(backend.function("kv_int4_cache.cu", "seal_blocks_int4"),
                   (len(pairs), heads, layers), (128,),
                   (*(backend.pointer_array(a) for a in (k_caches, v_caches, k_windows,
                                                         v_windows)),

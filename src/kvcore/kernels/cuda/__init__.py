@@ -1,67 +1,17 @@
-"""CUDA kernels through CuPy RawModule: the GPU implementations behind kvcore.kernels.
+"""The CUDA kernels: the GPU implementations behind kvcore.kernels, with the CPU kernels'
+signatures (kernels/README.md lists every kernel and the rule that picks it).
 
-Imported lazily by kvcore.kernels when an argument is a CuPy array (never on a CPU-only path).
-Each .cu source is compiled once per process with `compile_check.nvrtc_options()` (CuPy also
-caches the binaries on disk); the functions here have the reference kernels' signatures.
+kvcore.kernels imports this package only when an argument is a CuPy array; cupy itself is
+imported by the first call (cupy_backend), so the planners (attention, attention_kv_int4, mla,
+kv_int4) import on machines without it. The .cu / .cuh sources sit beside these modules; `dev`
+holds the compile tooling, which the runtime never imports.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
-import cupy  # type: ignore[import-not-found]
-import numpy as np
-
-from kvcore.kernels.compile_check import KERNEL_DIR, nvrtc_options
-from kvcore.kernels.cuda_launch import Kernel
-from kvcore.kernels.cuda_ops import CudaOps
-
-
-class CupyBackend:
-    """cuda_ops' backend on a GPU: RawModule kernels, CuPy arrays."""
-
-    xp = cupy
-
-    def __init__(self) -> None:
-        self._modules: dict[tuple[str, tuple[str, ...]], Any] = {}
-        self._functions: dict[tuple[str, str, tuple[str, ...]], Kernel] = {}
-        self._num_sms: int | None = None
-
-    @property
-    def smem_opt_in(self) -> int:
-        """The most shared memory a block of the current device may opt in to."""
-        return int(cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
-
-    @property
-    def num_sms(self) -> int:
-        """The current device's SM count, queried once."""
-        if self._num_sms is None:
-            self._num_sms = int(cupy.cuda.Device().attributes["MultiProcessorCount"])
-        return self._num_sms
-
-    def function(self, source: str, name: str, defines: tuple[str, ...] = ()) -> Kernel:
-        """Kernel `name` of `source` compiled with -D`defines` (one module per variant)."""
-        kernel = self._functions.get((source, name, defines))
-        if kernel is None:
-            module = self._modules.get((source, defines))
-            if module is None:
-                code = (KERNEL_DIR / source).read_text()
-                options = (*nvrtc_options(), *(f"-D{d}" for d in defines))
-                module = cupy.RawModule(code=code, options=options)
-                self._modules[source, defines] = module
-            kernel = self._functions[source, name, defines] = module.get_function(name)
-            # a kernel asking for more than 48 KB of dynamic shared memory must opt in: allow
-            # what the device allows (227 KB on sm_90, 163 KB on sm_80), minus the static part
-            kernel.max_dynamic_shared_size_bytes = self.smem_opt_in - kernel.shared_size_bytes
-        return kernel
-
-    def pointer_array(self, arrays: Sequence[Any]) -> Any:
-        return cupy.asarray(np.array([a.data.ptr for a in arrays], dtype=np.int64))  # (L,)
-
-    def to_host(self, array: Any) -> np.ndarray:
-        return cupy.asnumpy(array)  # type: ignore[no-any-return]
-
+from kvcore.kernels.cuda.ops import CudaOps
 
 _OPS: CudaOps | None = None
 
@@ -69,6 +19,8 @@ _OPS: CudaOps | None = None
 def ops() -> CudaOps:
     global _OPS
     if _OPS is None:
+        from kvcore.kernels.cuda.cupy_backend import CupyBackend
+
         _OPS = CudaOps(CupyBackend())
     return _OPS
 

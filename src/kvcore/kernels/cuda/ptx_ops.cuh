@@ -63,3 +63,52 @@ __device__ __forceinline__ void cp_async4_zfill(void* smem, const void* gmem, bo
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(gmem),
                "r"(valid ? 4 : 0) : "memory");
 }
+
+// ldmatrix (PTX ISA 9.7.14.5.15, "Warp-level matrix load instruction: ldmatrix"), .m8n8 .b16:
+// x4 loads four 8 x 8 matrices of 16-bit elements (x2: two) from shared memory, every lane of the
+// warp taking part. Lanes 8 m .. 8 m + 7 give the addresses of rows 0..7 of matrix m (16 bytes
+// each, 16-byte aligned); register m of lane l receives row l / 4, elements 2 (l % 4) and
+// 2 (l % 4) + 1 of matrix m (the lower one in the low half): an mma.m16n8k16 A or B fragment
+// register. With .trans it receives elements (2 (l % 4), l / 4) and (2 (l % 4) + 1, l / 4): the
+// fragment of the transposed matrix, so a B operand stored k-major (V: keys x channels) loads as
+// its fragments directly.
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* smem) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* smem) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ __forceinline__ void ldmatrix_x2(unsigned (&r)[2], const void* smem) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1]) : "r"(a));
+}
+__device__ __forceinline__ void ldmatrix_x2_trans(unsigned (&r)[2], const void* smem) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1]) : "r"(a));
+}
+
+// 16-bit pair arithmetic and byte permutes for unpacking int4 codes into fragments (the emulation
+// models them bit for bit where it can: fma in double, rounded once to fp16):
+// fma.rn.f16x2 / sub.rn.f16x2 (PTX ISA 9.7.4, "Half Precision Floating-Point Instructions"): per
+// 16-bit lane d = a * b + c (one rounding), d = a - b.
+__device__ __forceinline__ unsigned hfma2_bits(unsigned a, unsigned b, unsigned c) {
+  unsigned d;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+__device__ __forceinline__ unsigned hsub2_bits(unsigned a, unsigned b) {
+  unsigned d;
+  asm("sub.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+// prmt.b32 (PTX ISA 9.7.8.7, default mode): byte i of the result is byte (sel >> 4 i) & 7 of the
+// eight bytes b:a (a's bytes 0-3, b's 4-7).
+__device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned sel) {
+  return __byte_perm(a, b, sel);
+}

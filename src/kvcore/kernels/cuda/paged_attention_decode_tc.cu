@@ -4,7 +4,7 @@
 // One compiled variant per (head_dim, group, activation dtype, cache dtype): KVC_HEAD_DIM,
 // KVC_GROUP, KVC_SCALAR, KVC_CACHE are -D options. grid (num_kv_heads, num_seqs, num_partitions),
 // 128 threads (4 warps). A block owns one KV head of one sequence and one partition (a run of
-// whole KV blocks, split as paged_attention_decode.cu splits). The group's heads form kRB 16-row
+// whole KV blocks: kv_split, fixed by the sequence's own span). The group's heads form kRB 16-row
 // blocks (padding rows are zero queries, never written out); warp w serves row block w % kRB and
 // the w / kRB-th slice of kKW keys of every 64-key tile.
 //
@@ -23,9 +23,11 @@
 // max logit and exp-sum for paged_attention_reduce.
 // With -DKVC_INT4 (and KVC_INT4_GROUP) the cache is kvcore.cache.int4's: sealed int4 rows and fp16
 // window rows chosen per block by window_slot, staged packed and unpacked into the same 16-bit
-// tiles by int4_stage.cuh (every other variant compiles as before).
+// tiles by kv_int4_stage.cuh (every other variant compiles as before).
 #include "common.cuh"
 #include "mma_tile.cuh"  // mma.sync / cp.async through <ptx_ops.cuh> (the kernel dir is on the path)
+#include "online_softmax.cuh"
+#include "split_kv_reduce.cuh"
 
 #ifndef KVC_HEAD_DIM
 #define KVC_HEAD_DIM 128
@@ -36,8 +38,8 @@
 #ifndef KVC_SCALAR
 #define KVC_SCALAR __half
 #endif
-#ifdef KVC_INT4  // an int4 cache (KVC_INT4_GROUP value channels per scale): int4_stage.cuh
-#include "int4_stage.cuh"
+#ifdef KVC_INT4  // an int4 cache (KVC_INT4_GROUP value channels per scale): kv_int4_stage.cuh
+#include "kv_int4_stage.cuh"
 #define KVC_CACHE KVC_SCALAR  // the tiles hold activations: window rows and dequantized keys
 #endif
 #ifndef KVC_CACHE
@@ -55,6 +57,7 @@ constexpr int kKT = 64;                      // keys per staged tile
 constexpr int kKW = kKT / kSlices;           // keys per warp per tile (16 or 32)
 constexpr int kRowBytes = kD * (int)sizeof(KVC_CACHE);  // one KV head's row of the cache
 constexpr int kPitch = kRowBytes + 16;       // padded shared row: 8 rows start 4 banks apart
+using Rows = SmemRows<kRowBytes, false>;     // (its kPitch: the fragment loads' row layout)
 constexpr int kChunks = kRowBytes / 16;      // 16-byte chunks per row
 // staging: a thread copies a run of kStageRun chunks of one row (one block-table read and one
 // address per run); runs of 8 at head_dim 256, where one address per chunk would spill
@@ -71,11 +74,28 @@ constexpr int kRawBytes = 0;
 #endif
 constexpr int kSmemBytes = kStageBytes + kRawBytes > kMergeBytes ? kStageBytes + kRawBytes
                                                                   : kMergeBytes;
-// resident blocks asked of ptxas: 3 (170 registers) up to head_dim 128, where O takes 64
-constexpr int kMinBlocks = kD > 128 ? 1 : 3;
+// resident blocks asked of ptxas: 3 (170 registers) up to head_dim 128, where O takes 64; 2
+// (255) for two row blocks (groups over 16) and int4 (whose shared memory allows 2 anyway at
+// head_dim 128): 170 registers would spill there
+#ifdef KVC_INT4
+constexpr bool kInt4 = true;
+#else
+constexpr bool kInt4 = false;
+#endif
+constexpr int kMinBlocks = kD > 128 ? 1 : (kG > 16 || (kInt4 && kD > 64)) ? 2 : 3;
 static_assert(kG >= 1 && kG <= 32, "group: 1 to 32 query heads per KV head");
 static_assert(kD >= 16 && kD <= 256 && (kD & (kD - 1)) == 0, "head_dim: power of two in [16, 256]");
 static_assert(kKW % 16 == 0, "a warp's key slice is whole 16-key mma steps");
+
+// The channel of O's accumulator element (n-tile n, register e & 1) in lane column t: the
+// fragment order, or with KVC_INT4 Int4Tile::v_frags' (n-tile 8 q + m, column c: 64 q + 8 c + m).
+__device__ __forceinline__ int out_channel(int n, int t, int e) {
+#ifdef KVC_INT4
+  return 64 * (n / 8) + 8 * (2 * t + e) + n % 8;
+#else
+  return 8 * n + 2 * t + e;
+#endif
+}
 
 template <typename scalar_t, typename cache_t>
 __device__ void decode_tc_partition(
@@ -94,7 +114,7 @@ __device__ void decode_tc_partition(
     const int* __restrict__ context_lens,       // (S,)
     const int* __restrict__ query_start_loc,    // (S + 1,)
     int num_heads, int num_kv_heads, int block_shift, int max_blocks, int num_partitions,
-    int sliding_window, float scale, float v_scale, unsigned char* smem) {
+    int partition_tokens, int sliding_window, float scale, float v_scale, unsigned char* smem) {
   const int kvh = blockIdx.x, seq = blockIdx.y, part = blockIdx.z;
   const int q_row = query_start_loc[seq];
   if (query_start_loc[seq + 1] - q_row != 1) return;
@@ -102,11 +122,16 @@ __device__ void decode_tc_partition(
   const int first = sliding_window > 0 ? max(0, ctx - sliding_window) : 0;
   const int bs = 1 << block_shift;
   const int kb_first = first >> block_shift, kb_end = (ctx + bs - 1) >> block_shift;
-  const int per_part = (kb_end - kb_first + num_partitions - 1) / num_partitions;
-  const int kb_lo = kb_first + part * per_part;
-  const int k_lo = max(first, kb_lo << block_shift);
-  const int k_hi = min(ctx, min(kb_end, kb_lo + per_part) << block_shift);
-  const int num_tiles = k_hi > k_lo ? (k_hi - k_lo + kKT - 1) / kKT : 0;
+  const KvSplit split = kv_split(kb_first, kb_end, bs, partition_tokens, part);
+  if (part >= split.count) return;  // past this sequence's partitions (block-uniform)
+  const int k_lo = max(first, split.lo << block_shift);
+  const int k_hi = min(ctx, split.hi << block_shift);
+#ifdef KVC_INT4  // tiles start at a multiple of 8 keys: an 8-key fragment group is one block
+  const int k_start = k_lo & ~7;
+#else
+  const int k_start = k_lo;
+#endif
+  const int num_tiles = k_hi > k_lo ? (k_hi - k_start + kKT - 1) / kKT : 0;
 
   const int tid = threadIdx.x, lane = tid % KVC_WARP, warp = tid / KVC_WARP;
   const int g = lane >> 2, t = lane & 3;       // the fragment coordinates of this lane
@@ -120,11 +145,23 @@ __device__ void decode_tc_partition(
     const int gi = rb * 16 + g + 8 * r;
     const unsigned* q32 = reinterpret_cast<const unsigned*>(
         query + ((long long)q_row * num_heads + KVC_QHEAD(kvh, gi, kG, num_kv_heads)) * kD);
+#ifdef KVC_INT4  // channels 32 c + 8 t + 2 i and + 1 per register (Int4Tile::k_frags' order)
+#pragma unroll
+    for (int c = 0; c < kD / 32; ++c) {
+      const uint4 h = gi < kG ? reinterpret_cast<const uint4*>(q32 + 16 * c + 4 * t)[0]
+                              : make_uint4(0u, 0u, 0u, 0u);
+      qf[2 * c][r] = h.x;
+      qf[2 * c][r + 2] = h.y;
+      qf[2 * c + 1][r] = h.z;
+      qf[2 * c + 1][r + 2] = h.w;
+    }
+#else
 #pragma unroll
     for (int kk = 0; kk < kD / 16; ++kk) {
       qf[kk][r] = gi < kG ? q32[kk * 8 + t] : 0u;
       qf[kk][r + 2] = gi < kG ? q32[kk * 8 + t + 4] : 0u;
     }
+#endif
   }
   float o[kD / 8][4];
 #pragma unroll
@@ -133,8 +170,6 @@ __device__ void decode_tc_partition(
 
   const int* table = block_tables + (long long)seq * max_blocks;
 #ifdef KVC_INT4
-  const cache_t* k_cache = nullptr;  // the fragment loads' type tags: the tiles hold activations
-  const cache_t* v_cache = nullptr;
   const Int4Stage int4(int4_cache, num_kv_heads, block_shift, kvh);
   auto stage = [&](int k0, int b) {  // keys [k0, k0 + kKT) into buffer b
     int4.stage(smem + b * 2 * kTileBytes, smem + b * 2 * kTileBytes + kTileBytes,
@@ -153,10 +188,10 @@ __device__ void decode_tc_partition(
   };
 #endif
 
-  if (num_tiles > 0) stage(k_lo, 0);
+  if (num_tiles > 0) stage(k_start, 0);
   cp_async_commit();
   for (int it = 0; it < num_tiles; ++it) {
-    if (it + 1 < num_tiles) stage(k_lo + (it + 1) * kKT, (it + 1) & 1);  // next tile in flight
+    if (it + 1 < num_tiles) stage(k_start + (it + 1) * kKT, (it + 1) & 1);  // next in flight
     cp_async_commit();
 #ifndef KVC_BREAK_WAIT  // the tests' mutant: the tile is read before its copies complete
     cp_async_wait<1>();
@@ -164,28 +199,21 @@ __device__ void decode_tc_partition(
     __syncthreads();  // every thread's copies of this tile have landed
     const unsigned char* k_s = smem + (it & 1) * 2 * kTileBytes;
     const unsigned char* v_s = k_s + kTileBytes;
-    const int tile0 = k_lo + it * kKT;
+    const int tile0 = k_start + it * kKT;
 #ifdef KVC_INT4
-    int4.template dequant<scalar_t>(smem + (it & 1) * 2 * kTileBytes,
-                                    smem + (it & 1) * 2 * kTileBytes + kTileBytes,
-                                    smem + kStageBytes + (it & 1) * Int4Stage::kBytes, tile0, tid);
-    __syncthreads();  // the tile's sealed keys are activations now
+    const unsigned char* raw = smem + kStageBytes + (it & 1) * Int4Stage::kBytes;
 #endif
 
-    // S (16 rows x kKW keys) = Q K^T: K rows are B's columns, two elements per .b32
+    // S (16 rows x kKW keys) = Q K^T: K rows are B's columns, two elements per .b32; a 16-bit
+    // tile by ldmatrix.x4 (two 16-channel steps of 8 keys each), fp8 converted per element
     float s[kKW / 8][4];
 #pragma unroll
     for (int j = 0; j < kKW / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-#pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
-#pragma unroll
-      for (int j = 0; j < kKW / 8; ++j) {
-        const unsigned char* krow = k_s + (key0 + j * 8 + g) * kPitch;
-        const unsigned kf[2] = {pair_at<scalar_t>(krow, kk * 16 + 2 * t, k_cache),
-                                pair_at<scalar_t>(krow, kk * 16 + 2 * t + 8, k_cache)};
-        mma_m16n8k16<scalar_t>(s[j], qf[kk], kf);
-      }
-    }
+#ifdef KVC_INT4  // sealed 8-key groups from their codes, window ones from their fp16 rows
+    int4.template qk<scalar_t, kKW / 8>(s, qf, k_s, raw, key0, tile0, g, t);
+#else
+    qk_tile<scalar_t, cache_t, Rows, kD, kKW / 8>(s, qf, k_s, key0, lane);
+#endif
     // online softmax on the accumulators: element e of n-tile j is row g + 8 (e >> 1),
     // key key0 + 8 j + 2 t + (e & 1); the 4 lanes of a row (t) reduce by shuffles
     float mx[2] = {m[0], m[1]};
@@ -193,65 +221,24 @@ __device__ void decode_tc_partition(
     for (int j = 0; j < kKW / 8; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const bool valid = tile0 + key0 + j * 8 + 2 * t + (e & 1) < k_hi;
+        const int k_pos = tile0 + key0 + j * 8 + 2 * t + (e & 1);
+        const bool valid = k_pos >= k_lo && k_pos < k_hi;
         s[j][e] = valid ? s[j][e] * scale : kvc_neg_inf();
         mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
       }
     }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(KVC_FULL_MASK, mx[r], 1));
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(KVC_FULL_MASK, mx[r], 2));
-    }
-    if (__any_sync(KVC_FULL_MASK, mx[0] != m[0] || mx[1] != m[1])) {  // some row's max grew
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float alpha = m[r] == kvc_neg_inf() ? 0.0f : __expf(m[r] - mx[r]);
-        l[r] *= alpha;
-#pragma unroll
-        for (int n = 0; n < kD / 8; ++n) {
-          o[n][2 * r] *= alpha;
-          o[n][2 * r + 1] *= alpha;
-        }
-        m[r] = mx[r];
-      }
-    }
-    // P as 16-bit A fragments straight from S's registers; l sums P as rounded for P V
-    unsigned pf[kKW / 16][4];
-#pragma unroll
-    for (int j = 0; j < kKW / 8; ++j) {
-      scalar_t p[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float mr = m[e >> 1];
-        p[e] = from_float<scalar_t>(s[j][e] == kvc_neg_inf() ? 0.0f : __expf(s[j][e] - mr));
-        l[e >> 1] += to_float(p[e]);
-      }
-      // n-tile 2 ks holds keys 0-7 of step ks (A columns 2t, 2t+1), 2 ks + 1 keys 8-15
-      pf[j / 2][2 * (j & 1)] = pack2(p[0], p[1]);      // row g
-      pf[j / 2][2 * (j & 1) + 1] = pack2(p[2], p[3]);  // row g + 8
-    }
-#ifdef KVC_BREAK_FRAGMENT  // the tests' mutant: rows g + 8 and keys 8-15 trade places
-    for (int ks = 0; ks < kKW / 16; ++ks) {
-      const unsigned swap = pf[ks][1];
-      pf[ks][1] = pf[ks][2];
-      pf[ks][2] = swap;
-    }
-#endif
+    quad_max(mx);
+    rescale_if_grew<kD / 8>(o, m, l, mx);
+    unsigned pf[kKW / 16][4];  // P as A fragments straight from S's registers
+    p_fragments<scalar_t, kKW / 8>(pf, s, m, l);
     // O (16 x D) += P V: B (keys x 8 columns) pairs the elements of rows 2t, 2t + 1
 #pragma unroll
     for (int ks = 0; ks < kKW / 16; ++ks) {
-      const unsigned char* v0 = v_s + (key0 + ks * 16 + 2 * t) * kPitch;
-#pragma unroll
-      for (int n = 0; n < kD / 8; ++n) {
-        const int col = n * 8 + g;
-        const unsigned vf[2] = {
-            (unsigned)elem_at<scalar_t>(v0, col, v_cache) |
-                ((unsigned)elem_at<scalar_t>(v0 + kPitch, col, v_cache) << 16),
-            (unsigned)elem_at<scalar_t>(v0 + 8 * kPitch, col, v_cache) |
-                ((unsigned)elem_at<scalar_t>(v0 + 9 * kPitch, col, v_cache) << 16)};
-        mma_m16n8k16<scalar_t>(o[n], pf[ks], vf);
-      }
+#ifdef KVC_INT4
+      int4.template pv<scalar_t>(o, pf[ks], v_s, raw, key0 + ks * 16, tile0, g, t);
+#else
+      pv_tile<scalar_t, cache_t, Rows, kD>(o, pf[ks], v_s, key0 + ks * 16, lane);
+#endif
     }
 #ifndef KVC_BREAK_SYNC  // the tests' mutant: a buffer is staged again while warps still read it
     __syncthreads();
@@ -261,11 +248,7 @@ __device__ void decode_tc_partition(
   __syncthreads();     // the staging buffers become the merge records
 
   // each row's sum over its 4 lanes, then the key slices of a row block merge in slice order
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(KVC_FULL_MASK, l[r], 1);
-    l[r] += __shfl_xor_sync(KVC_FULL_MASK, l[r], 2);
-  }
+  quad_sum(l);
   float* rec = reinterpret_cast<float*>(smem);  // (warps, 16 rows, kLdO)
   if (slice > 0) {
 #pragma unroll
@@ -317,20 +300,20 @@ __device__ void decode_tc_partition(
     const int h = KVC_QHEAD(kvh, gi, kG, num_kv_heads);
     // an empty partition (l = 0) writes zeros and a zero weight
     const float inv = l[r] > 0.0f ? v_scale / l[r] : 0.0f;
-    if (num_partitions == 1) {
-      scalar_t* dst = out + ((long long)q_row * num_heads + h) * kD + 2 * t;
+    if (split.count == 1) {
+      scalar_t* dst = out + ((long long)q_row * num_heads + h) * kD;
 #pragma unroll
       for (int n = 0; n < kD / 8; ++n) {
-        dst[n * 8] = from_float<scalar_t>(o[n][2 * r] * inv);
-        dst[n * 8 + 1] = from_float<scalar_t>(o[n][2 * r + 1] * inv);
+        dst[out_channel(n, t, 0)] = from_float<scalar_t>(o[n][2 * r] * inv);
+        dst[out_channel(n, t, 1)] = from_float<scalar_t>(o[n][2 * r + 1] * inv);
       }
     } else {
       const long long idx = ((long long)seq * num_heads + h) * num_partitions + part;
-      float* dst = tmp_out + idx * kD + 2 * t;
+      float* dst = tmp_out + idx * kD;
 #pragma unroll
       for (int n = 0; n < kD / 8; ++n) {
-        dst[n * 8] = o[n][2 * r] * inv;
-        dst[n * 8 + 1] = o[n][2 * r + 1] * inv;
+        dst[out_channel(n, t, 0)] = o[n][2 * r] * inv;
+        dst[out_channel(n, t, 1)] = o[n][2 * r + 1] * inv;
       }
       if (t == 0) {
         max_logits[idx] = m[r];
@@ -355,14 +338,15 @@ extern "C" __global__ void __launch_bounds__(KVC_DECODE_TC_THREADS, kMinBlocks) 
 #endif
     const int* block_tables,
     const int* context_lens, const int* query_start_loc, int num_heads, int num_kv_heads,
-    int block_shift, int max_blocks, int num_partitions, int sliding_window, float scale,
-    float k_scale, float v_scale) {
+    int block_shift, int max_blocks, int num_partitions, int partition_tokens,
+    int sliding_window, float scale, float k_scale, float v_scale) {
   extern __shared__ __align__(128) unsigned char kvc_dtc_smem[];
   decode_tc_partition<KVC_SCALAR, KVC_CACHE>(out, tmp_out, max_logits, exp_sums, query,
                                              KVC_DTC_KV_ARGS,
                                              block_tables, context_lens,
                                              query_start_loc, num_heads, num_kv_heads,
                                              block_shift, max_blocks, num_partitions,
-                                             sliding_window, scale * k_scale, v_scale,
+                                             partition_tokens, sliding_window, scale * k_scale,
+                                             v_scale,
                                              kvc_dtc_smem);
 }

@@ -1,9 +1,11 @@
-"""Turns at the request-sized CPU workers, taken round-robin among the tenants that wait.
+"""Turns at a few request-sized workers (the service's tokenizing threads, the constraint
+compile workers), taken round-robin among the tenants that wait.
 
 A tenant alone may use every worker; once another tenant waits, each freed worker goes to the
-next tenant in turn, so one tenant's queue of big tokenizations delays another's by one task at
-most, not by the whole queue. (A per-tenant in-flight cap would do the same but idle workers
-while a tenant is alone, and without API keys every client is the one anonymous tenant.)
+next tenant in turn, so one tenant's queue of big tokenizations or compiles delays another's
+by one task at most, not by the whole queue. (A per-tenant in-flight cap would do the same but
+idle workers while a tenant is alone, and without API keys every client is the one anonymous
+tenant.)
 """
 
 from __future__ import annotations

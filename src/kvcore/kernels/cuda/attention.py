@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcore.kernels.cuda_launch import (
+from kvcore.kernels.cuda.launch import (
     SMEM_LIMIT,
     Backend,
     Launch,
@@ -21,18 +21,13 @@ from kvcore.kernels.cuda_launch import (
     suffix_of,
     upload_seq_metadata,
 )
-from kvcore.kernels.cuda_occupancy import (
-    BLOCKS_PER_SM,
-    MAX_PARTITIONS,
-    blocks_per_sm,
-    decode_partitions,
-)
+from kvcore.kernels.cuda.occupancy import PARTITION_TOKENS, blocks_per_sm, split_grid
+from kvcore.kernels.cuda.variants import AttentionShape, pick
 
 _CTYPES = {"f32": "float", "f16": "__half", "bf16": "__nv_bfloat16", "fp8": "__nv_fp8_e4m3"}
 _PREFILL_THREADS = 128
 DECODE_HEAD_DIMS = (16, 32, 64, 128, 256)  # head_dim values the decode kernel compiles for
 PREFILL_TC_ROWS = 64  # query rows (positions x group) per tensor-core prefill block
-TC_DECODE_MIN_GROUP = 4  # decode groups from this size on run on tensor cores (16-bit only)
 MAX_GROUP = 32  # largest GQA group (query heads per KV head) the decode kernel compiles for
 DECODE_TC_KEYS = 64  # keys per staged tile of paged_attention_decode_tc.cu
 DECODE_TC_THREADS = 128
@@ -43,21 +38,12 @@ DECODE_TC_REGISTERS = {(64, 1): 120, (64, 2): 144, (128, 1): 168, (128, 2): 168,
                        (256, 1): 255, (256, 2): 255}
 PREFILL_MMA_ROWS = 128  # query rows (positions x group) per register-tile prefill block
 PREFILL_MMA_THREADS = 256
-PREFILL_MMA_MAX_HEAD_DIM = 128  # larger head_dims keep paged_attention_prefill_tc.cu
 
 
 def decode_defines(head_dim: int, group: int, suffix: str, cache_suffix: str) -> tuple[str, ...]:
     """The -D options selecting the decode kernel's compiled variant."""
     return (f"KVC_HEAD_DIM={head_dim}", f"KVC_GROUP={group}", f"KVC_SCALAR={_CTYPES[suffix]}",
             f"KVC_CACHE={_CTYPES[cache_suffix]}")
-
-
-def uses_tensor_core_decode(group: int, suffix: str) -> bool:
-    """Decode of groups of 4+ with fp16 / bf16 activations runs on tensor cores
-    (paged_attention_decode_tc.cu, or paged_attention_prefill_tc.cu in decode mode for block
-    sizes that are not powers of two): one head per warp would repeat each K/V conversion and
-    score reduction per head and keep too few distinct bytes in flight."""
-    return group >= TC_DECODE_MIN_GROUP and suffix != "f32"
 
 
 def decode_layout(group: int) -> tuple[int, int]:
@@ -86,13 +72,6 @@ def decode_tc_blocks_per_sm(head_dim: int, cache_itemsize: int) -> int:
     registers = DECODE_TC_REGISTERS.get((head_dim, cache_itemsize), 255)
     return blocks_per_sm(DECODE_TC_THREADS, registers,
                          decode_tc_smem_bytes(head_dim, cache_itemsize))
-
-
-def uses_register_tile_decode(block_size: int) -> bool:
-    """paged_attention_decode_tc.cu (accumulators in registers, cp.async staging) reads the block
-    table with shifts: power-of-two block sizes; others keep the shared-memory tile kernel
-    (paged_attention_prefill_tc.cu in decode mode)."""
-    return block_size & (block_size - 1) == 0
 
 
 def decode_tc_smem_bytes(head_dim: int, cache_itemsize: int) -> int:
@@ -139,10 +118,26 @@ def prefill_tiles(group: int, head_dim: int) -> tuple[int, int]:
                      "shared memory")
 
 
+def reduce_launch(backend: Backend, defines: tuple[str, ...], out: Any,
+                  scratch: tuple[Any, Any, Any], metadata: tuple[Any, Any, Any], block_size: int,
+                  window: int, partition_tokens: int) -> Launch:
+    """paged_attention_reduce over the partials `scratch` ((S, H, P, D) outputs, (S, H, P) max
+    logits and exp sums): each sequence's own partitions, recounted from its span."""
+    tmp_out, max_logits, exp_sums = scratch
+    num_seqs, num_heads, parts, head_dim = tmp_out.shape
+    _, context_lens, query_start_loc = metadata
+    return Launch(backend.function("paged_attention_decode.cu", "paged_attention_reduce", defines),
+                  (num_heads, num_seqs), (128,),
+                  (out, tmp_out, max_logits, exp_sums, query_start_loc, context_lens,
+                   *(np.int32(v) for v in (num_heads, head_dim, parts, block_size, window,
+                                           partition_tokens))),
+                  4 * (parts + 1))
+
+
 def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: Any,
                          block_tables: Any, context_lens: Any, query_start_loc: Any, scale: float,
                          sliding_window: int | None = None, k_scale: float = 1.0,
-                         v_scale: float = 1.0, *, num_partitions: int | None = None,
+                         v_scale: float = 1.0, *, partition_tokens: int = PARTITION_TOKENS,
                          host_metadata: bool | None = None) -> tuple[Any, list[Launch]]:
     """Check the arguments and prepare the launches; returns (out (T, H, D), launches).
 
@@ -166,9 +161,8 @@ def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: An
     if num_heads // num_kv_heads > MAX_GROUP:
         raise ValueError(f"GQA group (num_heads / num_kv_heads) must be <= {MAX_GROUP}, got "
                          f"{num_heads // num_kv_heads}")
-    if num_partitions is not None and not 1 <= num_partitions <= MAX_PARTITIONS:
-        raise ValueError(f"num_partitions must be in [1, {MAX_PARTITIONS}], got "
-                         f"{num_partitions}")
+    if partition_tokens < 1:
+        raise ValueError(f"partition_tokens must be >= 1, got {partition_tokens}")
     if v_cache.dtype != k_cache.dtype:
         raise ValueError("k_cache and v_cache must share their dtype")
     for name, value in (("scale", scale), ("k_scale", k_scale), ("v_scale", v_scale)):
@@ -183,7 +177,7 @@ def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: An
     window = int(sliding_window or 0)
     shape = batch_shape(backend, block_tables, context_lens, query_start_loc, num_tokens,
                         block_size, host_metadata, window)
-    num_seqs, max_blocks, num_decode = shape.num_seqs, shape.max_blocks, shape.num_decode
+    num_seqs, max_blocks = shape.num_seqs, shape.max_blocks
     decode_span, max_q_len = shape.decode_span, shape.max_q_len
     has_prefill = max_q_len > 1
     xp = backend.xp
@@ -196,17 +190,16 @@ def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: An
     metadata = (block_tables, context_lens, query_start_loc)
     scales = (np.float32(scale), np.float32(k_scale), np.float32(v_scale))
     launches: list[Launch] = []
-    register_tile = uses_tensor_core_decode(group, suffix) and \
-        uses_register_tile_decode(block_size)
+    # the kernels the table picks (variants.py): one for the decode rows, one for the chunks
+    attn_shape = AttentionShape(suffix, cache_suffix, group, head_dim, block_size)
+    decode_source = pick("decode", attn_shape).source
+    prefill_source = pick("prefill", attn_shape).source
+    register_tile = decode_source == "paged_attention_decode_tc.cu"
     if decode_span > 0:
         span_blocks = -(-decode_span // block_size) + (1 if window else 0)  # window: +1 partial
-        if num_partitions is None:
-            units = (num_decode or num_seqs) * num_kv_heads
-            resident = decode_tc_blocks_per_sm(head_dim, k_cache.dtype.itemsize) \
-                if register_tile else BLOCKS_PER_SM
-            parts = decode_partitions(units, span_blocks, block_size, backend.num_sms, resident)
-        else:
-            parts = num_partitions
+        # partitions fixed by each sequence's own span (kv_split): the grid takes the most any
+        # decode row of the batch needs; blocks past a sequence's own count return at once
+        parts = split_grid(span_blocks, block_size, partition_tokens)
         stats_shape = (num_seqs, num_heads, parts) if parts > 1 else (1,)
         tmp_out = xp.empty((*stats_shape, head_dim), np.float32)  # (S, H, P, D) partials
         max_logits = xp.empty(stats_shape, np.float32)  # (S, H, P)
@@ -215,7 +208,7 @@ def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: An
         if register_tile:
             # the group's query heads as the rows of mma.sync tiles, K/V staged asynchronously
             tc_ints = (num_heads, num_kv_heads, block_size.bit_length() - 1, max_blocks, parts,
-                       window)
+                       partition_tokens, window)
             launches.append(Launch(
                 backend.function("paged_attention_decode_tc.cu", "paged_attention_decode_tc",
                                  defines),
@@ -223,10 +216,11 @@ def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: An
                 (out, tmp_out, max_logits, exp_sums, query, k_cache, v_cache, *metadata,
                  *(np.int32(v) for v in tc_ints), *scales),
                 decode_tc_smem_bytes(head_dim, k_cache.dtype.itemsize)))
-        elif uses_tensor_core_decode(group, suffix):
+        elif decode_source == "paged_attention_prefill_tc.cu":
             # the group's query heads as the rows of a tensor-core tile: K/V staged once per
             # block with every thread loading distinct bytes, no per-head conversions
-            tc_ints = (num_heads, num_kv_heads, block_size, max_blocks, window, parts)
+            tc_ints = (num_heads, num_kv_heads, block_size, max_blocks, window, parts,
+                       partition_tokens)
             launches.append(Launch(
                 backend.function("paged_attention_prefill_tc.cu", "paged_attention_prefill_tc",
                                  prefill_tc_defines(head_dim, suffix, cache_suffix)),
@@ -235,7 +229,8 @@ def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: An
                  *(np.int32(v) for v in tc_ints), *scales),
                 prefill_tc_smem_bytes(head_dim)))
         else:
-            decode_ints = (num_heads, num_kv_heads, block_size, max_blocks, parts, window)
+            decode_ints = (num_heads, num_kv_heads, block_size, max_blocks, parts,
+                           partition_tokens, window)
             launches.append(Launch(
                 backend.function("paged_attention_decode.cu", "paged_attention_decode", defines),
                 (num_kv_heads, num_seqs, parts), (decode_threads(group),),
@@ -243,14 +238,9 @@ def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: An
                  *(np.int32(v) for v in decode_ints), *scales),
                 decode_smem_bytes(group, head_dim)))
         if parts > 1:
-            launches.append(Launch(
-                backend.function("paged_attention_decode.cu", "paged_attention_reduce", defines),
-                (num_heads, num_seqs), (128,),
-                (out, tmp_out, max_logits, exp_sums, query_start_loc,
-                 *(np.int32(v) for v in (num_heads, head_dim, parts))),
-                4 * (parts + 1)))
-    if has_prefill and suffix != "f32" and head_dim <= PREFILL_MMA_MAX_HEAD_DIM and \
-            uses_register_tile_decode(block_size):
+            launches.append(reduce_launch(backend, defines, out, (tmp_out, max_logits, exp_sums),
+                                          metadata, block_size, window, partition_tokens))
+    if has_prefill and prefill_source == "paged_attention_prefill_mma.cu":
         # register tiles: 128 query rows per block, K/V staged asynchronously
         mma_ints = (num_heads, num_kv_heads, block_size.bit_length() - 1, max_blocks, window)
         launches.append(Launch(
@@ -260,9 +250,9 @@ def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: An
             (PREFILL_MMA_THREADS,),
             (out, query, k_cache, v_cache, *metadata, *(np.int32(v) for v in mma_ints), *scales),
             prefill_mma_smem_bytes(head_dim, k_cache.dtype.itemsize)))
-    elif has_prefill and suffix != "f32":  # tensor cores: fp16 / bf16 activations
+    elif has_prefill and prefill_source == "paged_attention_prefill_tc.cu":
         unused = xp.empty((1,), np.float32)  # the decode-mode partial outputs
-        tc_ints = (num_heads, num_kv_heads, block_size, max_blocks, window, 0)
+        tc_ints = (num_heads, num_kv_heads, block_size, max_blocks, window, 0, partition_tokens)
         launches.append(Launch(
             backend.function("paged_attention_prefill_tc.cu", "paged_attention_prefill_tc",
                              prefill_tc_defines(head_dim, suffix, cache_suffix)),
@@ -271,7 +261,7 @@ def plan_paged_attention(backend: Backend, query: Any, k_cache: Any, v_cache: An
             (out, query, k_cache, v_cache, *metadata, unused, unused, unused,
              *(np.int32(v) for v in tc_ints), *scales),
             prefill_tc_smem_bytes(head_dim)))
-    elif has_prefill:  # fp32 activations: the fp32 kernel (the tensor cores would round them)
+    elif has_prefill:  # paged_attention_prefill.cu: fp32 activations
         q_tile, k_tile = prefill_tiles(group, head_dim)
         num_tiles = -(-max_q_len // q_tile)
         ints = (num_heads, num_kv_heads, head_dim, block_size, max_blocks, q_tile, k_tile,

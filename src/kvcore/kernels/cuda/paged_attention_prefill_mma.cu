@@ -15,9 +15,10 @@
 // its last query position (causal). Sequences with a single query token are left to decode.
 // With -DKVC_INT4 (and KVC_INT4_GROUP) the cache is kvcore.cache.int4's: sealed int4 rows and fp16
 // window rows chosen per block by window_slot, staged packed and unpacked into the same 16-bit
-// tiles by int4_stage.cuh (every other variant compiles as before).
+// tiles by kv_int4_stage.cuh (every other variant compiles as before).
 #include "common.cuh"
 #include "mma_tile.cuh"  // mma.sync / cp.async through <ptx_ops.cuh> (the kernel dir is on the path)
+#include "online_softmax.cuh"
 
 #ifndef KVC_HEAD_DIM
 #define KVC_HEAD_DIM 128
@@ -25,8 +26,8 @@
 #ifndef KVC_SCALAR
 #define KVC_SCALAR __half
 #endif
-#ifdef KVC_INT4  // an int4 cache (KVC_INT4_GROUP value channels per scale): int4_stage.cuh
-#include "int4_stage.cuh"
+#ifdef KVC_INT4  // an int4 cache (KVC_INT4_GROUP value channels per scale): kv_int4_stage.cuh
+#include "kv_int4_stage.cuh"
 #define KVC_CACHE KVC_SCALAR  // the tiles hold activations: window rows and dequantized keys
 #endif
 #ifndef KVC_CACHE
@@ -40,7 +41,14 @@ constexpr int kRows = KVC_PREFILL_MMA_THREADS / KVC_WARP * 16;  // query rows pe
 constexpr int kKT = 64;                                           // keys per staged tile
 constexpr int kRowBytes = kD * (int)sizeof(KVC_CACHE);
 constexpr int kPitch = kRowBytes + 16;  // padded shared row: 8 rows start 4 banks apart
+using Rows = SmemRows<kRowBytes, false>;  // (its kPitch: the fragment loads' row layout)
 constexpr int kTileBytes = kKT * kPitch;
+#ifdef KVC_INT4
+// P V in passes of 4 n-tile pairs: all 8 at once spill with the int4 staging's registers
+constexpr int kPvUnroll = 4;
+#else
+constexpr int kPvUnroll = kD / 16;
+#endif
 #ifdef KVC_INT4
 using Int4Stage = Int4Tile<kKT, KVC_PREFILL_MMA_THREADS, kD, kPitch, KVC_INT4_GROUP>;
 constexpr int kRawBytes = 2 * Int4Stage::kBytes;  // the packed rows' two buffers, after the tiles
@@ -69,7 +77,9 @@ __device__ void prefill_mma_tile(
   const int G = num_heads / num_kv_heads, positions = kRows / G;  // query positions per tile
   const int q_start = query_start_loc[seq];
   const int q_len = query_start_loc[seq + 1] - q_start;
-  const int i0 = blockIdx.z * positions;
+  // the grid's z runs from the last query tile down: blocks launch in z order, so the tiles
+  // with the most keys (causal: the latest positions) start first and the short ones fill in
+  const int i0 = (gridDim.z - 1 - blockIdx.z) * positions;
   if (q_len <= 1 || i0 >= q_len) return;
   const int nq = min(positions, q_len - i0);
   const int rows = nq * G;
@@ -108,8 +118,6 @@ __device__ void prefill_mma_tile(
 
   const int* table = block_tables + (long long)seq * max_blocks;
 #ifdef KVC_INT4
-  const cache_t* k_cache = nullptr;  // the fragment loads' type tags: the tiles hold activations
-  const cache_t* v_cache = nullptr;
   const Int4Stage int4(int4_cache, num_kv_heads, block_shift, kvh);
   unsigned char* raw = smem + 2 * 2 * kTileBytes;
   auto stage = [&](int k0, int b) {  // keys [k0, k0 + kKT) into buffer b
@@ -148,19 +156,10 @@ __device__ void prefill_mma_tile(
     if (tile0 <= warp_last) {  // warp-uniform: no collective is skipped by part of a warp
       const unsigned char* k_s = smem + (it & 1) * 2 * kTileBytes;
       const unsigned char* v_s = k_s + kTileBytes;
-      float s[kKT / 8][4];  // S (16 rows x 64 keys)
+      float s[kKT / 8][4];  // S (16 rows x 64 keys); a 16-bit tile's K by ldmatrix.x4
 #pragma unroll
       for (int j = 0; j < kKT / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-#pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk) {
-#pragma unroll
-        for (int j = 0; j < kKT / 8; ++j) {
-          const unsigned char* krow = k_s + (j * 8 + g) * kPitch;
-          const unsigned kf[2] = {pair_at<scalar_t>(krow, kk * 16 + 2 * t, k_cache),
-                                  pair_at<scalar_t>(krow, kk * 16 + 2 * t + 8, k_cache)};
-          mma_m16n8k16<scalar_t>(s[j], qf[kk], kf);
-        }
-      }
+      qk_tile<scalar_t, cache_t, Rows, kD, kKT / 8>(s, qf, k_s, 0, lane);
       // scale and mask (span, causal, window); element e: row g + 8 (e >> 1), key 2t + (e & 1)
       float mx[2] = {m[0], m[1]};
 #pragma unroll
@@ -174,57 +173,13 @@ __device__ void prefill_mma_tile(
           mx[r] = fmaxf(mx[r], s[j][e]);
         }
       }
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(KVC_FULL_MASK, mx[r], 1));
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(KVC_FULL_MASK, mx[r], 2));
-      }
-      if (__any_sync(KVC_FULL_MASK, mx[0] != m[0] || mx[1] != m[1])) {  // a row's max grew
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const float alpha = m[r] == kvc_neg_inf() ? 0.0f : __expf(m[r] - mx[r]);
-          l[r] *= alpha;
-#pragma unroll
-          for (int n = 0; n < kD / 8; ++n) {
-            o[n][2 * r] *= alpha;
-            o[n][2 * r + 1] *= alpha;
-          }
-          m[r] = mx[r];
-        }
-      }
-      unsigned pf[kKT / 16][4];  // P as A fragments; l sums P as rounded for P V
-#pragma unroll
-      for (int j = 0; j < kKT / 8; ++j) {
-        scalar_t p[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          p[e] = from_float<scalar_t>(s[j][e] == kvc_neg_inf() ? 0.0f
-                                                               : __expf(s[j][e] - m[e >> 1]));
-          l[e >> 1] += to_float(p[e]);
-        }
-        pf[j / 2][2 * (j & 1)] = pack2(p[0], p[1]);      // row g
-        pf[j / 2][2 * (j & 1) + 1] = pack2(p[2], p[3]);  // row g + 8
-      }
-#ifdef KVC_BREAK_FRAGMENT  // the tests' mutant: rows g + 8 and keys 8-15 trade places
-      for (int ks = 0; ks < kKT / 16; ++ks) {
-        const unsigned swap = pf[ks][1];
-        pf[ks][1] = pf[ks][2];
-        pf[ks][2] = swap;
-      }
-#endif
+      quad_max(mx);
+      rescale_if_grew<kD / 8>(o, m, l, mx);
+      unsigned pf[kKT / 16][4];  // P as A fragments straight from S's registers
+      p_fragments<scalar_t, kKT / 8>(pf, s, m, l);
 #pragma unroll
       for (int ks = 0; ks < kKT / 16; ++ks) {  // O (16 x D) += P V
-        const unsigned char* v0 = v_s + (ks * 16 + 2 * t) * kPitch;
-#pragma unroll
-        for (int n = 0; n < kD / 8; ++n) {
-          const int col = n * 8 + g;
-          const unsigned vf[2] = {
-              (unsigned)elem_at<scalar_t>(v0, col, v_cache) |
-                  ((unsigned)elem_at<scalar_t>(v0 + kPitch, col, v_cache) << 16),
-              (unsigned)elem_at<scalar_t>(v0 + 8 * kPitch, col, v_cache) |
-                  ((unsigned)elem_at<scalar_t>(v0 + 9 * kPitch, col, v_cache) << 16)};
-          mma_m16n8k16<scalar_t>(o[n], pf[ks], vf);
-        }
+        pv_tile<scalar_t, cache_t, Rows, kD, kPvUnroll>(o, pf[ks], v_s, ks * 16, lane);
       }
     }
 #ifndef KVC_BREAK_SYNC  // the tests' mutant: a buffer is staged again while warps still read it
@@ -233,10 +188,9 @@ __device__ void prefill_mma_tile(
   }
   cp_async_wait<0>();  // (nothing is left in flight: the last tile was waited for)
 
+  quad_sum(l);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(KVC_FULL_MASK, l[r], 1);
-    l[r] += __shfl_xor_sync(KVC_FULL_MASK, l[r], 2);
     if (!row_valid[r]) continue;
     const int row = warp * 16 + g + 8 * r;
     const int h = KVC_QHEAD(kvh, row % G, G, num_kv_heads);

@@ -1,21 +1,22 @@
 """Static evidence for the CUDA kernels, without a GPU: NVRTC compiles every kernel variant.
 
-`python -m kvcore.kernels.compile_check [--json]` compiles each .cu source (each decode variant:
-head_dim x GQA group x activation/cache dtype, the cache dtype "int4" selecting the KVC_INT4
-variants of the register-tile kernels; the MLA kernel per latent shape x dtype) to a
-cubin for sm_80 and sm_90 through CuPy's NVRTC with CuPy's own options, and reports per
-kernel: registers, stack, spill bytes, static shared memory (ptxas' verbose log), the dynamic
-shared memory the launcher asks for, and facts read from the PTX of the same compile: 16-byte
-global loads (`ld.global*.v4` / `.v2.u64`) and tensor-core instructions (`wmma.mma` /
-`mma.sync`), cp.async copies, and the shared-memory bytes one pass through the key-tile loop
-moves (the smallest PTX loop holding both a cp.async.wait_group and an mma.sync: ld/st.shared
-widths plus cp.async sizes, times the block's threads from `.maxntid`). It exits non-zero on a
-compile error, a spill, shared memory above the arch's opt-in limit, a decode variant of a group
-up to 8 above DECODE_REGISTER_BUDGET registers or without 16-byte loads, a tensor-core (prefill
-or MLA) variant without tensor-core instructions, or a register-tile kernel without cp.async or
-moving more than TILE_SMEM_RATIO x its tile's global bytes through shared memory per tile
-(prefill: PREFILL_TILE_SMEM_LIMIT per 64 x 64 tile; MLA: MLA_KEY_SMEM_LIMIT per cached key).
-cuda.py loads the kernels with the same `nvrtc_options()`.
+`python -m kvcore.kernels.cuda.dev.compile_check [--json]` compiles each .cu source (each
+decode variant: head_dim x GQA group (1 to 32) x activation/cache dtype, the cache dtype "int4"
+selecting the KVC_INT4 variants of the register-tile kernels; the MLA kernel per latent shape x
+dtype) to a cubin for sm_80 and sm_90 through CuPy's NVRTC with CuPy's own options, and reports
+per kernel: registers, stack, spill bytes, static shared memory (ptxas' verbose log), the
+dynamic shared memory the launcher asks for, and facts read from the PTX of the same compile
+(ptx_facts): 16-byte global loads, tensor-core instructions, cp.async copies, and for one pass
+through the key-tile loop (the smallest PTX loop holding a cp.async.wait_group and an mma.sync)
+the shared-memory bytes the block moves and, per warp, the instructions, mma.sync, ldmatrix and
+shared-memory pipe slots (the traffic model's inputs: traffic_model). It exits non-zero on a
+compile error, any spill, shared memory above the arch's opt-in limit, a CUDA-core decode
+variant of a group up to 8 above DECODE_REGISTER_BUDGET registers or without 16-byte loads, a
+tensor-core variant without tensor-core instructions, a register-tile kernel without cp.async, a
+16-bit one without ldmatrix, a decode tile loop with inner loops or over DECODE_TILE_BUDGET, or
+more shared-memory bytes per tile than TILE_SMEM_RATIO x the tile's global bytes per 16-row
+block (prefill: PREFILL_TILE_SMEM_LIMIT per 64 x 64 tile; MLA: MLA_KEY_SMEM_LIMIT per cached
+key). The runtime compiles with the same `nvrtc_options()` (kvcore.kernels.cuda.nvrtc).
 """
 
 from __future__ import annotations
@@ -24,13 +25,12 @@ import argparse
 import dataclasses
 import io
 import json
-import os
 import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvcore.kernels.compile_variants import (
+from kvcore.kernels.cuda.dev.compile_variants import (
     ARCHS,
     CHECK_DTYPES,
     CHECK_GROUPS,
@@ -41,7 +41,8 @@ from kvcore.kernels.compile_variants import (
     kernel_sources,
     variants,
 )
-from kvcore.kernels.ptx_facts import PtxFacts, ptx_facts
+from kvcore.kernels.cuda.dev.ptx_facts import PtxFacts, ptx_facts
+from kvcore.kernels.cuda.nvrtc import nvrtc_options
 
 __all__ = ["ARCHS", "KERNEL_DIR", "SMEM_OPT_IN", "KernelReport", "Variant", "check_variants",
            "compile_source", "kernel_sources", "main", "nvrtc_options", "parse_ptxas_log",
@@ -59,6 +60,12 @@ PREFILL_MMA_ROWS = 128  # query rows of a paged_attention_prefill_mma block (per
 # MLA: shared-memory bytes per cached key of a 64-row block (the traffic model's 13 KB at
 # DeepSeek's 512 + 64, 16-bit cache: mostly the Q and K fragments of S)
 MLA_KEY_SMEM_LIMIT = 14 * 1024
+# sm_90, head_dim 128, GQA up to 16, fp16 activations: per warp and pass through the key-tile
+# loop, at most these PTX instructions and shared-memory pipe slots (ptx_facts; the figures of
+# docs/gpu-performance.md's traffic model, with room for compiler drift)
+# (int4: the static count takes the window-row paths too; the traffic model counts the common
+# all-sealed tile from the KVC_INT4_PROBE_SEALED compile)
+DECODE_TILE_BUDGET = {"16-bit": (800, 140), "int4": (2100, 300)}
 
 
 _ENTRY = re.compile(r"Compiling entry function '(\w+)' for 'sm_(\d+)'")
@@ -84,29 +91,14 @@ class KernelReport:
     cp_async: int = 0  # cp.async copies in the kernel's PTX
     tile_smem_bytes: int = 0  # shared-memory bytes one pass through the key-tile loop moves
     tile_global_bytes: int = 0  # the K + V bytes of one key tile (register-tile kernels)
-
-
-def cuda_include_dirs() -> list[str]:
-    """Directories holding cuda_fp16.h & co.: the CUDA wheels' include dirs, or a CUDA install."""
-    candidates: list[Path] = []
-    for entry in sys.path:
-        root = Path(entry) / "nvidia"
-        candidates += [root / "cuda_runtime" / "include", root / "cu13" / "include",
-                       root / "cu12" / "include"]
-    for env in ("CUDA_PATH", "CUDA_HOME"):
-        if os.environ.get(env):
-            candidates.append(Path(os.environ[env]) / "include")
-    candidates.append(Path("/usr/local/cuda/include"))
-    found: list[str] = []
-    for path in candidates:
-        if (path / "cuda_fp16.h").is_file() and str(path) not in found:
-            found.append(str(path))
-    return found
-
-
-def nvrtc_options() -> tuple[str, ...]:
-    """The options kvcore passes to cupy.RawModule (CuPy adds its own, see `cupy_options`)."""
-    return ("--std=c++17", f"-I{KERNEL_DIR}", *(f"-I{d}" for d in cuda_include_dirs()))
+    tile_instructions: int = 0  # PTX instructions of one pass through the tile loop, per warp
+    tile_mma: int = 0  # mma.sync per warp per pass
+    tile_ldmatrix: int = 0  # ldmatrix per warp per pass
+    tile_smem_slots: int = 0  # shared-memory pipe slots (128-byte wavefronts) per warp per pass
+    tile_inner_loops: int = 0  # loops inside the tile loop (their bodies counted once above)
+    inner_instructions: int = 0  # instructions of those inner loops' bodies, once each
+    inner_mma: int = 0
+    inner_smem_slots: int = 0
 
 
 def cupy_options(arch: str) -> tuple[str, ...]:
@@ -133,13 +125,18 @@ def compile_source(path: Path, arch: str, defines: tuple[str, ...] = (),
     ptx = nvrtc.getPTX(program.ptr)
     facts = ptx_facts(ptx.decode() if isinstance(ptx, bytes) else ptx)
     none = PtxFacts(0, 0, 0, 0)
-    return [dataclasses.replace(r, variant=" ".join(defines), dynamic_smem=dynamic_smem,
-                                vector_loads=facts.get(r.kernel, none).vector_loads,
-                                tensor_core_ops=facts.get(r.kernel, none).tensor_core_ops,
-                                cp_async=facts.get(r.kernel, none).cp_async,
-                                tile_smem_bytes=facts.get(r.kernel, none).tile_smem_bytes,
-                                tile_global_bytes=tile_global_bytes)
-            for r in parse_ptxas_log(path.name, log.getvalue())]
+    out = []
+    for r in parse_ptxas_log(path.name, log.getvalue()):
+        f = facts.get(r.kernel, none)
+        out.append(dataclasses.replace(
+            r, variant=" ".join(defines), dynamic_smem=dynamic_smem,
+            vector_loads=f.vector_loads, tensor_core_ops=f.tensor_core_ops, cp_async=f.cp_async,
+            tile_smem_bytes=f.tile_smem_bytes, tile_global_bytes=tile_global_bytes,
+            tile_instructions=f.tile_instructions, tile_mma=f.tile_mma,
+            tile_ldmatrix=f.tile_ldmatrix, tile_smem_slots=f.tile_smem_slots,
+            tile_inner_loops=f.tile_inner_loops, inner_instructions=f.inner_instructions,
+            inner_mma=f.inner_mma, inner_smem_slots=f.inner_smem_slots))
+    return out
 
 
 def parse_ptxas_log(source: str, log: str) -> list[KernelReport]:
@@ -186,9 +183,10 @@ def problems(reports: list[KernelReport], chosen: list[Variant]) -> list[str]:
                 found.append(f"no 16-byte global loads: {where}")
         if r.kernel in TENSOR_CORE_KERNELS and r.tensor_core_ops == 0:
             found.append(f"no tensor-core instructions: {where}")
+        found += _tile_problems(r, where, group_of.get(r.variant, 0))
         if "KVC_INT4" in r.variant:
-            # int4 variants: the staging and unpack loops are rolled, so the static count takes
-            # one pass of each per thread, not a tile's traffic (docs/gpu-performance.md)
+            # int4 variants: the tile moves packed codes, not the 16-bit rows the byte ratios
+            # below are written for
             if r.cp_async == 0 or r.tile_smem_bytes == 0:
                 found.append(f"no cp.async key-tile loop: {where}")
         elif r.kernel in REGISTER_TILE_KERNELS:
@@ -206,14 +204,45 @@ def problems(reports: list[KernelReport], chosen: list[Variant]) -> list[str]:
                     found.append(f"shared-memory traffic per 64 x 64 tile: {where} moves "
                                  f"{per_64} bytes (at most {PREFILL_TILE_SMEM_LIMIT}; 0 = no "
                                  "tile loop found)")
-            elif r.tile_smem_bytes == 0 or \
-                    r.tile_smem_bytes > TILE_SMEM_RATIO * r.tile_global_bytes:
+            elif r.tile_smem_bytes == 0 or r.tile_smem_bytes > \
+                    _row_blocks(group_of.get(r.variant, 0)) * TILE_SMEM_RATIO * r.tile_global_bytes:
                 found.append(f"shared-memory traffic per key tile: {where} moves "
                              f"{r.tile_smem_bytes} bytes for a tile of {r.tile_global_bytes} "
-                             f"(at most {TILE_SMEM_RATIO:g}x; 0 = no tile loop found)")
+                             f"(at most {TILE_SMEM_RATIO:g}x per 16-row block; 0 = no tile "
+                             "loop found)")
         if r.static_smem + r.dynamic_smem > SMEM_OPT_IN.get(r.arch, SMEM_OPT_IN["80"]):
             found.append(f"shared memory over the sm_{r.arch} limit: {where} needs "
                          f"{r.static_smem + r.dynamic_smem} bytes")
+    return found
+
+
+def _row_blocks(group: int) -> int:
+    """16-row blocks of a decode variant's group: each reads the tile's K and V once."""
+    return max(1, -(-group // 16))
+
+
+def _tile_problems(r: KernelReport, where: str, group: int) -> list[str]:
+    """The key-tile loop's counts: ldmatrix in the 16-bit register-tile kernels, a straight
+    16-bit decode loop (its counts are per pass; int4 keeps its rare window-row loop rolled),
+    and the decode budgets at the reference shape."""
+    if r.kernel not in REGISTER_TILE_KERNELS or r.tile_instructions == 0:
+        return []  # (no tile loop found: the byte checks below report that)
+    found: list[str] = []
+    fp8 = "fp8" in r.variant
+    int4 = "KVC_INT4" in r.variant
+    decode = r.kernel == "paged_attention_decode_tc"
+    if not fp8 and not (int4 and decode) and r.tile_ldmatrix == 0:
+        found.append(f"no ldmatrix in the key-tile loop: {where}")
+    if decode and not int4 and not fp8 and r.tile_inner_loops:
+        found.append(f"the key-tile loop has {r.tile_inner_loops} inner loops (its counts would "
+                     f"not be per pass): {where}")
+    if decode and r.arch == "90" and "KVC_HEAD_DIM=128" in r.variant and group <= 16 and \
+            "__half" in r.variant.split("KVC_SCALAR=")[-1].split()[0] and not fp8:
+        instructions, slots = DECODE_TILE_BUDGET["int4" if int4 else "16-bit"]
+        if r.tile_instructions > instructions or r.tile_smem_slots > slots:
+            found.append(f"over the decode tile budget: {where} takes {r.tile_instructions} "
+                         f"instructions and {r.tile_smem_slots} shared slots per warp and tile "
+                         f"(at most {instructions} and {slots})")
     return found
 
 
@@ -255,14 +284,16 @@ def main(argv: list[str] | None = None) -> int:
         for r in reports:
             print(json.dumps(dataclasses.asdict(r)))
     else:
-        print(f"{'kernel':30} {'variant':70} {'arch':>5} {'regs':>5} {'spill':>6} {'smem':>7} "
-              f"{'v4 ld':>6} {'mma':>5} {'cp.as':>5} {'tile smem/global':>17}")
+        print(f"{'kernel':28} {'variant':62} {'arch':>5} {'regs':>4} {'spill':>5} "
+              f"{'smem':>7} {'mma':>4} {'cp.as':>5} {'tile smem/global':>17} "
+              f"{'instr/w':>7} {'slots/w':>7} {'ldm/w':>5}")
         for r in reports:
             variant = r.variant.replace("KVC_", "")
             tile = f"{r.tile_smem_bytes}/{r.tile_global_bytes}" if r.tile_global_bytes else "-"
-            print(f"{r.kernel:30} {variant:70} sm_{r.arch:>2} {r.registers:5d} "
-                  f"{r.spill_stores + r.spill_loads:6d} {r.static_smem + r.dynamic_smem:7d} "
-                  f"{r.vector_loads:6d} {r.tensor_core_ops:5d} {r.cp_async:5d} {tile:>17}")
+            print(f"{r.kernel:28} {variant:62} sm_{r.arch:>2} {r.registers:4d} "
+                  f"{r.spill_stores + r.spill_loads:5d} {r.static_smem + r.dynamic_smem:7d} "
+                  f"{r.tensor_core_ops:4d} {r.cp_async:5d} {tile:>17} "
+                  f"{r.tile_instructions:7d} {r.tile_smem_slots:7d} {r.tile_ldmatrix:5d}")
     found = problems(reports, chosen)
     for line in found:
         print(line, file=sys.stderr)

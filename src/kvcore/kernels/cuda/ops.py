@@ -12,17 +12,18 @@ from typing import Any
 
 import numpy as np
 
-from kvcore.kernels.cuda_attention import plan_paged_attention
-from kvcore.kernels.cuda_int4 import Int4LayerLike, int4_write_launch, seal_launch
-from kvcore.kernels.cuda_int4_attention import plan_int4_attention
-from kvcore.kernels.cuda_launch import (
+from kvcore.kernels.cuda.attention import plan_paged_attention
+from kvcore.kernels.cuda.attention_kv_int4 import plan_int4_attention
+from kvcore.kernels.cuda.kv_int4 import Int4LayerLike, int4_write_launch, seal_launch
+from kvcore.kernels.cuda.launch import (
     Backend,
     cache_suffix_of,
     check_contiguous,
     check_int_array,
     suffix_of,
 )
-from kvcore.kernels.cuda_mla import plan_mla_attention
+from kvcore.kernels.cuda.mla import plan_mla_attention
+from kvcore.kernels.cuda.occupancy import PARTITION_TOKENS
 
 
 class CudaOps:
@@ -126,7 +127,7 @@ class CudaOps:
     def paged_attention(self, query: Any, k_cache: Any, v_cache: Any, block_tables: Any,
                         context_lens: Any, query_start_loc: Any, scale: float,
                         sliding_window: int | None = None, k_scale: float = 1.0,
-                        v_scale: float = 1.0, *, num_partitions: int | None = None,
+                        v_scale: float = 1.0, *, partition_tokens: int = PARTITION_TOKENS,
                         host_metadata: bool | None = None) -> Any:
         if isinstance(k_cache, Int4LayerLike):  # an int4 layer carries its own scales
             if k_scale != 1.0 or v_scale != 1.0:
@@ -135,11 +136,11 @@ class CudaOps:
             return self.paged_attention_int4(
                 query, k_cache.rows, v_cache.rows, k_cache.window, v_cache.window,
                 k_cache.window_slot, block_tables, context_lens, query_start_loc, scale,
-                sliding_window, v_cache.group, num_partitions=num_partitions,
+                sliding_window, v_cache.group, partition_tokens=partition_tokens,
                 host_metadata=host_metadata)
         out, launches = plan_paged_attention(
             self.backend, query, k_cache, v_cache, block_tables, context_lens, query_start_loc,
-            scale, sliding_window, k_scale, v_scale, num_partitions=num_partitions,
+            scale, sliding_window, k_scale, v_scale, partition_tokens=partition_tokens,
             host_metadata=host_metadata)
         for launch in launches:
             launch()
@@ -149,13 +150,13 @@ class CudaOps:
                              v_window: Any, window_slot: Any, block_tables: Any,
                              context_lens: Any, query_start_loc: Any, scale: float,
                              sliding_window: int | None, group: int, *,
-                             num_partitions: int | None = None,
+                             partition_tokens: int = PARTITION_TOKENS,
                              host_metadata: bool | None = None) -> Any:
         """paged_attention over an int4 cache (sealed int4 rows + fp16 window): (T, H, D)."""
         out, launches = plan_int4_attention(
             self.backend, query, k_cache, v_cache, k_window, v_window, window_slot,
             block_tables, context_lens, query_start_loc, scale, sliding_window, group,
-            num_partitions=num_partitions, host_metadata=host_metadata)
+            partition_tokens=partition_tokens, host_metadata=host_metadata)
         for launch in launches:
             launch()
         return out

@@ -193,19 +193,48 @@ __device__ void mla_block(
     for (int j = 0; j < kSN; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
     const int q_row = srb * 16 + g;
     // a row block wholly past the block's rows (16 heads: 3 of 4) has no scores to compute
+    const bool has_rows = srb * 16 < rows;  // block-uniform per warp
+    const int num_k = has_rows ? kW / 16 : 0;  // 16-column steps of the warp's S
+    if constexpr (sizeof(cache_t) == 2) {  // Q and K by ldmatrix.x4: two 16-column steps at once
+      // 3 pairs of steps per pass (unrolled whole, the loop spills at 255 registers)
+#pragma unroll 3
+      for (int kk = 0; kk + 1 < kW / 16; kk += 2) {
+        if (!has_rows) break;
+        unsigned qa[2][4];
+        a_frags_x4<QRows>(qa[0], q_s, srb * 16, kk * 16, lane);
+        a_frags_x4<QRows>(qa[1], q_s, srb * 16, kk * 16 + 16, lane);
 #pragma unroll
-    for (int kk = 0; kk < (srb * 16 < rows ? kW / 16 : 0); ++kk) {
-      const int c = kk * 16 + 2 * t;
-      const unsigned qa[4] = {pair_in<QRows, scalar_t>(q_s, q_row, c, query),
-                              pair_in<QRows, scalar_t>(q_s, q_row + 8, c, query),
-                              pair_in<QRows, scalar_t>(q_s, q_row, c + 8, query),
-                              pair_in<QRows, scalar_t>(q_s, q_row + 8, c + 8, query)};
+        for (int j = 0; j < kSN; ++j) {
+          unsigned b[4];
+          k_frags_x4<TileRows>(b, kv, skey0 + j * 8, kk, lane);
+          const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+          mma_m16n8k16<scalar_t>(s[j], qa[0], b0);
+          mma_m16n8k16<scalar_t>(s[j], qa[1], b1);
+        }
+      }
+      if ((kW / 16) % 2 == 1 && num_k > 0) {  // an odd last step
+        unsigned qa[4];
+        a_frags_x4<QRows>(qa, q_s, srb * 16, kW - 16, lane);
 #pragma unroll
-      for (int j = 0; j < kSN; ++j) {
-        const int key = skey0 + j * 8 + g;
-        const unsigned kf[2] = {pair_in<TileRows, scalar_t>(kv, key, c, cache),
-                                pair_in<TileRows, scalar_t>(kv, key, c + 8, cache)};
-        mma_m16n8k16<scalar_t>(s[j], qa, kf);
+        for (int j = 0; j < kSN; ++j) {
+          unsigned b[2];
+          k_frags_x2<TileRows>(b, kv, skey0 + j * 8, kW / 16 - 1, lane);
+          mma_m16n8k16<scalar_t>(s[j], qa, b);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < num_k; ++kk) {
+        const int c = kk * 16 + 2 * t;
+        unsigned qa[4];
+        a_frags_x4<QRows>(qa, q_s, srb * 16, kk * 16, lane);
+#pragma unroll
+        for (int j = 0; j < kSN; ++j) {
+          const int key = skey0 + j * 8 + g;
+          const unsigned kf[2] = {pair_in<TileRows, scalar_t>(kv, key, c, cache),
+                                  pair_in<TileRows, scalar_t>(kv, key, c + 8, cache)};
+          mma_m16n8k16<scalar_t>(s[j], qa, kf);
+        }
       }
     }
     // element e of n-tile j: row g + 8 (e >> 1), key skey0 + 8 j + 2 t + (e & 1)
@@ -283,11 +312,7 @@ __device__ void mla_block(
       unsigned pa[kRB][4];
 #pragma unroll
       for (int rb = 0; rb < kRB; ++rb) {
-        const int r0 = rb * 16 + g, c = ks * 16 + 2 * t;
-        pa[rb][0] = pair_in<PRows, scalar_t>(p_s, r0, c, query);
-        pa[rb][1] = pair_in<PRows, scalar_t>(p_s, r0 + 8, c, query);
-        pa[rb][2] = pair_in<PRows, scalar_t>(p_s, r0, c + 8, query);
-        pa[rb][3] = pair_in<PRows, scalar_t>(p_s, r0 + 8, c + 8, query);
+        a_frags_x4<PRows>(pa[rb], p_s, rb * 16, ks * 16, lane);
 #ifdef KVC_BREAK_FRAGMENT  // the tests' mutant: rows g + 8 and keys 8-15 trade places
         const unsigned swap = pa[rb][1];
         pa[rb][1] = pa[rb][2];
@@ -299,12 +324,16 @@ __device__ void mla_block(
       for (int n = 0; n < kON; ++n) {
         const int nt = warp * kON + n;
         if (kR % (8 * kWarps) != 0 && nt >= kR / 8) break;
-        const int col = nt * 8 + g;
-        const unsigned vf[2] = {
-            elem_in<TileRows, scalar_t>(kv, v0, col, cache) |
-                (elem_in<TileRows, scalar_t>(kv, v0 + 1, col, cache) << 16),
-            elem_in<TileRows, scalar_t>(kv, v0 + 8, col, cache) |
-                (elem_in<TileRows, scalar_t>(kv, v0 + 9, col, cache) << 16)};
+        unsigned vf[2];
+        if constexpr (sizeof(cache_t) == 2) {  // 16 keys x 8 columns by ldmatrix.x2.trans
+          v_frags_x2<TileRows>(vf, kv, ks * 16, nt, lane);
+        } else {
+          const int col = nt * 8 + g;
+          vf[0] = elem_in<TileRows, scalar_t>(kv, v0, col, cache) |
+                  (elem_in<TileRows, scalar_t>(kv, v0 + 1, col, cache) << 16);
+          vf[1] = elem_in<TileRows, scalar_t>(kv, v0 + 8, col, cache) |
+                  (elem_in<TileRows, scalar_t>(kv, v0 + 9, col, cache) << 16);
+        }
 #pragma unroll
         for (int rb = 0; rb < kRB; ++rb) {
           if (rb * 16 < rows) mma_m16n8k16<scalar_t>(o[rb][n], pa[rb], vf);  // block-uniform
@@ -385,5 +414,5 @@ extern "C" __global__ void mla_reduce(KVC_SCALAR* out, const float* tmp_out,
                                       int num_partitions) {
   extern __shared__ __align__(16) float kvc_mla_weights[];
   decode_reduce<KVC_SCALAR>(out, tmp_out, max_logits, exp_sums, query_start_loc, num_heads, kR,
-                            num_partitions, kvc_mla_weights);
+                            num_partitions, num_partitions, kvc_mla_weights);
 }
