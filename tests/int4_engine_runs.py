@@ -7,10 +7,43 @@ import dataclasses
 import numpy as np
 
 from engine_helpers import assert_pool_empty, run_all
+from kvcore.cache import int4
 from kvcore.cache.int4_window import WindowOp
 from kvcore.device import to_numpy
 from kvcore.engine import Engine
+from kvcore.kernels import attention
+from kvcore.kernels.int4_kv import Int4Layer
 from kvcore.sampling import SamplingParams
+
+
+def attention_by_table(query: np.ndarray, k: Int4Layer, v: Int4Layer, block_tables: np.ndarray,
+                       context_lens: np.ndarray, query_start_loc: np.ndarray, scale: float,
+                       sliding_window: int | None = None, k_scale: float = 1.0,
+                       v_scale: float = 1.0) -> np.ndarray:
+    """The CUDA kernels' rule over NumPy (their oracle): a block is read from its window slot
+    while it holds one, else from its sealed rows, for every query row alike. (The CPU path
+    reads by the rule of positions instead: kvcore.cache.int4_window.)"""
+    ids = np.unique(block_tables[block_tables >= 0])  # (n,)
+    _, bs, heads, dim = k.shape
+
+    def read(layer: Int4Layer) -> np.ndarray:
+        blocks = []
+        for b in ids.tolist():
+            slot = int(layer.window_slot[b])
+            if slot >= 0:
+                blocks.append(layer.window[slot].astype(np.float32))
+            elif layer.is_key:
+                blocks.append(int4.dequantize_key_block(layer.rows[b], bs, heads, dim))
+            else:
+                blocks.append(int4.dequantize_value_block(layer.rows[b], bs, heads, dim,
+                                                          layer.group))
+        return np.stack(blocks).astype(np.float32)  # (n, bs, Hkv, D)
+
+    tables = np.where(block_tables >= 0, np.searchsorted(ids, np.maximum(block_tables, 0)),
+                      block_tables).astype(np.int32)
+    step = attention.plan(tables, context_lens, query_start_loc, bs, sliding_window)
+    return attention.attend(query, read(k), read(v), step, scale, sliding_window, k_scale,
+                            v_scale)
 
 
 def run(engine: Engine) -> tuple[list[list[int]], list[WindowOp]]:

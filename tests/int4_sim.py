@@ -2,9 +2,10 @@
 attention reads (the format of kvcore.cache.int4's NumPy reference), written independently of the
 cache's window slots and kernels (it measured the group size and window before the cache existed).
 
-A block is sealed (quantized as a whole through the NumPy reference, then read back dequantized)
-once it is full and a step has written the tokens `window` past its end, at the start of the next
-step (as the int4 cache's manager seals it); the window and the unsealed tail are fp16. The one
+The rule of positions (kvcore.cache.int4_window), for steps that each write within one block (as
+`kvcore eval` feeds an int4 cache): a step's rows read the blocks of their own super-block (the
+window rounded up to whole blocks, at least one) in fp16 and every earlier block sealed
+(quantized as a whole through the NumPy reference, then read back dequantized). The one
 difference from the cache: a token is read in float32 by its own step's attention (the next steps
 read it as the cache holds it).
 """
@@ -36,11 +37,13 @@ class Int4SimCache(KVCache):
         self.num_sealed = 0
 
     def _sealed_blocks(self, context_len: int) -> int:
-        """Blocks of a sequence of context_len tokens that are sealed (full, out of the window)."""
-        return max(context_len - self.window_tokens, 0) // self.block_size
+        """Blocks a step whose first row sits at position context_len reads sealed: those
+        before its row's super-block."""
+        window_blocks = max(1, -(-self.window_tokens // self.block_size))
+        return context_len // self.block_size // window_blocks * window_blocks
 
     def before_step(self, block_table: Sequence[int], context_len: int) -> None:
-        """Seal the blocks the tokens before this step pushed out of the window."""
+        """Seal the blocks behind the super-block of the step's rows."""
         limit = self._sealed_blocks(context_len)
         self._seal(block_table[self.num_sealed:limit])
         self.num_sealed = max(self.num_sealed, limit)

@@ -10,7 +10,7 @@ import pytest
 
 from kvcore import planner
 from kvcore.cache import KVCacheManager, int4
-from kvcore.cache.int4_window import ASSIGN, COPY, RELEASE, SEAL, WindowSlots
+from kvcore.cache.int4_window import ASSIGN, COPY, RELEASE, SEAL, STEP_SEAL, WindowSlots
 from kvcore.cache.kv_cache import KVCache
 from kvcore.kernels import cpu
 from kvcore.kernels.int4_kv import Int4Layer
@@ -82,51 +82,72 @@ def test_window_ops_write_copy_seal_in_order() -> None:
 
 
 def test_window_slots_bookkeeping() -> None:
-    window = WindowSlots(num_blocks=4, num_slots=2, block_size=4, window_tokens=4)
+    window = WindowSlots(num_blocks=4, num_slots=3, block_size=4, window_tokens=4)
     window.open(3)
     window.open(0)
-    assert window.num_free_slots == 0 and window.slot_of == [1, None, None, 0]
+    assert window.num_free_slots == 1 and window.slot_of == [1, None, None, 0]
     window.copy(3, 0)
-    window.retire(3, cached=True)  # into the prefix cache: sealed
-    window.retire(0, cached=False)  # dead: its slot given back
-    window.seal(0)  # already without a slot: nothing
+    window.drop_user(3, held=False, cached=True)  # into the prefix cache, rows stale: sealed
+    window.drop_user(0, held=False, cached=False)  # dead: its slot given back
+    window.give_back(0, keep_rows=True)  # already without a slot: nothing
     assert window.take_ops() == [(ASSIGN, 3, 0), (ASSIGN, 0, 1), (COPY, 0, 1), (SEAL, 3, 0),
                                  (RELEASE, 0, 1)]
-    assert window.num_free_slots == 2 and window.take_ops() == []
+    window.open(2)  # its writer is its fp16 user
+    window.written(2)
+    window.step_seal(2)  # read sealed by the step's later rows: sealed in the step
+    window.step_seal(2)  # clean now: nothing
+    assert window.take_ops() == [(ASSIGN, 2, 1), (STEP_SEAL, 2, 1)]
+    window.drop_user(2, held=True, cached=False)  # its rows are valid: the slot just goes
+    assert window.take_ops() == [(RELEASE, 2, 1)] and window.num_free_slots == 3
+
+
+def test_gpu_windows_seal_before_the_step() -> None:
+    """Where the kernels do not seal within a step (cuda), a block's rows are written when
+    its slot goes back, before the next step."""
+    window = WindowSlots(4, 2, 4, 4, seal_in_step=False)
+    window.open(1)
+    window.step_seal(1)
+    assert window.take_ops() == [(ASSIGN, 1, 0)]
+    window.drop_user(1, held=True, cached=False)
+    assert window.take_ops() == [(SEAL, 1, 0)]
 
 
 def test_a_pool_short_of_slots_allocates_nothing() -> None:
     kv = KVCacheManager(num_blocks=8, block_size=4)
-    window = WindowSlots(8, 2, 4, 4)
+    window = WindowSlots(8, 2, 4, 4)  # window 4 tokens: one block per super-block
     kv.attach_window(window)
     kv.allocate_prefix("a", list(range(12)))
     assert kv.allocate_slots("a", list(range(12)), 12) is None  # 3 blocks, 2 slots
     assert kv.num_free_blocks == 8 and window.num_shortages == 1 and not window.take_ops()
     assert kv.allocate_slots("a", list(range(12)), 8) == []
     assert window.slot_of[:2] == [0, 1]
-    window.take_ops()  # the step launched: its 8 tokens are written; the seal pass runs
-    assert window.take_ops() == [(SEAL, 0, 0)]  # 8 tokens - window 4: block 0 is behind it
+    # launched: its last row (7, block 1) reads block 0 sealed, sealed in the step; the next
+    # row (8, block 2) reads neither in fp16: their slots go back before the next step
+    assert window.take_ops() == [(ASSIGN, 0, 0), (ASSIGN, 1, 1), (STEP_SEAL, 0, 0)]
+    assert window.take_ops() == [(RELEASE, 0, 0), (SEAL, 1, 1)]
     kv.free("a")
-    assert window.take_ops() == [(SEAL, 1, 1)]  # full and cached: sealed as it leaves
-    assert window.num_free_slots == 2
+    assert window.take_ops() == [] and window.num_free_slots == 2
 
 
-def test_short_of_slots_written_blocks_seal_early() -> None:
-    """Inside the window but written by a launched step: sealed to make room; a block whose
-    tokens are not launched yet (or drafts) stays open."""
+def test_slots_come_back_by_position() -> None:
+    """A window of 8 tokens (2 blocks of 4): a step's rows past a super-block read its blocks
+    sealed (sealed in the step), and their slots return once the next row is past it; no block
+    is ever sealed early for want of a slot."""
     kv = KVCacheManager(num_blocks=8, block_size=4)
-    window = WindowSlots(8, 3, 4, window_tokens=100)
+    window = WindowSlots(8, 3, 4, window_tokens=8)
     kv.attach_window(window)
     tokens = list(range(20))
     kv.allocate_prefix("a", tokens)
-    assert kv.allocate_slots("a", tokens, 10) == []  # blocks 0-2 open, 2 tokens in block 2
-    window.take_ops()  # launched: 10 tokens written; nothing behind a 100-token window
-    assert kv.allocate_slots("a", tokens, 6) == []  # block 3 needs a slot: block 0 seals
-    assert window.take_ops() == [(SEAL, 0, 0), (ASSIGN, 3, 0)]
-    assert window.num_early_seals == 1 and window.num_shortages == 0
-    # 4 more tokens need block 4: the oldest open written block (1) seals
-    assert kv.allocate_slots("a", tokens, 4) == []
-    assert window.take_ops() == [(SEAL, 1, 1), (ASSIGN, 4, 1)]
+    assert kv.allocate_slots("a", tokens, 10) == []  # blocks 0-2, 2 tokens in block 2
+    assert window.take_ops() == [(ASSIGN, 0, 0), (ASSIGN, 1, 1), (ASSIGN, 2, 2),
+                                 (STEP_SEAL, 0, 0), (STEP_SEAL, 1, 1)]
+    assert kv.allocate_slots("a", tokens, 6) == []  # block 3 takes a slot given back
+    # launched: 16 tokens written, the next row (16) is past blocks 2 and 3 too
+    assert window.take_ops() == [(RELEASE, 0, 0), (RELEASE, 1, 1), (ASSIGN, 3, 1)]
+    assert window.take_ops() == [(SEAL, 2, 2), (SEAL, 3, 1)]
+    assert window.num_shortages == 0 and window.num_free_slots == 3
+    kv.allocate_prefix("b", tokens[:13])  # 3 cached blocks match: one whole super-block hits
+    assert kv.block_table("b") == [0, 1]
 
 
 def test_kvcore_plan_int4(capsys: pytest.CaptureFixture[str]) -> None:
@@ -137,7 +158,7 @@ def test_kvcore_plan_int4(capsys: pytest.CaptureFixture[str]) -> None:
                  "int4", "--memory", "1GiB", "--context", "2048", "--max-num-seqs", "8",
                  "--kv-int4-window", "32", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    slots = 8 * 3 + 128  # 8 x (2 + 1) + 2,048 / 16
+    slots = 8 * 3 + 128  # 8 x (2 + 1) + 2,048 / 16: a super-block of 2 blocks
     assert out["window_slots"] == slots
     assert out["window_bytes"] == planner.window_bytes(30, 3, 64, slots, 16)
     per_block = planner.bytes_per_block(30, 3, 64, "int4", 16)

@@ -1,8 +1,10 @@
 """`--kv-cache-dtype int4` on the GPU path, with every kernel emulated: the engine over the fp16
 model (HalfLlamaModel) with an int4 cache whose writes, seals, window copies and attention run
-the CUDA kernels gives the tokens of the same model on the CPU int4 path (numba attention over
-Int4Layers), with blocks sealed behind the window, prefix-cache hits and n > 1 forks that copy
-an open block; and the two attentions agree on one cache state."""
+the CUDA kernels gives the tokens of the same engine whose int4 operations run the CPU kernels
+and whose attention reads blocks as the CUDA kernels do (the NumPy oracle of their rule: a
+block in fp16 while it holds a window slot), with blocks sealed behind the window, prefix-cache
+hits and n > 1 forks that copy an open block; and the numba attention agrees with the CUDA
+kernels on a cache state where the two rules read every block alike."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import numpy as np
 import pytest
 
 import kvcore.kernels as kernels
-from int4_engine_runs import run
+from int4_engine_runs import attention_by_table, run
 from kvcore.cache.int4_window import COPY, SEAL
 from kvcore.cache.kv_cache import KVCache
 from kvcore.config import ModelConfig
@@ -85,7 +87,7 @@ def route_int4_kernels_through_emulation(monkeypatch: pytest.MonkeyPatch,
         def attention(query: np.ndarray, k: Any, v: Any, *args: Any, **kwargs: Any) -> Any:
             if not isinstance(k, Int4Layer):
                 return emulated_attention(query, k, v, *args, **kwargs)
-            out = cpu.paged_attention(query.astype(np.float32), k, v, *args, **kwargs)
+            out = attention_by_table(query.astype(np.float32), k, v, *args, **kwargs)
             return out.astype(query.dtype)
         impl.reshape_and_cache, impl.paged_attention = write, attention
         impl.copy_blocks = cpu.copy_blocks
@@ -113,19 +115,21 @@ def test_engine_int4_on_emulated_cuda_equals_the_cpu_path(model_dir: Path,
 
 def test_cpu_and_emulated_cuda_int4_attention_agree(model_dir: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """One cache state, as an engine leaves it mid-run (sealed blocks and window blocks): the
-    numba attention over its Int4Layers and the emulated CUDA kernels give one answer."""
+    """One cache state, as an engine leaves it mid-run (sealed blocks and window blocks) with a
+    window of one block: each decode row's own block in its slot, every earlier one sealed (the
+    two rules read every block alike). The numba attention over its Int4Layers and the
+    emulated CUDA kernels give one answer."""
     rng = np.random.default_rng(5)
     config = ModelConfig.from_dir(model_dir)
     heads, kv_heads, dim = config.num_heads, config.num_kv_heads, config.head_dim
     group = int4_group(config, BLOCK_SIZE, "cuda")
     num_blocks, num_slots = 12, 6
     cache = KVCache(1, num_blocks, BLOCK_SIZE, kv_heads, dim, "int4", num_window_slots=num_slots,
-                    int4_group=group)
+                    window_tokens=BLOCK_SIZE, int4_group=group)
     k, v, _, _ = cache.layer(0)
     tables = np.array([[4, 9, 1, 7, 0, 0], [2, 11, 5, 0, 0, 0]], np.int32)  # (S, max_blocks)
     context_lens = np.array([29, 20], np.int32)
-    window = {7: 0, 5: 1, 1: 3}  # partial last blocks and one full block still in the window
+    window = {7: 0, 5: 1}  # the partial last blocks
     for s, ctx in enumerate(context_lens.tolist()):
         for i in range(-(-ctx // BLOCK_SIZE)):
             block = int(tables[s, i])

@@ -14,7 +14,7 @@ import pytest
 
 from int4_engine_runs import run
 from kvcore import kernels
-from kvcore.cache.int4_window import ASSIGN, COPY, SEAL
+from kvcore.cache.int4_window import ASSIGN, COPY, SEAL, WindowOp
 from kvcore.cache.kv_cache import KVCache
 from kvcore.device import cuda_available
 from kvcore.engine import Engine
@@ -55,7 +55,9 @@ def test_cuda_engine_with_an_int4_cache(model_dir: Path) -> None:
         assert isinstance(array, cupy.ndarray)
     got, gpu_ops = run(engine)
     want, cpu_ops = run(int4_engine(model_dir, "cpu"))
-    assert gpu_ops == cpu_ops  # the same seals, copies and slot moves
+    # the same slot moves and copies (the CPU path seals within steps, the GPU path when a
+    # slot goes back)
+    assert slot_moves(gpu_ops) == slot_moves(cpu_ops)
     assert sum(kind == SEAL for kind, _, _ in gpu_ops) >= 4
     assert any(kind == COPY for kind, _, _ in gpu_ops)
     assert engine.kv.num_prefix_hits >= BLOCK_SIZE
@@ -68,9 +70,15 @@ def test_cuda_engine_with_an_int4_cache(model_dir: Path) -> None:
     assert sum(a >= 1 for a in agree) >= 3, agree
 
 
+def slot_moves(ops: list[WindowOp]) -> list[WindowOp]:
+    return [op for op in ops if op[0] in (ASSIGN, COPY)]
+
+
 def test_device_window_ops_and_attention_match_the_cpu(model_dir: Path) -> None:
-    """Tokens written into device window slots, half the blocks sealed by one batched launch:
-    the CUDA attention over the device cache equals the CPU attention over its host copy."""
+    """Tokens written into device window slots, every block behind a decode row's own block
+    sealed by one batched launch (where the CUDA rule, a block in fp16 while it holds a slot,
+    and the CPU's rule of positions read alike): the CUDA attention over the device cache
+    equals the CPU attention over its host copy."""
     import cupy
 
     rng = np.random.default_rng(3)
@@ -89,8 +97,8 @@ def test_device_window_ops_and_attention_match_the_cpu(model_dir: Path) -> None:
         key, value = (cupy.asarray(rng.standard_normal((77, kv_heads, dim)).astype(np.float16))
                       for _ in range(2))
         kernels.reshape_and_cache(key, value, k, v, cupy.asarray(slots))
-    cache.apply_window_ops([(SEAL, 4, 7), (SEAL, 1, 0), (SEAL, 2, 5)])  # the full blocks
-    assert cupy.asnumpy(cache.window_slot)[[4, 1, 2, 0, 5, 3]].tolist() == [-1] * 3 + [3, 2, 1]
+    cache.apply_window_ops([(SEAL, 4, 7), (SEAL, 1, 0), (SEAL, 2, 5), (SEAL, 5, 2)])
+    assert cupy.asnumpy(cache.window_slot)[[4, 1, 2, 5, 0, 3]].tolist() == [-1] * 4 + [3, 1]
     query = rng.standard_normal((2, heads, dim)).astype(np.float16)
     meta = dict(block_tables=tables, context_lens=context_lens,
                 query_start_loc=np.array([0, 1, 2], np.int32), scale=dim ** -0.5)

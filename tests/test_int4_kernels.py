@@ -1,7 +1,7 @@
 """The int4 KV cache's CPU kernels: the numba sealing quantizer is bit-exact with the format's
 NumPy reference (kvcore.cache.int4), and the compiled attention, the NumPy attention and a
-float64 computation over the dequantized cache agree on fresh random problems whose blocks are
-partly sealed, partly open (fp16 window)."""
+float64 computation over the dequantized cache agree on fresh random problems, each query row
+reading its own super-block from the fp16 window and every earlier block sealed."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvcore.cache import int4
-from kvcore.kernels import cpu, cpu_numba, int4_kv, int4_numba
+from kvcore.kernels import cpu, cpu_numba, int4_numba
 from kvcore.kernels.int4_kv import Int4Layer
 
 pytestmark = pytest.mark.skipif(cpu_numba.compiled() is None, reason="numba is not installed")
@@ -74,11 +74,14 @@ def test_random_blocks_give_the_reference_bytes(seed: int) -> None:
     assert_exact(block, group)
 
 
-def int4_problem(rng: np.random.Generator, context_lens: list[int], heads: int, dim: int,
-                 bs: int, group: int) -> tuple[Int4Layer, Int4Layer, np.ndarray, list, list]:
-    """Sequences written through reshape_and_cache into open blocks, then every full block
-    sealed except a random few: (K, V, tables, float64 keys and values as the cache holds
-    them, per sequence)."""
+def int4_problem(rng: np.random.Generator, context_lens: list[int], q_lens: list[int],
+                 heads: int, dim: int, bs: int, group: int, window_blocks: int
+                 ) -> tuple[Int4Layer, Int4Layer, np.ndarray, list, list]:
+    """Sequences written through reshape_and_cache into window slots, every full block sealed
+    (its rows valid) and its slot kept only where some query row reads it in fp16 (its own
+    super-block: kvcore.cache.int4_window's rule), the others' slots poisoned with NaN: (K, V,
+    tables, and per sequence the float64 keys and values each query row reads, (q_len, ctx,
+    Hkv, D) as the rule of positions names them)."""
     num_blocks = sum(-(-c // bs) for c in context_lens) + 2
     perm = rng.permutation(num_blocks)
     shape = (num_blocks, bs, heads, dim)
@@ -88,8 +91,8 @@ def int4_problem(rng: np.random.Generator, context_lens: list[int], heads: int, 
     k_rows = rng.integers(0, 256, (num_blocks, int4.key_row_bytes(bs, heads, dim)), np.uint8)
     v_rows = rng.integers(0, 256, (num_blocks, int4.value_row_bytes(bs, heads, dim, group)),
                           np.uint8)
-    k = Int4Layer(k_rows, window, window_slot, True, group)
-    v = Int4Layer(v_rows, v_window, window_slot, False, group)
+    k = Int4Layer(k_rows, window, window_slot, True, group, window_blocks)
+    v = Int4Layer(v_rows, v_window, window_slot, False, group, window_blocks)
     tables = np.full((len(context_lens), max(-(-c // bs) for c in context_lens) + 1), -1,
                      np.int32)
     used = 0
@@ -102,26 +105,37 @@ def int4_problem(rng: np.random.Generator, context_lens: list[int], heads: int, 
         cpu.reshape_and_cache(rng.standard_normal((ctx, heads, dim)).astype(np.float32) * 2,
                               rng.standard_normal((ctx, heads, dim)).astype(np.float32), k, v,
                               slots)
-        for b in tables[s, :ctx // bs]:  # full blocks: most sealed
-            if rng.random() < 0.8:
-                int4_numba.seal_blocks(window.view(np.uint16), v_window.view(np.uint16), k_rows,
-                                       v_rows, np.array([b]), np.array([window_slot[b]]), group)
-                window_slot[b] = -1
+        full = tables[s, :ctx // bs].astype(np.int64)
+        int4_numba.seal_blocks(window.view(np.uint16), v_window.view(np.uint16), k_rows, v_rows,
+                               full, window_slot[full].astype(np.int64), group)
     keys, values = [], []
-    for s, ctx in enumerate(context_lens):
+    for s, (ctx, q_len) in enumerate(zip(context_lens, q_lens, strict=True)):
         blocks = tables[s, :-(-ctx // bs)]
-        keys.append(reference_blocks(k, blocks).reshape(-1, heads, dim)[:ctx])
-        values.append(reference_blocks(v, blocks).reshape(-1, heads, dim)[:ctx])
+        first_own = (ctx - q_len) // bs // window_blocks * window_blocks
+        forms = {form: (reference_blocks(k, blocks, form, ctx // bs).reshape(-1, heads, dim)[:ctx],
+                        reference_blocks(v, blocks, form, ctx // bs).reshape(-1, heads, dim)[:ctx])
+                 for form in ("sealed", "window")}
+        row_pos = np.arange(ctx - q_len, ctx)[:, None]  # (q, 1)
+        key_block = (np.arange(ctx) // bs)[None, :]  # (1, ctx)
+        own = (key_block // window_blocks == row_pos // bs // window_blocks)[..., None, None]
+        keys.append(np.where(own, forms["window"][0], forms["sealed"][0]))  # (q, ctx, H, D)
+        values.append(np.where(own, forms["window"][1], forms["sealed"][1]))
+        for b in blocks[:first_own]:  # no row reads these in fp16: no slot, NaN behind it
+            window[window_slot[b]] = v_window[window_slot[b]] = np.nan
+            window_slot[b] = -1
     return k, v, tables, keys, values
 
 
-def reference_blocks(layer: Int4Layer, blocks: np.ndarray) -> np.ndarray:
-    """float64 blocks through the format's NumPy reference dequantizer."""
+def reference_blocks(layer: Int4Layer, blocks: np.ndarray, form: str,
+                     num_full: int) -> np.ndarray:
+    """float64 blocks from their window slots ("window") or through the format's NumPy
+    reference dequantizer ("sealed"; the partial last block, past num_full, has no sealed
+    form: its slot, which no row reads sealed)."""
     _, bs, heads, dim = layer.shape
     out = []
-    for b in blocks:
+    for i, b in enumerate(blocks):
         slot = layer.window_slot[b]
-        if slot >= 0:
+        if form == "window" or i >= num_full:
             out.append(layer.window[slot].astype(np.float64))
         elif layer.is_key:
             out.append(int4.dequantize_key_block(layer.rows[b], bs, heads, dim))
@@ -132,18 +146,19 @@ def reference_blocks(layer: Int4Layer, blocks: np.ndarray) -> np.ndarray:
 
 def dense(query: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float,
           window: int | None) -> np.ndarray:
-    """float64 causal attention of the q_len queries that end a len(keys)-token sequence."""
+    """float64 causal attention of the q_len queries that end a sequence; keys and values
+    (q_len, ctx, Hkv, D): what each query row reads."""
     q_len, num_heads, _ = query.shape
-    ctx, num_kv_heads, _ = keys.shape
-    k = np.repeat(keys, num_heads // num_kv_heads, axis=1)  # (ctx, H, D)
-    v = np.repeat(values, num_heads // num_kv_heads, axis=1)
-    scores = np.einsum("qhd,khd->hqk", query.astype(np.float64), k) * scale  # (H, q, ctx)
+    ctx, num_kv_heads = keys.shape[1], keys.shape[2]
+    k = np.repeat(keys, num_heads // num_kv_heads, axis=2)  # (q, ctx, H, D)
+    v = np.repeat(values, num_heads // num_kv_heads, axis=2)
+    scores = np.einsum("qhd,qkhd->hqk", query.astype(np.float64), k) * scale  # (H, q, ctx)
     q_pos = np.arange(ctx - q_len, ctx)[:, None]
     k_pos = np.arange(ctx)[None, :]
     masked = (k_pos > q_pos) | ((k_pos <= q_pos - window) if window else False)
     scores = np.where(masked, -np.inf, scores)
     w = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    return np.einsum("hqk,khd->qhd", w / w.sum(axis=-1, keepdims=True), v)
+    return np.einsum("hqk,qkhd->qhd", w / w.sum(axis=-1, keepdims=True), v)
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -153,9 +168,11 @@ def test_compiled_numpy_and_float64_agree(seed: int) -> None:
     dim, group = [(16, 8), (64, 32), (8, 8), (128, 64)][seed % 4]
     bs = [4, 16, 1, 8][seed % 4]
     window = [None, 9, None, 40][seed % 4]
+    window_blocks = [1, 2, 3, 1][seed % 4] if seed < 4 else [2, 1, 5, 3][seed % 4]
     context_lens = [int(c) for c in rng.integers(1, 90, int(rng.integers(1, 5)))]
     q_lens = [int(rng.choice([1, rng.integers(1, c + 1), c])) for c in context_lens]
-    k, v, tables, keys, values = int4_problem(rng, context_lens, heads, dim, bs, group)
+    k, v, tables, keys, values = int4_problem(rng, context_lens, q_lens, heads, dim, bs, group,
+                                              window_blocks)
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     query = rng.standard_normal((int(qsl[-1]), num_heads, dim)).astype(np.float32)
     args = (query, k, v, tables, np.array(context_lens, np.int32), qsl, 0.3, window)
@@ -168,17 +185,9 @@ def test_compiled_numpy_and_float64_agree(seed: int) -> None:
         np.testing.assert_allclose(reference[rows], expected, atol=3e-5, rtol=3e-5)
 
 
-def test_numpy_dequantize_matches_the_reference() -> None:
-    rng = np.random.default_rng(7)
-    k, v, tables, _, _ = int4_problem(rng, [37, 20], 2, 16, 4, 8)
-    blocks = np.unique(tables[tables >= 0])
-    np.testing.assert_array_equal(int4_kv.dequantize(k, blocks), reference_blocks(k, blocks))
-    np.testing.assert_array_equal(int4_kv.dequantize(v, blocks), reference_blocks(v, blocks))
-
-
 def test_a_write_into_a_sealed_block_is_refused() -> None:
     rng = np.random.default_rng(3)
-    k, v, tables, _, _ = int4_problem(rng, [8], 1, 8, 4, 8)
+    k, v, tables, _, _ = int4_problem(rng, [8], [1], 1, 8, 4, 8, 1)
     sealed = [b for b in tables[0, :2] if k.window_slot[b] < 0]
     if not sealed:
         k.window_slot[tables[0, 0]] = -1

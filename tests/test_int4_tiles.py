@@ -16,7 +16,7 @@ from kvcore.kernels import cpu, cpu_numba
 pytestmark = pytest.mark.skipif(cpu_numba.compiled() is None, reason="numba is not installed")
 
 if cpu_numba.compiled() is not None:
-    from kvcore.kernels import attention_numba, int4_tiles
+    from kvcore.kernels import int4_tiles
 
 # (num_heads, num_kv_heads, head_dim, block_size, rows): GQA 3 (a lone third vector), MQA 8,
 # and one head per KV head (every vector lone)
@@ -109,17 +109,17 @@ def test_values_match_float64(num_heads: int, num_kv_heads: int, head_dim: int, 
 
 
 @pytest.mark.parametrize("sliding_window", [None, 40])
-def test_attention_mixes_tiles_and_unpacked_blocks(sliding_window: int | None) -> None:
-    """Default-model shapes (9 heads, 3 KV heads, head_dim 64, blocks of 16, group 32):
-    decode tokens and chunks of 4 and 12 rows (12 x 3 vectors per KV head: past the tiles'
-    limit, so those items unpack), sealed and window blocks."""
+def test_attention_reads_sealed_blocks_by_tiles(sliding_window: int | None) -> None:
+    """Default-model shapes (9 heads, 3 KV heads, head_dim 64, blocks of 16, group 32, a
+    window of 2 blocks): decode tokens and chunks of 4 and 40 rows (a chunk crossing
+    super-blocks: its earlier rows read blocks from the window that its later rows read
+    sealed, through the tiles whatever the tile's size)."""
     from test_int4_kernels import dense, int4_problem
 
     rng = np.random.default_rng(29)
     context_lens = [70, 130, 49, 96]
-    q_lens = [1, 4, 12, 1]
-    assert 12 * 3 > attention_numba.TILE_VECTORS >= 4 * 3
-    k, v, tables, keys, values = int4_problem(rng, context_lens, 3, 64, 16, 32)
+    q_lens = [1, 4, 40, 1]
+    k, v, tables, keys, values = int4_problem(rng, context_lens, q_lens, 3, 64, 16, 32, 2)
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     query = rng.standard_normal((int(qsl[-1]), 9, 64)).astype(np.float32)
     args = (query, k, v, tables, np.array(context_lens, np.int32), qsl, 0.125, sliding_window)

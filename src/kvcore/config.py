@@ -248,7 +248,8 @@ class CacheConfig:
     kv_cache_memory: int | None = None  # bytes for K/V of all layers; None: a device default
     cache_dtype: str = "auto"  # "auto" = fp16 (CPU and GPU); or fp32/fp16/bf16/fp8/int4
     enable_prefix_caching: bool = True
-    # int4: the most recent tokens of a sequence kept in fp16 until their block is sealed
+    # int4: the fp16 window in tokens, rounded up to whole blocks (a super-block): a query row
+    # reads its own super-block in fp16, every earlier block sealed (cache/int4_window.py)
     int4_window_tokens: int = 32
 
     def __post_init__(self) -> None:

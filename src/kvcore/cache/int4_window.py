@@ -1,165 +1,227 @@
-"""The int4 cache's fp16 window of recent tokens: which window slot holds each open block (the
-host's bookkeeping, driven by KVCacheManager) and the ordered slot operations each step runs
-before its forward pass (KVCache.apply_window_ops).
+"""The int4 cache's fp16 window: which window slot holds each block's tokens in fp16 (the host's
+bookkeeping, driven by KVCacheManager) and the ordered slot operations each step runs.
 
-A block is open while its tokens may still be written or rolled back: every block handed out
-for writing gets a slot, and its tokens go there in fp16. It is sealed (quantized into its int4
-rows in every layer, its slot freed) once the tokens scheduled for its sequence pass its end by
-`window_tokens`, so a speculative draft (never counted) can never need a sealed block back; when
-its last reference drops while it is in the prefix cache; or early, when an allocation finds no
-free slot and its tokens are all written. An uncached block whose last reference drops just gives
-its slot back.
+The rule of positions (what makes a request's tokens independent of timing): with W =
+`window_blocks` (the window's tokens rounded up to whole blocks, at least one), the blocks of a
+sequence form super-blocks of W; a query row reads the blocks of its own super-block in fp16
+(their window slots) and every earlier block in its sealed int4 form (its rows), whichever step
+wrote it, whether it was a prefix-cache hit, and however the rows were batched. The host keeps
+what that rule reads valid:
+
+- every block handed out for writing gets a slot (its tokens are written there in fp16); a
+  block is "dirty" while its rows do not hold the quantized form of its slot;
+- a sequence is a fp16 user of the blocks of its current super-block (from the super-block of
+  its next row position on); a block's slot is given back once it has no user: sealed first
+  (SEAL, before the next step's forward) if dirty and still held or cached, else just dropped;
+- a step whose rows pass a super-block with dirty blocks seals them in that step, after its
+  writes and before its attention (STEP_SEAL, every layer), where the kernels do that (the CPU
+  path; `seal_in_step`): a prefill chunk crossing a super-block reads its earlier blocks both
+  ways, the earlier rows in fp16 and the later ones sealed;
+- a prefix hit ends on a super-block boundary (KVCacheManager), so a hit is only ever read
+  sealed.
+
+The GPU kernels read a block in fp16 while it holds a slot (they do not seal within a step):
+the same data, with no promise about which form a row sees.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
 # one slot operation, (kind, a, b); executed in order, before the step's forward pass
 WindowOp = tuple[int, int, int]
 ASSIGN = 0  # (block_id, slot): the block's tokens live in the slot from now on
-SEAL = 1  # (block_id, slot): quantize the slot into the block's rows; the block reads its rows
+SEAL = 1  # (block_id, slot): quantize the slot into the block's rows, then drop the slot
 COPY = 2  # (src_slot, dst_slot): copy-on-write of an open block's tokens
-RELEASE = 3  # (block_id, slot): the block's data is dead; it no longer names the slot
+RELEASE = 3  # (block_id, slot): the block no longer names the slot (rows valid, or dead)
+# (block_id, slot): quantize the slot into the block's rows in this step's forward, after its
+# writes and before its attention (every layer); the block keeps its slot
+STEP_SEAL = 4
+
+
+def window_blocks(window_tokens: int, block_size: int) -> int:
+    """Blocks per super-block: the window's tokens rounded up to whole blocks, at least one
+    (a row's own block is always read in fp16: a partial block cannot be sealed)."""
+    return max(1, math.ceil(window_tokens / block_size))
 
 
 def num_window_slots(max_num_seqs: int, window_tokens: int, block_size: int,
                      max_num_batched_tokens: int) -> int:
-    """The window's blocks: each running sequence's last ceil(R / bs) + 1 blocks (its window
-    and its partial last block, at least 2) and the blocks one step's max_num_batched_tokens
-    open. That is never too few: open blocks whose tokens are all written can always be
-    sealed early (KVCacheManager seals them when an allocation is short of slots, shrinking
-    the window under pressure), and what cannot be sealed, each sequence's blocks from its
-    last written token to the end of this step's tokens (drafts included), is below
-    2 x max_num_seqs + max_num_batched_tokens / bs blocks. Forks count in max_num_seqs."""
+    """The window's blocks: each running sequence's current super-block (window_blocks W)
+    plus one, and the blocks one step's max_num_batched_tokens open. That is enough: a
+    sequence's slots when a step is scheduled are its super-block's (at most W) and the
+    step's new blocks (at most its tokens / bs + 1); the slots of blocks behind every user's
+    super-block are given back when the step before is launched. Forks count in
+    max_num_seqs; a shortage anyway is met like a shortage of blocks (preemption)."""
     for name, value in (("max_num_seqs", max_num_seqs), ("block_size", block_size),
                         ("max_num_batched_tokens", max_num_batched_tokens)):
         if value <= 0:
             raise ValueError(f"{name} must be >= 1, got {value}")
     if window_tokens < 0:
         raise ValueError(f"window_tokens must be >= 0, got {window_tokens}")
-    per_seq = max(math.ceil(window_tokens / block_size) + 1, 2)
+    per_seq = window_blocks(window_tokens, block_size) + 1
     return max_num_seqs * per_seq + math.ceil(max_num_batched_tokens / block_size)
 
 
 class WindowSlots:
-    """Host bookkeeping of the window slots: the slot of each open block, the free slots, and
-    the operations recorded since the last step took them."""
+    """Host bookkeeping of the window slots: the slot of each block that holds one, which
+    blocks are dirty (rows stale), each block's fp16 users, the free slots, and the operations
+    recorded since the last step took them."""
 
     def __init__(self, num_blocks: int, num_slots: int, block_size: int,
-                 window_tokens: int) -> None:
+                 window_tokens: int, seal_in_step: bool = True) -> None:
         if num_slots <= 0:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         if window_tokens < 0:
             raise ValueError(f"window_tokens must be >= 0, got {window_tokens}")
         self.num_slots, self.block_size, self.window_tokens = num_slots, block_size, window_tokens
-        self.slot_of: list[int | None] = [None] * num_blocks  # None: sealed or never written
+        self.window_blocks = window_blocks(window_tokens, block_size)
+        self.seal_in_step = seal_in_step  # the kernels seal within a step (STEP_SEAL)
+        self.slot_of: list[int | None] = [None] * num_blocks  # None: no slot (rows only)
+        self.dirty = [False] * num_blocks  # the rows do not hold the slot's quantized tokens
+        self.users = [0] * num_blocks  # sequences that may still read the block in fp16
         self._free = list(range(num_slots - 1, -1, -1))  # a stack: slot 0 is handed out first
         self._ops: list[WindowOp] = []
-        # the cache manager's seal pass, run when a step takes its operations (the tokens it
-        # scheduled are written before the next step's operations run)
+        self._step_seals: list[WindowOp] = []  # the launched step's, from the launch pass
+        # the cache manager's pass over its sequences, run when a step takes its operations
+        # (the step's in-step seals, the slots its sequences no longer read)
         self.on_take: Callable[[], None] | None = None
         self.num_shortages = 0  # allocations refused for want of a slot (sized to stay 0)
-        self.num_early_seals = 0  # blocks sealed inside the window for want of a slot
 
     @property
     def num_free_slots(self) -> int:
         return len(self._free)
 
     def open(self, block_id: int) -> None:
-        """A block handed out for writing: give it a slot."""
+        """A block handed out for writing: give it a slot; its writer is its one fp16 user."""
         assert self.slot_of[block_id] is None, f"block {block_id} is already open"
         slot = self._free.pop()
         self.slot_of[block_id] = slot
+        self.dirty[block_id] = True
+        self.users[block_id] = 1
         self._ops.append((ASSIGN, block_id, slot))
 
     def copy(self, src_block: int, dst_block: int) -> None:
-        """Copy-on-write of an open block into a just opened one."""
+        """Copy-on-write of a block's tokens into a just opened one."""
         src, dst = self.slot_of[src_block], self.slot_of[dst_block]
-        assert src is not None and dst is not None, "copy-on-write of a sealed block"
+        assert src is not None and dst is not None, "copy-on-write of a block without a slot"
         self._ops.append((COPY, src, dst))
 
-    def seal(self, block_id: int) -> None:
-        """Quantize an open block into its rows and free its slot (no-op if sealed)."""
-        slot = self.slot_of[block_id]
-        if slot is not None:
-            self._ops.append((SEAL, block_id, slot))
-            self._free.append(slot)
-            self.slot_of[block_id] = None
+    def written(self, block_id: int) -> None:
+        """The step being scheduled writes tokens of this block (its slot)."""
+        assert self.slot_of[block_id] is not None, f"a write into block {block_id} without a slot"
+        self.dirty[block_id] = True
 
-    def retire(self, block_id: int, cached: bool) -> None:
-        """The block's last reference dropped: sealed if the prefix cache keeps it (a later
-        hit reads it, self-contained), else its slot is just freed."""
+    def step_seal(self, block_id: int) -> None:
+        """Rows of the step being launched read this block sealed: seal it in the step if
+        its rows are stale (no-op otherwise, or where the kernels do not seal in steps)."""
+        slot = self.slot_of[block_id]
+        if self.seal_in_step and slot is not None and self.dirty[block_id]:
+            self._step_seals.append((STEP_SEAL, block_id, slot))
+            self.dirty[block_id] = False
+
+    def add_user(self, block_id: int) -> None:
+        assert self.slot_of[block_id] is not None, f"block {block_id} has no slot to read"
+        self.users[block_id] += 1
+
+    def drop_user(self, block_id: int, held: bool, cached: bool) -> None:
+        """A sequence no longer reads the block in fp16; at the last user the slot is given
+        back (`held`: some sequence still holds the block; `cached`: it is in the prefix
+        cache)."""
+        assert self.users[block_id] > 0, f"block {block_id} has no fp16 user to drop"
+        self.users[block_id] -= 1
+        if self.users[block_id] == 0:
+            self.give_back(block_id, keep_rows=held or cached)
+
+    def dropped(self, block: Any, user: bool) -> None:
+        """A sequence dropped its reference to a pool block (`user`: it was one of the block's
+        fp16 users): the slot goes back once no sequence reads the block in fp16, sealed if
+        the block stays readable (held by others or in the prefix cache)."""
+        cached = block.block_hash is not None
+        if user:
+            self.drop_user(block.block_id, held=block.ref_count > 0, cached=cached)
+        elif block.ref_count == 0:
+            self.give_back(block.block_id, keep_rows=cached)
+
+    def give_back(self, block_id: int, keep_rows: bool) -> None:
+        """Free the block's slot (no-op without one): its rows are sealed first if they are
+        to be read (`keep_rows`) and stale; otherwise its data is just dropped."""
         slot = self.slot_of[block_id]
         if slot is None:
             return
-        if cached:
-            self.seal(block_id)
-        else:
-            self._ops.append((RELEASE, block_id, slot))
-            self._free.append(slot)
-            self.slot_of[block_id] = None
+        assert self.users[block_id] == 0, f"block {block_id} still has fp16 users"
+        self._ops.append((SEAL if keep_rows and self.dirty[block_id] else RELEASE, block_id,
+                          slot))
+        self._free.append(slot)
+        self.slot_of[block_id] = None
+        self.dirty[block_id] = False
 
     def take_ops(self) -> list[WindowOp]:
-        """The operations for the step being launched (everything recorded since the last
-        take), then the seal pass for the tokens it writes (into the next step's operations)."""
+        """The operations for the step being launched: everything recorded since the last
+        take, then the in-step seals of the manager's launch pass; the slots the pass gives
+        back (rows its sequences' next rows no longer read in fp16) go into the next step's
+        operations (this step may still write and read them)."""
         ops, self._ops = self._ops, []
         if self.on_take is not None:
             self.on_take()
-        return ops
+        step_seals, self._step_seals = self._step_seals, []
+        return ops + step_seals
 
     def num_open_blocks(self) -> int:
         return sum(slot is not None for slot in self.slot_of)
 
 
 class WindowedSequence(Protocol):
-    """What the seal passes read of a sequence of the cache manager."""
+    """What the launch pass reads of a sequence of the cache manager."""
 
-    block_ids: list[int | None]  # the block table (None: released by a sliding window)
+    blocks: list[Any]  # the block table (Block or None: released by a sliding window)
+    num_tokens: int  # tokens with a slot (the step's drafts included)
     num_scheduled: int  # tokens the steps scheduled so far write (drafts excluded)
     num_written: int  # of those, the tokens of the steps already launched
-    num_sealed: int  # leading blocks the seal pass has been through
+    num_clean: int  # leading blocks the in-step seal pass has been through
+    fp16_start: int  # blocks from here on: this sequence is one of their fp16 users
 
 
-def seal_behind_window(window: WindowSlots, seqs: Iterable[WindowedSequence],
-                       block_size: int) -> None:
-    """When a step is launched: its tokens count as written, and every open block that ends
-    at least window_tokens before a sequence's written tokens is sealed (next step)."""
+def launch_pass(window: WindowSlots, seqs: Iterable[WindowedSequence], block_size: int) -> None:
+    """When a step is launched, for every sequence: the dirty blocks behind the super-block
+    of its last row are sealed in the step (its later rows read them sealed); its launched
+    tokens count as written; it stops being a fp16 user of the blocks behind the super-block
+    of its next row (their slots go back once no user is left)."""
+    span = window.window_blocks * block_size  # tokens per super-block
     for seq in seqs:
+        if seq.num_tokens:
+            cut = (seq.num_tokens - 1) // span * window.window_blocks
+            for block in seq.blocks[seq.num_clean:cut]:
+                if block is not None:
+                    window.step_seal(block.block_id)
+            seq.num_clean = max(seq.num_clean, cut)
         seq.num_written = seq.num_scheduled
-        limit = (seq.num_written - window.window_tokens) // block_size  # blocks ending by then
-        for block_id in seq.block_ids[seq.num_sealed:limit]:
-            if block_id is not None:
-                window.seal(block_id)
-        seq.num_sealed = max(seq.num_sealed, limit)
-
-
-def seal_early(window: WindowSlots, seqs: Iterable[WindowedSequence], block_size: int,
-               num_needed: int) -> None:
-    """Short of slots: seal open blocks whose tokens the launched steps all wrote, even inside
-    the window, until num_needed slots are free (the window shrinks under pressure rather than
-    an allocation failing; never a block that may still hold a draft)."""
-    for seq in seqs:
-        for block_id in seq.block_ids[seq.num_sealed:seq.num_written // block_size]:
-            if window.num_free_slots >= num_needed:
-                return
-            if block_id is not None and window.slot_of[block_id] is not None:
-                window.seal(block_id)
-                window.num_early_seals += 1
+        start = min(seq.num_written // span * window.window_blocks, len(seq.blocks))
+        for block in seq.blocks[seq.fp16_start:start]:
+            if block is not None:
+                window.drop_user(block.block_id, held=block.ref_count > 0,
+                                 cached=block.block_hash is not None)
+        seq.fp16_start = max(seq.fp16_start, start)
 
 
 def batch_window_ops(ops: Iterable[WindowOp]
-                     ) -> tuple[list[tuple[int, list[tuple[int, int]]]], dict[int, int]]:
-    """Operations in order -> (stages, table): stages run in order, each (SEAL, [(block_id,
-    slot)]) or (COPY, [(src_slot, dst_slot)]), consecutive operations of one kind merged into
-    one launch while they cannot see each other's writes; table: each touched block's final
-    window_slot value (-1: sealed or released). Seals and copies name their slots, so the
-    table is written once, after them."""
+                     ) -> tuple[list[tuple[int, list[tuple[int, int]]]], dict[int, int],
+                                list[tuple[int, int]]]:
+    """Operations in order -> (stages, table, step seals): stages run in order, each (SEAL,
+    [(block_id, slot)]) or (COPY, [(src_slot, dst_slot)]), consecutive operations of one kind
+    merged into one launch while they cannot see each other's writes; table: each touched
+    block's final window_slot value (-1: sealed or released). Seals and copies name their
+    slots, so the table is written once, after them. Step seals: the (block_id, slot) pairs
+    the step's forward seals after its writes."""
     stages: list[tuple[int, list[tuple[int, int]]]] = []
     table: dict[int, int] = {}
+    step_seals: list[tuple[int, int]] = []
     for kind, a, b in ops:
+        if kind == STEP_SEAL:
+            step_seals.append((a, b))
+            continue
         if kind == ASSIGN:
             table[a] = b
             continue
@@ -180,4 +242,4 @@ def batch_window_ops(ops: Iterable[WindowOp]
             stage = []
             stages.append((kind, stage))
         stage.append((a, b))
-    return stages, table
+    return stages, table, step_seals

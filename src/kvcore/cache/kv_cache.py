@@ -51,8 +51,9 @@ class KVCache:
     int4 (kvcore.cache.int4's format): each layer's K and V are rows (num_blocks, row_bytes) of
     sealed blocks, beside an fp16 window (num_window_slots, block_size, Hkv, D) that holds the
     tokens of open blocks, and one window_slot table (num_blocks,) int32 shared by K, V and every
-    layer (-1: sealed). `window` keeps the host's bookkeeping; the steps run its operations
-    (apply_window_ops) before their forward pass.
+    layer (-1: no slot, the rows hold the block). `window` keeps the host's bookkeeping; the
+    steps run its operations (apply_window_ops) before their forward pass, and the forward
+    seals `step_seals` after its writes (kvcore.cache.int4_window's rule of positions).
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
@@ -98,8 +99,6 @@ class KVCache:
             raise ValueError(f"num_window_slots must be >= 1 for an int4 cache, "
                              f"got {num_window_slots!r}")
         self.int4_group = group
-        self.window = WindowSlots(self.num_blocks, num_window_slots, self.block_size,
-                                  window_tokens)
         xp, bs, heads, dim = self.xp, self.block_size, self.num_kv_heads, self.head_dim
         k_bytes = int4.key_row_bytes(bs, heads, dim)
         v_bytes = int4.value_row_bytes(bs, heads, dim, group)
@@ -113,6 +112,12 @@ class KVCache:
         self.value_windows: list[Any] = [xp.zeros(window_shape, np.float16)
                                          for _ in range(self.num_layers)]
         self.window_slot = xp.full(self.num_blocks, -1, np.int32)  # (num_blocks,) all layers
+        # the CPU kernels seal within a step (the rule of positions); the CUDA kernels read a
+        # block in fp16 while it has a slot and seal only before a step
+        self.window = WindowSlots(self.num_blocks, num_window_slots, self.block_size,
+                                  window_tokens,
+                                  seal_in_step=not kernels.uses_cuda_kernels(self.window_slot))
+        self.step_seals = np.zeros((0, 2), np.int64)  # (M, 2) this step's (block_id, slot)
 
     def _scales(self, name: str, scales: Sequence[float] | None) -> list[float]:
         if scales is None:
@@ -143,10 +148,11 @@ class KVCache:
         """(k_cache, v_cache, k_scale, v_scale) of one layer; int4: two Int4Layers."""
         if self.window is not None:
             slots, group = self.window_slot, self.int4_group
+            blocks, seals = self.window.window_blocks, self.step_seals
             return (Int4Layer(self.key_caches[layer_id], self.key_windows[layer_id], slots, True,
-                              group),
+                              group, blocks, seals),
                     Int4Layer(self.value_caches[layer_id], self.value_windows[layer_id], slots,
-                              False, group), 1.0, 1.0)
+                              False, group, blocks, seals), 1.0, 1.0)
         return (self.key_caches[layer_id], self.value_caches[layer_id],
                 self.k_scales[layer_id], self.v_scales[layer_id])
 
@@ -162,17 +168,21 @@ class KVCache:
         kernels.copy_blocks(self.key_caches, [] if self.shared_kv else self.value_caches,
                             self.xp.asarray(mapping))
 
-    def take_window_ops(self) -> list[WindowOp]:
+    def take_window_ops(self) -> list[WindowOp] | None:
         """An int4 cache's window operations for the step being launched (see WindowSlots);
-        [] for the other dtypes. Called once per step, where the step is built."""
-        return [] if self.window is None else self.window.take_ops()
+        None for the other dtypes. Called once per step, where the step is built; every step
+        of an int4 cache applies its list (apply_window_ops), even an empty one."""
+        return None if self.window is None else self.window.take_ops()
 
     def apply_window_ops(self, ops: Sequence[WindowOp]) -> None:
-        """Run window operations in order: slot assignments, copies (of the fp16 window, every
-        layer), seals (each block's slot quantized into its rows, every layer) and releases.
-        Batched (int4_window.batch_window_ops): one launch per run of seals or copies and one
-        write of the window_slot table, however many operations (on cuda: few small copies)."""
-        stages, table = batch_window_ops(ops)
+        """Run a step's window operations in order, before its forward pass: slot
+        assignments, copies (of the fp16 window, every layer), seals (each block's slot
+        quantized into its rows, every layer) and releases; its in-step seals become
+        `step_seals`, which the forward runs after its writes (kvcore.kernels.cpu). Batched
+        (int4_window.batch_window_ops): one launch per run of seals or copies and one write of
+        the window_slot table, however many operations (on cuda: few small copies)."""
+        stages, table, step_seals = batch_window_ops(ops)
+        self.step_seals = np.array(step_seals, np.int64).reshape(-1, 2)  # (M, 2)
         for kind, pairs in stages:
             # host pairs: the CUDA wrappers check them on the host before they upload them
             mapping = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)  # (M, 2)

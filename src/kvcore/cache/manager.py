@@ -5,8 +5,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 
-from kvcore.cache.block_pool import Block, BlockHash, BlockPool, salt_key
-from kvcore.cache.int4_window import WindowSlots, seal_behind_window, seal_early
+from kvcore.cache.block_pool import Block, BlockPool, salt_key
+from kvcore.cache.int4_window import WindowSlots, launch_pass
+from kvcore.cache.seq_blocks import SeqBlocks
 
 CopyOp = tuple[int, int]  # (src_block_id, dst_block_id), executed by the runner before forward
 # a token sampled on the device whose id the host does not know yet (async scheduling): only ever
@@ -18,24 +19,6 @@ class Admission(enum.Enum):
     OK = "ok"  # the blocks are free now
     NOT_NOW = "not_now"  # fits the pool, but not enough blocks are free yet
     NEVER = "never"  # needs more blocks than the whole pool holds
-
-
-class _Sequence:
-    __slots__ = ("blocks", "block_ids", "num_tokens", "block_hashes", "salt", "num_released",
-                 "num_scheduled", "num_written", "num_sealed")
-
-    def __init__(self, salt: bytes) -> None:
-        self.blocks: list[Block | None] = []  # the block table; None = released (sliding window)
-        self.block_ids: list[int | None] = []  # the same table as ids, kept in step with blocks
-        self.num_tokens = 0  # tokens with an allocated slot
-        self.block_hashes: list[BlockHash] = []  # chain hashes of the full blocks, in order
-        self.salt = salt  # extra key of the first block's hash (tenant isolation)
-        self.num_released = 0  # leading blocks already released by the sliding window
-        # int4 window: tokens the steps scheduled so far write (drafts excluded), those of the
-        # steps already launched, and the leading blocks the seal pass has been through
-        self.num_scheduled = 0
-        self.num_written = 0
-        self.num_sealed = 0
 
 
 class KVCacheManager:
@@ -65,21 +48,26 @@ class KVCacheManager:
         self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_prefix_hits = 0  # of those, tokens served from cached blocks
         self.num_cow_copies = 0  # copy-on-write block copies handed to the runner
-        self._seqs: dict[str, _Sequence] = {}
+        self._seqs: dict[str, SeqBlocks] = {}
         self.window: WindowSlots | None = None  # an int4 cache's fp16 window (attach_window)
 
     def attach_window(self, window: WindowSlots) -> None:
-        """Drive an int4 cache's window slots: open a block handed out for writing, copy it
-        on copy-on-write, seal it behind the window or when it leaves for the prefix cache."""
+        """Drive an int4 cache's window slots (kvcore.cache.int4_window's rule of positions):
+        open a block handed out for writing, copy it on copy-on-write, mark the blocks a step
+        writes, and at each launch seal in the step what its rows read sealed and give back
+        the slots that no sequence reads in fp16 any more."""
         self.window = window
-        window.on_take = lambda: seal_behind_window(window, self._seqs.values(),
-                                                    self.block_size)
+        window.on_take = lambda: launch_pass(window, self._seqs.values(), self.block_size)
 
-    def _drop(self, block: Block) -> None:
-        """One reference less; at the last one an open block is sealed or its slot freed."""
+    def _drop(self, block: Block, user: bool = False) -> None:
+        """One reference less (`user`: the sequence was one of the block's fp16 users)."""
         self.pool.free(block)
-        if self.window is not None and block.ref_count == 0:
-            self.window.retire(block.block_id, cached=block.block_hash is not None)
+        if self.window is not None:
+            self.window.dropped(block, user)
+
+    def _user(self, seq: SeqBlocks, index: int) -> bool:
+        """Whether the sequence is a fp16 user of its block `index` (an int4 cache)."""
+        return self.window is not None and index >= seq.fp16_start
 
     @property
     def num_free_blocks(self) -> int:
@@ -96,19 +84,23 @@ class KVCacheManager:
         num_prompt = len(token_ids)
         if num_prompt == 0:
             raise ValueError(f"token_ids of seq_id {seq_id!r} must not be empty")
-        seq = _Sequence(salt_key(salt))
+        seq = SeqBlocks(salt_key(salt))
         self._seqs[seq_id] = seq
         if not self.enable_prefix_caching:
             return 0
         bs = self.block_size
         blocks, seq.block_hashes = self.pool.match_prefix(token_ids, (num_prompt - 1) // bs,
                                                           seq.salt)
+        if self.window is not None:  # whole super-blocks only: a hit is only ever read sealed
+            keep = len(blocks) // self.window.window_blocks * self.window.window_blocks
+            blocks, seq.block_hashes = blocks[:keep], seq.block_hashes[:keep]
         touch = self.pool.touch
         for block in blocks:
             touch(block)
         seq.blocks = list(blocks)
         seq.block_ids = [block.block_id for block in blocks]
         seq.num_tokens = num_cached = len(seq.blocks) * bs
+        seq.fp16_start = len(seq.blocks)
         self.num_prefix_queries += num_prompt
         self.num_prefix_hits += num_cached
         return num_cached
@@ -140,6 +132,8 @@ class KVCacheManager:
                 # the common decode step: room left in an exclusively owned last block that does
                 # not fill up, so nothing to allocate, copy or hash
                 seq.num_tokens = seq.num_scheduled = end
+                if self.window is not None:
+                    self.window.written(last.block_id)
                 return []
         if num_new_tokens <= 0:
             if num_new_tokens == 0:
@@ -153,7 +147,7 @@ class KVCacheManager:
             seq.num_scheduled = end
         return ops
 
-    def _grow(self, seq: _Sequence, token_ids: Sequence[int], start: int,
+    def _grow(self, seq: SeqBlocks, token_ids: Sequence[int], start: int,
               end: int) -> list[CopyOp] | None:
         bs = self.block_size
         blocks = seq.blocks
@@ -163,16 +157,14 @@ class KVCacheManager:
         num_alloc = num_new_blocks + (1 if copy else 0)
         window = self.window
         if window is not None and window.num_free_slots < num_alloc:
-            seal_early(window, self._seqs.values(), bs, num_alloc)
-            if window.num_free_slots < num_alloc:  # as short of blocks: preemption frees some
-                window.num_shortages += 1
-                return None
+            window.num_shortages += 1  # as short of blocks: preemption frees some
+            return None
         new = self.pool.allocate(num_alloc)
         if new is None:
             return None
         if window is not None:
             for block in new:
-                window.open(block.block_id)
+                window.open(block.block_id)  # its writer (this sequence) is its fp16 user
         ops: list[CopyOp] = []
         if copy:
             assert last is not None
@@ -181,7 +173,8 @@ class KVCacheManager:
             if window is not None:
                 window.copy(last.block_id, dst.block_id)
             self.num_cow_copies += 1
-            self.pool.free(last)  # one reference less; the other holders keep the original
+            # one reference less; the other holders keep the original
+            self._drop(last, self._user(seq, len(blocks) - 1))
             blocks[-1] = dst
             seq.block_ids[-1] = dst.block_id
             blocks.extend(new[1:])
@@ -191,6 +184,10 @@ class KVCacheManager:
             seq.block_ids.extend(block.block_id for block in new)
         written = blocks[start // bs]
         assert written is not None and written.ref_count == 1, "write into a shared block"
+        if window is not None:
+            for held in blocks[start // bs:-(-end // bs)]:
+                assert held is not None
+                window.written(held.block_id)
         seq.num_tokens = end
         known = min(end, len(token_ids))  # past it: draft tokens, hashed once accepted
         num_full = known // bs
@@ -221,33 +218,40 @@ class KVCacheManager:
                              f"{seq_id!r}, got {num_tokens}")
         num_blocks = -(-num_tokens // self.block_size)
         assert len(seq.block_hashes) <= num_blocks, "a hashed block holds a draft token"
+        window = self.window
+        if window is not None:  # drafts never count as written: the next row still reads fp16
+            span = window.window_blocks * self.block_size
+            assert num_tokens // span * window.window_blocks >= seq.fp16_start, \
+                "a rollback behind the fp16 window"
         while len(seq.blocks) > num_blocks:
             block = seq.blocks.pop()
             seq.block_ids.pop()
             if block is not None:
-                # drafts are never sealed: a rolled back block is still open
-                assert self.window is None or self.window.slot_of[block.block_id] is not None
-                self._drop(block)
+                self._drop(block, self._user(seq, len(seq.blocks)))
         seq.num_tokens = num_tokens
         seq.num_scheduled = min(seq.num_scheduled, num_tokens)
         seq.num_written = min(seq.num_written, num_tokens)
+        seq.num_clean = min(seq.num_clean, num_tokens // self.block_size)
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares every block of the parent (refcount + 1); writes copy on demand."""
         parent = self._seqs[parent_id]
         if child_id in self._seqs:
             raise ValueError(f"child_id {child_id!r} is already allocated")
-        child = _Sequence(parent.salt)
+        child = SeqBlocks(parent.salt)
         child.blocks = list(parent.blocks)
         child.block_ids = list(parent.block_ids)
         child.num_tokens = parent.num_tokens
         child.block_hashes = list(parent.block_hashes)
         child.num_released = parent.num_released
-        child.num_scheduled, child.num_sealed = parent.num_scheduled, parent.num_sealed
-        child.num_written = parent.num_written
-        for block in child.blocks:
+        child.num_scheduled, child.num_written = parent.num_scheduled, parent.num_written
+        child.num_clean, child.fp16_start = parent.num_clean, parent.fp16_start
+        for i, block in enumerate(child.blocks):
             if block is not None:
                 block.ref_count += 1
+                if self._user(child, i):
+                    assert self.window is not None
+                    self.window.add_user(block.block_id)
         self._seqs[child_id] = child
 
     def free(self, seq_id: str, uncache: bool = False, num_computed: int | None = None) -> None:
@@ -267,7 +271,7 @@ class KVCacheManager:
                 continue
             if i >= first_dirty and block.ref_count == 1:
                 pool.uncache(block)
-            self._drop(block)
+            self._drop(block, self._user(seq, i))
 
     def release_outside_window(self, seq_id: str, num_computed_tokens: int) -> None:
         """Free the blocks whose every position is <= num_computed_tokens - sliding_window: the next
@@ -286,7 +290,7 @@ class KVCacheManager:
         for i in range(seq.num_released, num_out):
             block = seq.blocks[i]
             assert block is not None
-            self._drop(block)
+            self._drop(block, self._user(seq, i))
             seq.blocks[i] = None
             seq.block_ids[i] = None
         seq.num_released = max(seq.num_released, num_out)

@@ -63,7 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--int4-group", type=int, default=int4.DEFAULT_GROUP, metavar="G",
                         help=f"int4 value channels per scale (default {int4.DEFAULT_GROUP})")
     parser.add_argument("--int4-window", type=int, default=INT4_WINDOW, metavar="R",
-                        help=f"recent tokens an int4 cache keeps in fp16 (default {INT4_WINDOW})")
+                        help=f"an int4 cache's fp16 window in tokens, rounded up to whole blocks "
+                             f"(default {INT4_WINDOW})")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bars on stderr")
@@ -201,8 +202,8 @@ def format_table(results: dict[str, Any]) -> str:
     for row in results["rows"]:
         if row["int4"]:
             lines.append(f"{row['variant']}: the int4 cache, values in groups of "
-                         f"{row['int4']['group']}, the {row['int4']['window']} most recent tokens "
-                         "in fp16, fed one block per step")
+                         f"{row['int4']['group']}, a {row['int4']['window']}-token fp16 window "
+                         "(a row's own super-block in fp16, earlier blocks sealed)")
     for i in range(max((len(r["greedy"]) for r in results["rows"]), default=0)):
         lines.append(f"\nchat prompt {i + 1}:")
         for row in results["rows"]:

@@ -72,8 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="auto (fp16), fp32, fp16, bf16, fp8 or int4 (4-bit blocks "
                              "beside an fp16 window of recent tokens)")
     parser.add_argument("--kv-int4-window", type=int, default=32, metavar="TOKENS",
-                        help="int4: the most recent tokens of a sequence kept in fp16 until "
-                             "their block is sealed (default 32)")
+                        help="int4: the fp16 window, rounded up to whole blocks: a query row "
+                             "reads its own super-block of that many blocks in fp16, earlier "
+                             "blocks sealed (default 32)")
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                         action="store_false", help="turn the prefix cache off")
     parser.add_argument("--max-waiting", type=int, metavar="N",

@@ -122,7 +122,7 @@ class ModelRunner:
                 ids = prev.device_ids()  # the previous step's samples (stream order: done)
                 batch.input_ids[pending] = 0  # any valid id: the model's device fills them in
                 model_fill = InputFill(pending, ids[array_module(ids).asarray(src)])  # (P,)
-            if window_ops:
+            if window_ops is not None:  # int4: every step, its in-step seals replaced
                 kv_cache.apply_window_ops(window_ops)
             if tier_ops is not None:
                 tier_ops()

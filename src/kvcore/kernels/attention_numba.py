@@ -37,16 +37,12 @@ from kvcore.kernels.numba_simd import LANES
 from kvcore.kernels.numba_tiles import tile_scores, tile_values
 
 # an int4 cache's fp16 window (K, V: (num_slots, bs, Hkv, D) as uint16 bits), its block ->
-# window slot table (num_blocks,) and the V rows' group; placeholders for the other dtypes
-Int4Args = tuple[np.ndarray, np.ndarray, np.ndarray, int]
+# window slot table (num_blocks,), the V rows' group and its blocks per super-block (a row reads
+# its own super-block from the window, every earlier block sealed); placeholders (0 blocks per
+# super-block) for the other dtypes
+Int4Args = tuple[np.ndarray, np.ndarray, np.ndarray, int, int]
 ROWS_PER_TILE = 16  # query rows of a prefill chunk per item: 16 x group vectors share each block
-MIN_SPLIT_KEYS = 256  # a key range is split only into pieces at least this long
-# sealed int4 blocks are read in place (kvcore.kernels.int4_tiles) by items of at most this
-# many query vectors per KV head: past it, converting a block's codes once per pair or four of
-# vectors costs more than unpacking it once (measured: 18 vectors 0.86x the unpacking's time,
-# 30 about even, 48 1.17x)
-TILE_VECTORS = 24
-ITEMS_PER_THREAD = 8  # split key ranges until the batch has about this many items per thread
+SPLIT_KEYS = 256  # key ranges are cut at the multiples of this (rounded up to whole blocks)
 
 
 ERRORS = ("", "a sequence has more query tokens than its context_lens (or fewer than 0)",
@@ -74,24 +70,39 @@ def check_batch(block_tables: np.ndarray, context_lens: np.ndarray, query_start_
     return 0
 
 
+@njit(cache=True, inline="always")
+def _tile_end(first_pos: int, r0: int, q_len: int, span: int) -> int:
+    """The end row of the tile starting at row r0: ROWS_PER_TILE rows, cut at the next
+    super-block boundary (span tokens; 0: none), so a tile's rows read every block alike."""
+    r1 = min(q_len, r0 + ROWS_PER_TILE)
+    if span > 0:
+        r1 = min(r1, ((first_pos + r0) // span + 1) * span - first_pos)
+    return r1
+
+
 @njit(cache=True)
 def work_items(context_lens: np.ndarray, query_start_loc: np.ndarray, block_size: int,
-               window: int, threads: int) -> tuple[np.ndarray, np.ndarray, int]:
+               window: int, span: int) -> tuple[np.ndarray, np.ndarray, int]:
     """(items (W, 6) int64: seq, row0, row1, key0, key1, offset of its partial rows;
     groups (N, 4) int64: first query row in T, rows, first item, end item; partial rows).
-    Rows are relative to the sequence's chunk; an item covers every head."""
+    Rows are relative to the sequence's chunk; an item covers every head; an int4 cache's
+    tiles end at super-block boundaries (span: its tokens per super-block; 0 for the other
+    dtypes). Key ranges are cut at fixed positions (SPLIT_KEYS), never by the batch's size: a
+    row's pieces are its own."""
     num_seqs = context_lens.shape[0]
     total_keys = 0
     num_groups = 0
     for s in range(num_seqs):
         q_len = query_start_loc[s + 1] - query_start_loc[s]
         first_pos = context_lens[s] - q_len
-        for r0 in range(0, q_len, ROWS_PER_TILE):
+        r0 = 0
+        while r0 < q_len:
+            r1 = _tile_end(first_pos, r0, q_len, span)
             lo = max(0, first_pos + r0 - window + 1) if window > 0 else 0
-            total_keys += first_pos + min(q_len, r0 + ROWS_PER_TILE) - lo
+            total_keys += first_pos + r1 - lo
             num_groups += 1
-    split = max(MIN_SPLIT_KEYS, -(-total_keys // (ITEMS_PER_THREAD * threads)))
-    split = -(-split // block_size) * block_size  # whole blocks per piece
+            r0 = r1
+    split = -(-SPLIT_KEYS // block_size) * block_size  # whole blocks per piece
     groups = np.empty((num_groups, 4), np.int64)  # (N, 4)
     items = np.empty((num_groups + total_keys // split + num_groups, 6), np.int64)  # (W, 6)
     g = 0
@@ -100,8 +111,9 @@ def work_items(context_lens: np.ndarray, query_start_loc: np.ndarray, block_size
     for s in range(num_seqs):
         q_len = query_start_loc[s + 1] - query_start_loc[s]
         first_pos = context_lens[s] - q_len
-        for r0 in range(0, q_len, ROWS_PER_TILE):
-            r1 = min(q_len, r0 + ROWS_PER_TILE)
+        r0 = 0
+        while r0 < q_len:
+            r1 = _tile_end(first_pos, r0, q_len, span)
             lo = max(0, first_pos + r0 - window + 1) if window > 0 else 0
             hi = first_pos + r1
             groups[g, 0] = query_start_loc[s] + r0
@@ -121,6 +133,7 @@ def work_items(context_lens: np.ndarray, query_start_loc: np.ndarray, block_size
                 k0 = k1
             groups[g, 3] = w
             g += 1
+            r0 = r1
     return items[:w], groups, offset
 
 
@@ -137,7 +150,7 @@ def _attend_item(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     unpacked from their rows or widened from their fp16 window slot (int4). Keys outside the
     item's range are masked like the future."""
     s, r0, r1, k0, k1, offset = item[0], item[1], item[2], item[3], item[4], item[5]
-    k_window, v_window, window_slot, value_group = int4
+    k_window, v_window, window_slot, value_group, window_blocks = int4
     shape = (k_cache.shape if mode == MODE_FP32 else k_window.shape if mode == MODE_INT4
              else k_bits.shape)  # int4: rows as (num_blocks, 1, 1, row_bytes)
     block_size, num_kv_heads, head_dim = shape[1], shape[2], shape[3]
@@ -160,12 +173,15 @@ def _attend_item(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     simd_scores = simd_values and block_size % (LANES // 2) == 0
     # sealed int4 blocks read in place by kvcore.kernels.int4_tiles where the shapes allow:
     # queries and their weighted values in its split channel order
-    tiles = (mode == MODE_INT4 and (r1 - r0) * group <= TILE_VECTORS
-             and int4_tiles.fits(block_size, head_dim, value_group))
+    tiles = mode == MODE_INT4 and int4_tiles.fits(block_size, head_dim, value_group)
     split_queries, scaled, offsets, key_params, split_acc, value_params = \
         int4_tiles.item_scratch(queries, num_kv_heads, block_size, value_group, tiles)
     last_pos = first_pos + r1 - 1
     last_block = (k1 - 1) // block_size
+    # int4: the tile's own super-block (its rows all share it) is read from the window, every
+    # earlier block sealed
+    own_first = ((first_pos + r0) // block_size // window_blocks * window_blocks
+                 if mode == MODE_INT4 else 0)
     for b in range(k0 // block_size, last_block + 1):
         block_id = block_tables[s, b]
         if block_id < 0:  # released (outside every row's window) or padding
@@ -180,7 +196,7 @@ def _attend_item(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
         first_key = b * block_size
         t0 = max(k0, first_key) - first_key  # the item's keys in this block: [t0, t1)
         t1 = min(k1, first_key + block_size) - first_key
-        sealed_tile = tiles and window_slot[block_id] < 0
+        sealed_tile = tiles and b < own_first
         if sealed_tile:
             k_row = k_bits[block_id].reshape(k_bits.shape[3])
             int4_tiles.key_queries(split_queries, k_row, num_heads, group, block_size,
@@ -192,7 +208,7 @@ def _attend_item(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                 keys = k_cache[block_id]
             elif mode == MODE_INT4:
                 load_int4_block(k_bits, k_window, window_slot, block_id, 0, int4_params,
-                                key_block)
+                                b >= own_first, key_block)
                 keys = key_block
             else:
                 load_block(k_bits, block_id, mode, key_block)
@@ -237,7 +253,7 @@ def _attend_item(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
             values = v_cache[block_id]
         elif mode == MODE_INT4:
             load_int4_block(v_bits, v_window, window_slot, block_id, value_group, int4_params,
-                            value_block)
+                            b >= own_first, value_block)
             values = value_block
         else:
             load_block(v_bits, block_id, mode, value_block)

@@ -27,11 +27,19 @@ def reshape_and_cache(key: np.ndarray, value: np.ndarray, k_cache: np.ndarray, v
     """Write this step's K/V rows into their cache slots (slot = block_id * block_size + offset).
 
     key/value (T, Hkv, D); caches (num_blocks, block_size, Hkv, D); slot_mapping (T,), -1 = skip.
-    An int4 cache (Int4Layer) takes them into its blocks' fp16 window slots.
+    An int4 cache (Int4Layer) takes them into its blocks' fp16 window slots, then seals the
+    blocks its `step_seals` name (the rows this step's later query rows read).
     """
     if isinstance(k_cache, Int4Layer):
         assert isinstance(v_cache, Int4Layer)
         int4_kv.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+        seals = k_cache.step_seals
+        if seals is not None and len(seals):  # what this step's later rows read sealed
+            from kvcore.kernels import int4_numba
+
+            int4_numba.seal_blocks(k_cache.window.view(np.uint16), v_cache.window.view(np.uint16),
+                                   k_cache.rows, v_cache.rows, np.ascontiguousarray(seals[:, 0]),
+                                   np.ascontiguousarray(seals[:, 1]), v_cache.group)
         return
     num_tokens, num_kv_heads, head_dim = key.shape
     if value.shape != key.shape:
@@ -88,29 +96,16 @@ def paged_attention(query: np.ndarray, k_cache: np.ndarray | Int4Layer,
 
     Query i of sequence s (q_len = qsl[s+1] - qsl[s]) sits at position context_lens[s] - q_len + i
     and attends the keys at positions p' <= p (and p' > p - sliding_window). Returns (T, H, D).
-    Runs the compiled kernel (kvcore.kernels.cpu_numba) when numba is there, else NumPy's.
+    Runs the compiled kernel (kvcore.kernels.cpu_numba) when numba is there, else NumPy's (the
+    reference; its GEMMs make no promise that a row's bits are independent of the batch).
     """
     _check_attention_shapes(query, k_cache, block_tables, context_lens, query_start_loc)
     if cpu_numba.supports(query, k_cache, v_cache):
-        q_lens = np.diff(query_start_loc)
-        long_chunks = q_lens >= cpu_numba.NUMPY_CHUNK_ROWS
-        if not long_chunks.any():
-            out = cpu_numba.paged_attention(query, k_cache, v_cache, block_tables, context_lens,
-                                            query_start_loc, scale, sliding_window, k_scale,
-                                            v_scale)
-            return out.astype(query.dtype, copy=False)
-        if not long_chunks.all():  # the long chunks through NumPy's GEMMs, the rest compiled
-            out = np.empty(query.shape, np.float32)  # (T, H, D)
-            for seqs, compiled in ((np.flatnonzero(~long_chunks), True),
-                                   (np.flatnonzero(long_chunks), False)):
-                rows = np.concatenate([np.arange(query_start_loc[s], query_start_loc[s + 1])
-                                       for s in seqs])
-                starts = np.concatenate([[0], np.cumsum(q_lens[seqs])]).astype(np.int32)
-                run = cpu_numba.paged_attention if compiled else _numpy_attention
-                out[rows] = run(query[rows], k_cache, v_cache, block_tables[seqs],
-                                context_lens[seqs], starts, scale, sliding_window, k_scale,
-                                v_scale)
-            return out.astype(query.dtype, copy=False)
+        # every chunk, long or short, and every decode token through the one compiled kernel:
+        # its reduction order is per row (a row's bits never depend on the batch or the chunk)
+        out = cpu_numba.paged_attention(query, k_cache, v_cache, block_tables, context_lens,
+                                        query_start_loc, scale, sliding_window, k_scale, v_scale)
+        return out.astype(query.dtype, copy=False)
     out = _numpy_attention(query, k_cache, v_cache, block_tables, context_lens, query_start_loc,
                            scale, sliding_window, k_scale, v_scale)
     return out.astype(query.dtype, copy=False)
@@ -120,9 +115,11 @@ def _numpy_attention(query: np.ndarray, k_cache: np.ndarray | Int4Layer,
                      v_cache: np.ndarray | Int4Layer, block_tables: np.ndarray,
                      context_lens: np.ndarray, query_start_loc: np.ndarray, scale: float,
                      sliding_window: int | None, k_scale: float, v_scale: float) -> np.ndarray:
-    if isinstance(k_cache, Int4Layer):  # the blocks it reads, dequantized to float32
+    if isinstance(k_cache, Int4Layer):  # each row's blocks in the form its position names
         assert isinstance(v_cache, Int4Layer)
-        k_cache, v_cache, block_tables = int4_kv.dense_blocks(k_cache, v_cache, block_tables)
+        k_cache, v_cache, block_tables, context_lens, query_start_loc = \
+            int4_kv.positional_blocks(k_cache, v_cache, block_tables, context_lens,
+                                      query_start_loc)
     assert not isinstance(v_cache, Int4Layer)
     step = attention.plan(block_tables, context_lens, query_start_loc, k_cache.shape[1],
                           sliding_window)

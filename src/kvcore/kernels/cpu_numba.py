@@ -1,6 +1,7 @@
 """Which CPU attention runs: the compiled numba kernel (default) or the NumPy one (reference and
 fallback); the compiled kernel's checks, its disk cache and its start-up warm-up; and the
-compiled few-rows matmul (kvcore.kernels.few_rows_numba) the CPU forward uses for 2-16 rows.
+compiled float32 matmul (kvcore.kernels.matmul_numba) every float32 linear layer of the CPU
+forward runs.
 
 numba caches compiled kernels on disk (next to the source, or under $KVCORE_HOME/numba-cache when
 the package directory is read-only), so only a machine's first start compiles; `warm_up` loads
@@ -20,13 +21,14 @@ import os
 import time
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import ml_dtypes
 import numpy as np
 import structlog
 
 from kvcore.kernels.int4_kv import Int4Layer
-from kvcore.kernels.parallel import num_threads
+from kvcore.kernels.parallel import num_threads, run_parallel, split
 
 log = structlog.get_logger("kvcore.kernels")
 
@@ -38,13 +40,11 @@ CPU_CACHE_DTYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), 
 # what the kernel gets for the cache it does not read: an fp32 cache as floats, any other as bits
 _NO_FLOATS = np.zeros((1, 1, 1, 1), np.float32)
 _NO_BITS = np.zeros((1, 1, 1, 1), np.uint8)
-# the int4 arguments (window K, V, window_slot, group) of a cache that is not int4
+# the int4 arguments (window K, V, window_slot, group, blocks per super-block) of a cache
+# that is not int4
 _NO_INT4 = (np.zeros((1, 1, 1, 1), np.uint16), np.zeros((1, 1, 1, 1), np.uint16),
-            np.zeros(1, np.int32), 0)
+            np.zeros(1, np.int32), 0, 0)
 _MODE_INT4 = 4  # numba_blocks.MODE_INT4 (this module does not import numba)
-# prefill chunks of at least this many query tokens run the NumPy kernel (its GEMMs): 2,048-token
-# prefill measured 2.1x faster there on 2 cores; decode tokens and short chunks run compiled
-NUMPY_CHUNK_ROWS = 128
 _compiled: ModuleType | None = None
 _load_error: str | None = None
 _enabled = os.environ.get("KVCORE_CPU_ATTENTION", "numba") != "numpy"
@@ -159,7 +159,7 @@ def paged_attention(query: np.ndarray, k_cache: np.ndarray | Int4Layer,
         k_bits, v_bits = (layer.rows.reshape(layer.rows.shape[0], 1, 1, -1)
                           for layer in (k_cache, v_cache))
         int4 = (k_cache.window.view(np.uint16), v_cache.window.view(np.uint16),
-                k_cache.window_slot, v_cache.group)
+                k_cache.window_slot, v_cache.group, k_cache.window_blocks)
     else:
         assert not isinstance(v_cache, Int4Layer)
         k_mode, k_floats, k_bits = _cache_mode(k_cache)  # type: ignore[misc]
@@ -176,7 +176,8 @@ def paged_attention(query: np.ndarray, k_cache: np.ndarray | Int4Layer,
         raise ValueError(kernel.ERRORS[error])
     threads = num_threads()
     kernel.set_threads(threads)
-    items, groups, num_rows = kernel.work_items(lens, starts, k_cache.shape[1], window, threads)
+    span = int4[4] * k_cache.shape[1]  # int4: tokens per super-block (tiles end there)
+    items, groups, num_rows = kernel.work_items(lens, starts, k_cache.shape[1], window, span)
     out = np.empty(q.shape, np.float32)  # (T, H, D)
     kernel.run(q, k_floats, v_floats, k_bits, v_bits, k_mode, int4, tables, lens, starts, window,
                items, groups, num_rows, float(v_scale), out)
@@ -186,8 +187,7 @@ def paged_attention(query: np.ndarray, k_cache: np.ndarray | Int4Layer,
 def warm_up(cache_dtypes: tuple[np.dtype, ...] = (np.dtype(np.float32),)) -> float:
     """Load (or compile, on a machine's first start) the kernel for each cache dtype: a tiny
     mixed batch (a prefill chunk and a decode token, a sliding window) per dtype; and the
-    few-rows matmul. Returns the
-    seconds it took; logs which attention path the CPU runs."""
+    float32 matmul. Returns the seconds it took; logs which attention path the CPU runs."""
     start = time.perf_counter()
     if active():
         rng = np.random.default_rng(0)
@@ -198,7 +198,7 @@ def warm_up(cache_dtypes: tuple[np.dtype, ...] = (np.dtype(np.float32),)) -> flo
             for window in (None, 2):
                 paged_attention(query, cache, cache, tables, np.array([3, 5], np.int32),
                                 np.array([0, 3, 4], np.int32), 0.3, window, 1.0, 1.0)
-        few_rows_matmul(np.ones((2, 8), np.float32), np.ones((3, 8), np.float32))
+        matmul(np.ones((5, 20), np.float32), np.ones((3, 20), np.float32))
     seconds = time.perf_counter() - start
     log.info("CPU paged attention", path=path_name(), warm_up_s=round(seconds, 2))
     return seconds
@@ -233,28 +233,60 @@ def warm_up_int4() -> float:
         k = Int4Layer(k_rows, window, slots, True, group)
         v = Int4Layer(v_rows, window, slots, False, group)
         query = np.ones((4, 2, dim), np.float32)  # (T, H, D): 3 + 1 tokens
-        tables = np.array([[0, 1], [2, 1]], np.int32)
+        # each row's own block (one per super-block) in a slot, block 0 sealed behind it
+        tables = np.array([[1, 1], [0, 2]], np.int32)
         for sliding in (None, 2):
             paged_attention(query, k, v, tables, np.array([3, 5], np.int32),
                             np.array([0, 3, 4], np.int32), 0.3, sliding, 1.0, 1.0)
+        matmul(np.ones((5, 20), np.float32), np.ones((3, 20), np.float32))
     seconds = time.perf_counter() - start
     log.info("CPU paged attention (int4)", path=path_name(), warm_up_s=round(seconds, 2))
     return seconds
 
 
-FEW_ROWS_MAX = 16  # up to this many rows the compiled matmul beats OpenBLAS's GEMM
+ALIGNMENT = 64  # bytes: the matmul's 16-lane loads never split a cache line on such rows
+# a thread's share of a matmul must outweigh the hand-off (~0.1 ms on a 2-core VM): at least
+# this many bytes of weights x activation rows
+MIN_SHARE_BYTES = 256 << 10
 
 
-def few_rows_matmul(x: np.ndarray, weight: np.ndarray) -> np.ndarray | None:
-    """x (M, in) @ weight (out, in).T for 2 <= M <= FEW_ROWS_MAX float32 rows, compiled
-    (kvcore.kernels.few_rows_numba: 2-3x faster than OpenBLAS there, measured in
-    docs/benchmarks.md), or None when numba is off or the arrays are not float32 and
-    C-contiguous (the caller multiplies them itself)."""
-    if not (2 <= x.shape[0] <= FEW_ROWS_MAX and x.dtype == np.float32
-            and weight.dtype == np.float32 and weight.flags.c_contiguous and active()):
+def aligned(array: Any, copy: bool = False) -> np.ndarray:
+    """A C-contiguous float32 array whose data starts on a 64-byte boundary (the array itself
+    when it already does, unless `copy`): rows of a multiple of 16 floats then all start on
+    one."""
+    array = np.asarray(array)
+    if (not copy and array.dtype == np.float32 and array.flags.c_contiguous
+            and array.ctypes.data % ALIGNMENT == 0):
+        return array
+    buffer = np.empty(array.size + ALIGNMENT // 4, np.float32)
+    start = (-buffer.ctypes.data % ALIGNMENT) // 4
+    out = buffer[start:start + array.size].reshape(array.shape)
+    out[...] = array
+    return out
+
+
+def matmul(x: np.ndarray, weight: np.ndarray) -> np.ndarray | None:
+    """x (M, in) @ weight (out, in).T for float32 arrays and every M, compiled
+    (kvcore.kernels.matmul_numba: one fixed reduction order per output element, so a row's
+    result does not depend on the other rows), split over the kernel threads by output rows;
+    None when numba is off or the arrays are not float32 (the caller multiplies them itself).
+    x is copied to a 64-byte aligned buffer when it does not start on one (O(M K), against the
+    product's O(M K N))."""
+    if not (x.ndim == 2 and weight.ndim == 2 and x.dtype == np.float32
+            and weight.dtype == np.float32 and x.shape[1] == weight.shape[1] and active()):
         return None
-    from kvcore.kernels import few_rows_numba
+    from kvcore.kernels import matmul_numba
 
-    out = np.empty((x.shape[0], weight.shape[0]), dtype=np.float32)
-    few_rows_numba.matmul_into(np.ascontiguousarray(x), weight, out)
+    x, weight = aligned(x), (weight if weight.flags.c_contiguous
+                             else np.ascontiguousarray(weight))
+    num_rows, num_out = x.shape[0], weight.shape[0]
+    out = np.empty((num_rows, num_out), dtype=np.float32)  # (M, out)
+    if num_rows == 0 or num_out == 0:
+        return out
+    block = matmul_numba.OUT_BLOCK
+    num_blocks = -(-num_out // block)
+    share = max(1, MIN_SHARE_BYTES // max(1, block * weight.shape[1] * 4 * num_rows))
+    run_parallel(lambda part: matmul_numba.matmul_rows(
+        x, weight, out, part.start * block, min(num_out, part.stop * block)),
+        split(num_blocks, share))
     return out

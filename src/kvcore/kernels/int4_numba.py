@@ -196,11 +196,13 @@ def load_value_row(rows: np.ndarray, block_id: int, group: int, out: np.ndarray)
 
 @njit(fastmath=FASTMATH, cache=True)
 def load_int4_block(rows: np.ndarray, window: np.ndarray, window_slot: np.ndarray,
-                    block_id: int, group: int, params: np.ndarray, out: np.ndarray) -> None:
+                    block_id: int, group: int, params: np.ndarray, from_window: bool,
+                    out: np.ndarray) -> None:
     """Block block_id of an int4 cache's K (group 0) or V as float32 into out (bs, Hkv, D):
-    from its window slot (fp16 bits) while it is open, else from its sealed row."""
-    slot = window_slot[block_id]
-    if slot >= 0:
+    from its window slot (fp16 bits) when `from_window` (the reading row's own super-block),
+    else from its sealed row."""
+    if from_window:
+        slot = window_slot[block_id]
         src = window[slot].reshape(out.size)
         dst = out.reshape(out.size)
         for j in range(dst.shape[0]):

@@ -12,7 +12,9 @@ Channels are in "split" order (kvcore.kernels.int4_simd): per chunk of 32, the 1
 the 16 odd ones, as the low and high nibbles of the chunk's 16 code bytes. Queries are split
 once per work item, value accumulators are kept split and joined once at its end. For head_dim
 a multiple of 32, blocks a multiple of 8 keys and value groups a multiple of 32 channels (a
-chunk's scale is one number); other shapes unpack blocks (kvcore.kernels.int4_numba).
+chunk's scale is one number); other shapes unpack blocks (kvcore.kernels.int4_numba). Which path
+reads a sealed block depends on these shapes only, never on how many query rows an item holds:
+the two paths round differently, and a row must read a block the same way in any tile.
 """
 
 from __future__ import annotations

@@ -1,4 +1,8 @@
-"""Element-wise layer ops (RMSNorm, SwiGLU, rotary embedding), array-generic: NumPy or CuPy."""
+"""Element-wise layer ops (RMSNorm, SwiGLU, rotary embedding), array-generic: NumPy or CuPy.
+
+Reduction order (per row, whatever else the call holds): SwiGLU and rope are element-wise;
+RMSNorm sums each row's squares in one reduction over its own elements; large inputs are split
+into chunks and threads of whole rows. So a row's result does not depend on the batch."""
 
 from __future__ import annotations
 

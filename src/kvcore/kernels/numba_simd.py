@@ -91,6 +91,19 @@ def _muladd(typingctx: object, a: Float32x16, b: Float32x16, c: Float32x16) -> t
 
 
 @intrinsic
+def _fma(typingctx: object, a: Float32x16, b: Float32x16, c: Float32x16) -> tuple:
+    """a * b + c with one rounding (llvm.fma): the same bits on every target and in every
+    code path, where llvm.fmuladd leaves fusing to the backend."""
+    sig = float32x16(float32x16, float32x16, float32x16)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_VECTOR, [_VECTOR] * 3), "llvm.fma.v16f32")
+        return builder.call(fn, args)
+    return sig, codegen
+
+
+@intrinsic
 def _store_halves(typingctx: object, first: types.Array, second: types.Array,
                   index: types.Integer, value: Float32x16) -> tuple:
     """Lanes 0-7 of value into first[index:index + 8], lanes 8-15 into second[index:index + 8]
@@ -103,6 +116,47 @@ def _store_halves(typingctx: object, first: types.Array, second: types.Array,
             array_type = signature.args[k]
             data = context.make_array(array_type)(context, builder, args[k])
             ptr = cgutils.get_item_pointer(context, builder, array_type, data, [args[2]],
+                                           wraparound=False)
+            lanes = ir.Constant(ir.VectorType(ir.IntType(32), LANES // 2),
+                                list(range(k * LANES // 2, (k + 1) * LANES // 2)))
+            part = builder.shuffle_vector(args[3], ir.Constant(_VECTOR, ir.Undefined), lanes)
+            builder.store(part, builder.bitcast(ptr, half.as_pointer()), align=4)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def _splat_at(typingctx: object, array: types.Array, index: types.Integer) -> tuple:
+    """array[index] (a C-contiguous 1-D float32 array) in every lane: one broadcast load, with
+    no negative-index wraparound (the caller keeps index inside the array)."""
+    sig = float32x16(array, index)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        array_type = signature.args[0]
+        data = context.make_array(array_type)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, array_type, data, [args[1]],
+                                       wraparound=False)
+        one = builder.insert_element(ir.Constant(_VECTOR, ir.Undefined), builder.load(ptr),
+                                     ir.Constant(ir.IntType(32), 0))
+        return builder.shuffle_vector(one, ir.Constant(_VECTOR, ir.Undefined),
+                                      ir.Constant(ir.VectorType(ir.IntType(32), LANES),
+                                                  [0] * LANES))
+    return sig, codegen
+
+
+@intrinsic
+def _store_split(typingctx: object, array: types.Array, first: types.Integer,
+                 second: types.Integer, value: Float32x16) -> tuple:
+    """Lanes 0-7 of value into array[first:first + 8], lanes 8-15 into array[second:second +
+    8] (a C-contiguous 1-D float32 array; no bounds check)."""
+    sig = types.void(array, first, second, value)
+    half = ir.VectorType(ir.FloatType(), LANES // 2)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        array_type = signature.args[0]
+        data = context.make_array(array_type)(context, builder, args[0])
+        for k in range(2):
+            ptr = cgutils.get_item_pointer(context, builder, array_type, data, [args[1 + k]],
                                            wraparound=False)
             lanes = ir.Constant(ir.VectorType(ir.IntType(32), LANES // 2),
                                 list(range(k * LANES // 2, (k + 1) * LANES // 2)))
@@ -155,12 +209,36 @@ def _sums16(typingctx: object, vectors: types.UniTuple) -> tuple:
     return sig, codegen
 
 
+@intrinsic
+def _hsum(typingctx: object, a: Float32x16) -> tuple:
+    """The sum of a vector's 16 lanes by halving (lane k + lane k + 8, then k + 4, k + 2,
+    k + 1): for each vector the same tree as `sums16`, so one sum and sixteen at once agree
+    bit for bit."""
+    sig = types.float32(float32x16)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        vector, lanes = args[0], LANES
+        while lanes > 1:
+            lanes //= 2
+            mask = ir.VectorType(ir.IntType(32), lanes)
+            low = builder.shuffle_vector(vector, vector, ir.Constant(mask, list(range(lanes))))
+            high = builder.shuffle_vector(vector, vector,
+                                          ir.Constant(mask, list(range(lanes, 2 * lanes))))
+            vector = builder.fadd(low, high)
+        return builder.extract_element(vector, ir.Constant(ir.IntType(32), 0))
+    return sig, codegen
+
+
 # typed names (mypy cannot see through @intrinsic; numba resolves these globals to the
 # intrinsics themselves). Vectors are Any to mypy.
 load: Callable[[Any, int], Any] = cast(Any, _load)  # array[index:index + 16]
 store: Callable[[Any, int, Any], None] = cast(Any, _store)  # array[index:index + 16] = value
 splat: Callable[[Any], Any] = cast(Any, _splat)  # a float32 in every lane
 muladd: Callable[[Any, Any, Any], Any] = cast(Any, _muladd)
+fma: Callable[[Any, Any, Any], Any] = cast(Any, _fma)  # a * b + c, one rounding
+hsum: Callable[[Any], float] = cast(Any, _hsum)  # the lanes' sum, sums16's tree
 add: Callable[[Any, Any], Any] = cast(Any, _add)
+splat_at: Callable[[Any, int], Any] = cast(Any, _splat_at)  # array[index] in every lane
+store_split: Callable[[Any, int, int, Any], None] = cast(Any, _store_split)
 sums16: Callable[[tuple], Any] = cast(Any, _sums16)  # (16 vectors) -> their lane sums
 store_halves: Callable[[Any, Any, int, Any], None] = cast(Any, _store_halves)

@@ -9,6 +9,13 @@ bytes, L1-resident) serves every activation row before the next tile is read, so
 stream from memory once whatever M is; within a tile the activation rows go 4 at a time (each
 weight step loaded once for 4 dot products) and the remaining 1-3 one at a time. The integer
 dot steps are quant_simd's intrinsics; `isa` picks their instruction set.
+
+Reduction order (fixed per output element; the invariant every caller relies on): out[r, n] is
+one accumulator of float lanes taking dot_blocks(step k) for k = 0, width, 2 width, ... in order
+(the integer dot of the step's blocks, converted and scaled by weight scale x activation scale),
+summed by fsum's lane tree, then (q4's mins, the VNNI offsets) its block terms added in block
+order; activations are quantized per row. The 4-row and the 1-row loops run the same steps per
+element, so a row's result does not depend on how many rows the call has.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import numpy as np
 from kvcore import kernels
 from kvcore.cache.kv_cache import KVCache
 from kvcore.config import ModelConfig
-from kvcore.model.llama import _FEW_ROWS_LM_HEAD, DeviceBatch, LlamaModel, _linear
+from kvcore.model.llama import DeviceBatch, LlamaModel, _linear
 from kvcore.model.mla import MLA_MODES, MLAWeights, mla_attention, mla_weights, plan_step
 from kvcore.model.moe import MoEWeights, moe_ffn
 
@@ -113,4 +113,4 @@ class DeepseekModel(LlamaModel):
                 assert layer.moe is not None
                 h += moe_ffn(x, layer.moe, c.moe)
         h = kernels.rms_norm(h[batch.logits_indices], self.norm, c.rms_norm_eps)
-        return _linear(h, self.lm_head, few_rows=_FEW_ROWS_LM_HEAD)  # (L, vocab)
+        return _linear(h, self.lm_head)  # (L, vocab)

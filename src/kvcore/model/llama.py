@@ -13,17 +13,10 @@ from kvcore import kernels
 from kvcore.cache.kv_cache import KVCache
 from kvcore.config import ModelConfig
 from kvcore.device import get_xp, resolve_device, to_numpy
-from kvcore.kernels import cpu, quant
-from kvcore.kernels.cpu_numba import few_rows_matmul
+from kvcore.kernels import cpu, cpu_numba, quant
 from kvcore.kernels.quant import QuantizedWeight
 from kvcore.model.batch import BatchInput, InputFill
 from kvcore.model.staging import CupyStaging, HostStaging
-
-_FEW_ROWS = 64  # up to this many rows, _linear multiplies weight @ x.T (measured on this CPU;
-# up to cpu_numba.FEW_ROWS_MAX rows the compiled few-rows matmul instead, where numba runs)
-# the LM head's (vocab, hidden) weight: weight @ x.T pays off only for a few rows, since its
-# (vocab, rows) result is then copied to row-major (1.5x slower at 64 rows, measured)
-_FEW_ROWS_LM_HEAD = 16
 
 
 @dataclass(slots=True)
@@ -89,10 +82,9 @@ class LlamaModel:
             if self.xp is not np:
                 raise ValueError("quantized weights run on the CPU only")
             return array
-        out = np.ascontiguousarray(array, dtype=np.float32)
-        if not out.flags.writeable:  # still a read-only view of the checkpoint file
-            out = out.copy()
-        return self.xp.asarray(out)
+        if self.xp is np:  # 64-byte aligned rows for the compiled matmul (a copy, detached)
+            return cpu_numba.aligned(array, copy=True)
+        return self.xp.asarray(np.ascontiguousarray(array, dtype=np.float32))
 
     def _layer(self, w: dict[str, np.ndarray], p: str) -> Any:
         c = self.config
@@ -224,7 +216,7 @@ class LlamaModel:
             x = kernels.rms_norm(h, layer.post_norm, c.rms_norm_eps)
             h += _linear(kernels.silu_and_mul(_linear(x, layer.gate_up)), layer.down)
         h = kernels.rms_norm(h[batch.logits_indices], self.norm, c.rms_norm_eps)
-        return _linear(h, self.lm_head, few_rows=_FEW_ROWS_LM_HEAD)  # (L, vocab)
+        return _linear(h, self.lm_head)  # (L, vocab)
 
 
     def _qk_norm(self, qk: Any, layer: LayerWeights) -> Any:
@@ -257,16 +249,14 @@ def _embed(embed: Any, input_ids: Any) -> Any:
     return embed[input_ids]
 
 
-def _linear(x: Any, weight: Any, few_rows: int = _FEW_ROWS) -> Any:
-    """x (T, in) @ weight (out, in).T -> (T, out). On the CPU a few rows (2 to few_rows) run
-    faster as weight @ x.T (OpenBLAS then streams the weight as its left operand), a
-    column-major result; one row, many rows and CuPy arrays (cuBLAS; the CUDA kernels want
-    row-major) as x @ W.T. A quantized weight runs the integer kernels (kernels.quant)."""
+def _linear(x: Any, weight: Any) -> Any:
+    """x (T, in) @ weight (out, in).T -> (T, out). On the CPU the compiled float32 matmul
+    (cpu_numba.matmul: one reduction order per output element whatever T is, so a row's result
+    never depends on the batch) or the integer kernels of a quantized weight (kernels.quant,
+    the same promise); OpenBLAS only where numba is off; cuBLAS on the GPU."""
     if isinstance(weight, QuantizedWeight):
         return quant.linear(x, weight)
     if isinstance(weight, tuple):
         return np.concatenate([quant.linear(x, part) for part in weight], axis=1)
-    if 1 < x.shape[0] <= few_rows and not kernels.uses_cuda_kernels(x):
-        out = few_rows_matmul(x, weight) if isinstance(x, np.ndarray) else None
-        return (weight @ x.T).T if out is None else out
-    return x @ weight.T
+    out = cpu_numba.matmul(x, weight) if isinstance(x, np.ndarray) else None
+    return x @ weight.T if out is None else out

@@ -4,8 +4,9 @@ greedy generations on chat prompts, each variant through its own paged KV cache.
 
 The text is split into windows of `context` tokens, each a fresh sequence prefilled `chunk` tokens
 per step through the cache, so the cache's error accumulates over the window as it does in use. An
-int4 cache is fed one block per step whatever the chunk: its window and sealing then treat every
-token as a decode step would (a longer step would read its own recent tokens in fp16).
+int4 cache reads each block by the rule of positions (a row's own super-block in fp16, every
+earlier block sealed), so how the text is chunked does not change its numbers; it is fed one
+block per step.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class CachedModel:
             batch = replace(batch, logits_indices=np.arange(sum(map(len, new_ids)),
                                                             dtype=np.int64))
         window_ops = self.cache.take_window_ops()  # int4: slot moves and seals, as the runner
-        if window_ops:
+        if window_ops is not None:
             self.cache.apply_window_ops(window_ops)
         logits: np.ndarray = self.model.forward(batch, self.cache)
         return logits
