@@ -14,7 +14,7 @@ from kvcore import kernels
 from kvcore.cache import int4
 from kvcore.cache.int4_window import SEAL, WindowOp, WindowSlots, batch_window_ops
 from kvcore.device import get_xp, resolve_device
-from kvcore.kernels.int4_kv import Int4Layer
+from kvcore.kernels.cpu.kv_int4 import Int4Layer
 
 CACHE_DTYPES = ("fp32", "fp16", "bf16", "fp8", "int4")
 

@@ -14,7 +14,7 @@ from kvcore.cache import KVCacheManager, int4
 from kvcore.cache.int4_window import num_window_slots
 from kvcore.cache.kv_cache import KVCache
 from kvcore.config import EngineConfig, ModelConfig, ParamError
-from kvcore.kernels import quant
+from kvcore.kernels.cpu import quant
 from kvcore.model import BatchInput, load_model
 from kvcore.model.half_llama import HALF_CACHE_DTYPES, HalfLlamaModel
 from kvcore.model.quantized import model_weight_bytes, resolve_quantization

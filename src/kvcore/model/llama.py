@@ -13,8 +13,9 @@ from kvcore import kernels
 from kvcore.cache.kv_cache import KVCache
 from kvcore.config import ModelConfig
 from kvcore.device import get_xp, resolve_device, to_numpy
-from kvcore.kernels import cpu, cpu_numba, quant
-from kvcore.kernels.quant import QuantizedWeight
+from kvcore.kernels import cpu
+from kvcore.kernels.cpu import jit, quant
+from kvcore.kernels.cpu.quant import QuantizedWeight
 from kvcore.model.batch import BatchInput, InputFill
 from kvcore.model.staging import CupyStaging, HostStaging
 
@@ -83,7 +84,7 @@ class LlamaModel:
                 raise ValueError("quantized weights run on the CPU only")
             return array
         if self.xp is np:  # 64-byte aligned rows for the compiled matmul (a copy, detached)
-            return cpu_numba.aligned(array, copy=True)
+            return jit.aligned(array, copy=True)
         return self.xp.asarray(np.ascontiguousarray(array, dtype=np.float32))
 
     def _layer(self, w: dict[str, np.ndarray], p: str) -> Any:
@@ -251,12 +252,12 @@ def _embed(embed: Any, input_ids: Any) -> Any:
 
 def _linear(x: Any, weight: Any) -> Any:
     """x (T, in) @ weight (out, in).T -> (T, out). On the CPU the compiled float32 matmul
-    (cpu_numba.matmul: one reduction order per output element whatever T is, so a row's result
+    (jit.matmul: one reduction order per output element whatever T is, so a row's result
     never depends on the batch) or the integer kernels of a quantized weight (kernels.quant,
     the same promise); OpenBLAS only where numba is off; cuBLAS on the GPU."""
     if isinstance(weight, QuantizedWeight):
         return quant.linear(x, weight)
     if isinstance(weight, tuple):
         return np.concatenate([quant.linear(x, part) for part in weight], axis=1)
-    out = cpu_numba.matmul(x, weight) if isinstance(x, np.ndarray) else None
+    out = jit.matmul(x, weight) if isinstance(x, np.ndarray) else None
     return x @ weight.T if out is None else out

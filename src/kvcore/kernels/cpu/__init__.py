@@ -5,9 +5,9 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from kvcore.kernels import attention, cpu_numba, int4_kv
-from kvcore.kernels.int4_kv import Int4Layer
-from kvcore.kernels.layer_ops import rms_norm, rope, rope_cos_sin, rope_inv_freq, silu_and_mul
+from kvcore.kernels.cpu import attention_reference, jit, kv_int4
+from kvcore.kernels.cpu.kv_int4 import Int4Layer
+from kvcore.kernels.cpu.layer_ops import rms_norm, rope, rope_cos_sin, rope_inv_freq, silu_and_mul
 
 FP8_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)
 FP8_MAX = 448.0  # largest finite e4m3fn value; casts saturate here (as CUDA's __NV_SATFINITE)
@@ -32,14 +32,15 @@ def reshape_and_cache(key: np.ndarray, value: np.ndarray, k_cache: np.ndarray, v
     """
     if isinstance(k_cache, Int4Layer):
         assert isinstance(v_cache, Int4Layer)
-        int4_kv.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+        kv_int4.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
         seals = k_cache.step_seals
         if seals is not None and len(seals):  # what this step's later rows read sealed
-            from kvcore.kernels import int4_numba
+            from kvcore.kernels.cpu import kv_int4_blocks
 
-            int4_numba.seal_blocks(k_cache.window.view(np.uint16), v_cache.window.view(np.uint16),
-                                   k_cache.rows, v_cache.rows, np.ascontiguousarray(seals[:, 0]),
-                                   np.ascontiguousarray(seals[:, 1]), v_cache.group)
+            kv_int4_blocks.seal_blocks(
+                k_cache.window.view(np.uint16), v_cache.window.view(np.uint16), k_cache.rows,
+                v_cache.rows, np.ascontiguousarray(seals[:, 0]),
+                np.ascontiguousarray(seals[:, 1]), v_cache.group)
         return
     num_tokens, num_kv_heads, head_dim = key.shape
     if value.shape != key.shape:
@@ -71,8 +72,8 @@ def reshape_and_cache(key: np.ndarray, value: np.ndarray, k_cache: np.ndarray, v
 def _check_attention_shapes(query: np.ndarray, k_cache: np.ndarray | Int4Layer,
                             block_tables: np.ndarray, context_lens: np.ndarray,
                             query_start_loc: np.ndarray) -> None:
-    """The per-call checks (shapes only, no pass over the arrays); attention.plan checks the
-    values of the batch arrays once per new plan."""
+    """The per-call checks (shapes only, no pass over the arrays); attention_reference.plan
+    checks the values of the batch arrays once per new plan."""
     num_seqs = context_lens.shape[0]
     if query.ndim != 3 or len(k_cache.shape) != 4 or query.shape[2] != k_cache.shape[3]:
         raise ValueError(f"query {query.shape} and cache {k_cache.shape} shapes do not match")
@@ -96,15 +97,15 @@ def paged_attention(query: np.ndarray, k_cache: np.ndarray | Int4Layer,
 
     Query i of sequence s (q_len = qsl[s+1] - qsl[s]) sits at position context_lens[s] - q_len + i
     and attends the keys at positions p' <= p (and p' > p - sliding_window). Returns (T, H, D).
-    Runs the compiled kernel (kvcore.kernels.cpu_numba) when numba is there, else NumPy's (the
+    Runs the compiled kernel (kvcore.kernels.cpu.jit) when numba is there, else NumPy's (the
     reference; its GEMMs make no promise that a row's bits are independent of the batch).
     """
     _check_attention_shapes(query, k_cache, block_tables, context_lens, query_start_loc)
-    if cpu_numba.supports(query, k_cache, v_cache):
+    if jit.supports(query, k_cache, v_cache):
         # every chunk, long or short, and every decode token through the one compiled kernel:
         # its reduction order is per row (a row's bits never depend on the batch or the chunk)
-        out = cpu_numba.paged_attention(query, k_cache, v_cache, block_tables, context_lens,
-                                        query_start_loc, scale, sliding_window, k_scale, v_scale)
+        out = jit.paged_attention(query, k_cache, v_cache, block_tables, context_lens,
+                                  query_start_loc, scale, sliding_window, k_scale, v_scale)
         return out.astype(query.dtype, copy=False)
     out = _numpy_attention(query, k_cache, v_cache, block_tables, context_lens, query_start_loc,
                            scale, sliding_window, k_scale, v_scale)
@@ -118,13 +119,13 @@ def _numpy_attention(query: np.ndarray, k_cache: np.ndarray | Int4Layer,
     if isinstance(k_cache, Int4Layer):  # each row's blocks in the form its position names
         assert isinstance(v_cache, Int4Layer)
         k_cache, v_cache, block_tables, context_lens, query_start_loc = \
-            int4_kv.positional_blocks(k_cache, v_cache, block_tables, context_lens,
+            kv_int4.positional_blocks(k_cache, v_cache, block_tables, context_lens,
                                       query_start_loc)
     assert not isinstance(v_cache, Int4Layer)
-    step = attention.plan(block_tables, context_lens, query_start_loc, k_cache.shape[1],
-                          sliding_window)
-    return attention.attend(query, k_cache, v_cache, step, scale, sliding_window, k_scale,
-                            v_scale)
+    step = attention_reference.plan(block_tables, context_lens, query_start_loc, k_cache.shape[1],
+                                    sliding_window)
+    return attention_reference.attend(query, k_cache, v_cache, step, scale, sliding_window, k_scale,
+                                      v_scale)
 
 
 def copy_blocks(k_caches: list[np.ndarray], v_caches: list[np.ndarray],

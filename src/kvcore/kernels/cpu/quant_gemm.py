@@ -23,8 +23,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from kvcore.kernels.quant_layout import BLOCK, TILE
-from kvcore.kernels.quant_simd import dot_blocks, fsum, fzero, step
+from kvcore.kernels.cpu.quant_layout import BLOCK, TILE
+from kvcore.kernels.cpu.quant_simd import dot_blocks, fsum, fzero, step
 
 
 @njit(nogil=True, cache=True)
