@@ -17,6 +17,7 @@ from kvcore.kernels import cpu
 from kvcore.kernels.cpu import jit, quant
 from kvcore.kernels.cpu.quant import QuantizedWeight
 from kvcore.model.batch import BatchInput, InputFill
+from kvcore.model.cpu_decode import FusedDecode
 from kvcore.model.staging import CupyStaging, HostStaging
 
 
@@ -75,6 +76,8 @@ class LlamaModel:
         self._cos_sin_factor = c.rope_scaling.cos_sin_factor if c.rope_scaling else 1.0
         self._cos: Any = self.xp.empty((0, c.rope_dim // 2), np.float32)
         self._sin: Any = self._cos
+        # the CPU's fused decode step (batches of up to 16 rows), or None where it cannot run
+        self.fused = FusedDecode.build(self) if self.xp is np else None
 
     def _put(self, array: Any) -> Any:
         """A contiguous float32 array on the device, detached from any memory-mapped file; a
@@ -189,6 +192,11 @@ class LlamaModel:
         num_tokens = batch.input_ids.shape[0]
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         h = _embed(self.embed, batch.input_ids)  # (T, hidden) residual stream
+        if self.fused is not None and self.fused.takes(num_tokens, kv_cache):
+            h = np.ascontiguousarray(h, dtype=np.float32)
+            self.fused.run(h, batch, kv_cache, cos, sin)  # every layer, in place
+            h = kernels.rms_norm(h[batch.logits_indices], self.norm, c.rms_norm_eps)
+            return _linear(h, self.lm_head)  # (L, vocab)
         for layer_id, layer in enumerate(self.layers):
             k_cache, v_cache, k_scale, v_scale = kv_cache.layer(layer_id)
             x = kernels.rms_norm(h, layer.input_norm, c.rms_norm_eps)

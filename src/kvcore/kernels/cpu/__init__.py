@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import ml_dtypes
 import numpy as np
 
-from kvcore.kernels.cpu import attention_reference, jit, kv_int4
+from kvcore.kernels.cpu import attention_reference, jit, kv_int4, layer_ops
 from kvcore.kernels.cpu.kv_int4 import Int4Layer
-from kvcore.kernels.cpu.layer_ops import rms_norm, rope, rope_cos_sin, rope_inv_freq, silu_and_mul
+from kvcore.kernels.cpu.layer_ops import rope_cos_sin, rope_inv_freq
+from kvcore.kernels.cpu.threads import run_parallel, split
 
 FP8_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)
 FP8_MAX = 448.0  # largest finite e4m3fn value; casts saturate here (as CUDA's __NV_SATFINITE)
@@ -140,6 +144,63 @@ def copy_blocks(k_caches: list[np.ndarray], v_caches: list[np.ndarray],
         if int(block_mapping.max()) >= cache.shape[0] or int(block_mapping.min()) < 0:
             raise ValueError(f"block_mapping holds a block id outside [0, {cache.shape[0]})")
         cache[dst] = cache[src]
+
+
+# a thread's share of an element-wise op: at least this many elements (else one thread runs it)
+_MIN_SHARE_ELEMENTS = 1 << 16
+
+
+def _compiled_rows(x: Any) -> bool:
+    return isinstance(x, np.ndarray) and jit.active()
+
+
+def _by_rows(op: Callable[[int, int], None], rows: int, row_elements: int) -> None:
+    run_parallel(lambda part: op(part.start, part.stop),
+                 split(rows, max(1, _MIN_SHARE_ELEMENTS // max(row_elements, 1))))
+
+
+def rms_norm(x: Any, weight: Any, eps: float) -> Any:
+    """x / rms(x) * weight over the last axis, float32: compiled row by row
+    (kvcore.kernels.cpu.layer_rows, the fused decode step's own function) when numba runs,
+    else NumPy's (layer_ops; also the CUDA path's fallback)."""
+    if not _compiled_rows(x):
+        return layer_ops.rms_norm(x, weight, eps)
+    from kvcore.kernels.cpu import layer_rows
+
+    rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])  # (T, n)
+    out = np.empty_like(rows)
+    w = np.ascontiguousarray(weight, dtype=np.float32)
+    _by_rows(lambda r0, r1: layer_rows.rms_norm_rows(rows, w, float(eps), out, r0, r1),
+             rows.shape[0], rows.shape[1])
+    return out.reshape(x.shape)
+
+
+def silu_and_mul(x: Any) -> Any:
+    """x (T, 2I) = [gate | up] -> silu(gate) * up (T, I): compiled (layer_rows) or NumPy's."""
+    if not _compiled_rows(x):
+        return layer_ops.silu_and_mul(x)
+    from kvcore.kernels.cpu import layer_rows
+
+    rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])  # (T, 2I)
+    out = np.empty((rows.shape[0], rows.shape[1] // 2), np.float32)
+    _by_rows(lambda r0, r1: layer_rows.silu_mul_rows(rows, out, r0, r1), rows.shape[0],
+             rows.shape[1])
+    return out.reshape(*x.shape[:-1], out.shape[1])
+
+
+def rope(x: Any, positions: Any, cos: Any, sin: Any) -> Any:
+    """Rotate-half rotary embedding of x (T, H, D) at positions (T,): compiled (layer_rows) or
+    NumPy's."""
+    if not _compiled_rows(x):
+        return layer_ops.rope(x, positions, cos, sin)
+    from kvcore.kernels.cpu import layer_rows
+
+    rows = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty_like(rows)
+    pos = np.ascontiguousarray(positions, dtype=np.int64)
+    _by_rows(lambda r0, r1: layer_rows.rope_rows(rows, pos, cos, sin, out, r0, r1),
+             rows.shape[0], rows.shape[1] * rows.shape[2])
+    return out
 
 
 __all__ = ["FP8_DTYPE", "FP8_MAX", "copy_blocks", "paged_attention", "reshape_and_cache",

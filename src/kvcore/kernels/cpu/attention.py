@@ -293,24 +293,35 @@ def attend(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, k_bits: 
                      context_lens, query_start_loc, window, items[w], part_max, part_sum,
                      part_out)
     for g in prange(groups.shape[0]):
-        row0, num_rows, i0, i1 = groups[g, 0], groups[g, 1], groups[g, 2], groups[g, 3]
-        for i in range(num_rows * num_heads):
-            top = -np.inf
-            for w in range(i0, i1):
-                top = max(top, part_max[items[w, 5] * num_heads + i])
-            total = np.float32(0.0)
-            merged = np.zeros(head_dim, np.float32)  # (D,)
-            for w in range(i0, i1):
-                j = items[w, 5] * num_heads + i
-                if part_sum[j] == 0.0:  # an item whose keys this row cannot see
-                    continue
-                weight = np.float32(math.exp(part_max[j] - top))
-                total += weight * part_sum[j]
-                for d in range(head_dim):
-                    merged[d] += weight * part_out[j, d]
-            norm = np.float32(v_scale) / total
+        merge_group(groups[g], items, part_max, part_sum, part_out, v_scale, out)
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def merge_group(group: np.ndarray, items: np.ndarray, part_max: np.ndarray,
+                part_sum: np.ndarray, part_out: np.ndarray, v_scale: float,
+                out: np.ndarray) -> None:
+    """One group's items (a tile of one sequence's rows, its key pieces) merged in item order
+    into out (T, H, D): the pieces' maxima, then their sums and values rescaled and added."""
+    num_heads, head_dim = out.shape[1], out.shape[2]
+    row0, num_rows, i0, i1 = group[0], group[1], group[2], group[3]
+    merged = np.empty(head_dim, np.float32)  # (D,)
+    for i in range(num_rows * num_heads):
+        top = -np.inf
+        for w in range(i0, i1):
+            top = max(top, part_max[items[w, 5] * num_heads + i])
+        total = np.float32(0.0)
+        merged[:] = 0.0
+        for w in range(i0, i1):
+            j = items[w, 5] * num_heads + i
+            if part_sum[j] == 0.0:  # an item whose keys this row cannot see
+                continue
+            weight = np.float32(math.exp(part_max[j] - top))
+            total += weight * part_sum[j]
             for d in range(head_dim):
-                out[row0 + i // num_heads, i % num_heads, d] = merged[d] * norm
+                merged[d] += weight * part_out[j, d]
+        norm = np.float32(v_scale) / total
+        for d in range(head_dim):
+            out[row0 + i // num_heads, i % num_heads, d] = merged[d] * norm
 
 
 def set_threads(threads: int) -> None:

@@ -76,10 +76,35 @@ def _start_threads_passive() -> None:
         del os.environ["OMP_WAIT_POLICY"]
 
 
+# numba's threading layers, best first: OpenMP (libgomp; its passive workers sleep between
+# regions), then numba's own workqueue (always there; one region at a time per process, which
+# is how kvcore calls it: the engine thread runs every compiled region). TBB is not tried: its
+# workers spin after a region, and its pip wheel is not a kvcore dependency.
+THREADING_LAYERS = ("omp", "workqueue")
+
+
 def _launch_threads() -> None:
+    """Start numba's pool on an explicitly chosen threading layer ($NUMBA_THREADING_LAYER when
+    set, else the first of THREADING_LAYERS that starts), sized by
+    kvcore.kernels.cpu.threads.num_threads(); log which."""
+    import numba
     from numba.np.ufunc import parallel
 
-    parallel._launch_threads()  # what numba's first parallel call does: pick a layer, start it
+    wanted = os.environ.get("NUMBA_THREADING_LAYER")
+    errors = []
+    for layer in (wanted,) if wanted else THREADING_LAYERS:
+        numba.config.THREADING_LAYER = layer  # type: ignore[attr-defined]
+        try:
+            parallel._launch_threads()  # what numba's first parallel call does
+        except ValueError as exc:  # this layer cannot start here: try the next
+            errors.append(f"{layer}: {exc}")
+            continue
+        break
+    else:
+        raise ValueError("no numba threading layer starts: " + "; ".join(errors))
+    numba.set_num_threads(min(num_threads(), numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
+    log.info("CPU kernel threads", threads=num_threads(), numba_layer=numba.threading_layer(),
+             numba_pool=numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
 
 
 def compiled() -> ModuleType | None:
