@@ -11,6 +11,7 @@ import structlog
 
 from kvcore.kernels import cpu
 from kvcore.kernels.cpu import jit
+from kvcore.kernels.cpu import threads as threads_module
 
 pytestmark = pytest.mark.skipif(jit.compiled() is None, reason="numba is not installed")
 
@@ -116,7 +117,7 @@ def test_long_contexts_split_keys_and_merge(monkeypatch: pytest.MonkeyPatch, thr
                                             window: int | None) -> None:
     """A batch of one at 4,097 tokens: its keys are split into pieces (one item each, so every
     thread has work) and merged; beside it a long prefill chunk over cached context."""
-    monkeypatch.setenv("KVCORE_NUM_THREADS", threads)
+    monkeypatch.setattr(threads_module, "_threads", int(threads))
     rng = np.random.default_rng(int(threads))
     args, keys, values = problem(rng, [4097, 700], [1, 300], 9, 3, 64, 16,
                                  np.dtype(np.float32), 1.0)

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from kvcore.config import RopeScaling
 from kvcore.kernels import cpu as reference
 from kvcore.kernels.cpu import attention_reference
+from kvcore.kernels.cpu import threads as threads_module
 
 EXAMPLES = int(os.environ.get("KVCORE_HYPOTHESIS_EXAMPLES", "30"))
 
@@ -250,7 +251,7 @@ def test_large_decode_batch_split_over_threads(monkeypatch: pytest.MonkeyPatch, 
                                                part_keys: int) -> None:
     """Decode tokens sorted by context length into groups of bounded padded keys (part_keys 1:
     a group per sequence), the groups spread over threads; rows come back in batch order."""
-    monkeypatch.setenv("KVCORE_NUM_THREADS", threads)
+    monkeypatch.setattr(threads_module, "_threads", int(threads))
     monkeypatch.setattr(attention_reference, "DECODE_PART_KEYS", part_keys)
     rng = np.random.default_rng(int(threads))
     context_lens = [int(c) for c in rng.integers(1, 50, 40)]
@@ -334,7 +335,7 @@ def test_plan_checks_batch_values_on_every_new_plan() -> None:
 
 
 def test_large_inputs_split_by_rows_give_the_same_values(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVCORE_NUM_THREADS", "3")
+    monkeypatch.setattr(threads_module, "_threads", 3)
     rng = np.random.default_rng(12)
     x = rng.standard_normal((700, 512)).astype(np.float32)  # above the row-split threshold
     w = rng.standard_normal(512).astype(np.float32)

@@ -140,12 +140,16 @@ class FusedDecode:
         threads = decode_step.set_threads(num_threads())
         heads, kv_heads, dim, hidden = c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size
         inter, layers = c.intermediate_size, c.num_layers
-        widest = max(hidden, heads * dim, inter)
-        kp = max(int(self.weights[kind][3][2]) for kind in KINDS) or widest
         f32 = np.float32
-        scratch = (np.empty((threads, rows * widest), f32), np.empty((threads, rows * kp), np.int8),
-                   np.empty((threads, rows * kp // BLOCK + 1), f32),
-                   np.empty((threads, rows * kp // BLOCK + 1), f32), np.empty((threads, dim), f32),
+
+        def quantized_rows(kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            cols = max(int(self.weights[kind][3][2]), BLOCK)  # padded in_features (1: dense)
+            return (np.empty((threads, rows, cols), np.int8),
+                    np.empty((threads, rows, cols // BLOCK), f32),
+                    np.empty((threads, rows, cols // BLOCK), f32))
+
+        scratch = (np.empty((threads, rows, hidden), f32), quantized_rows("qkv"),
+                   quantized_rows("o"), quantized_rows("down"), np.empty((threads, dim), f32),
                    np.empty((rows, (heads + 2 * kv_heads) * dim), f32),
                    np.empty((rows, heads, dim), f32), np.empty((rows, heads, dim), f32),
                    np.empty((rows, hidden), f32), np.empty((rows, 2 * inter), f32),

@@ -108,11 +108,6 @@ def _linear_impl(isa, weight, scales, terms, meta, x, a, a_scales, block_sums, o
 
 
 @njit(inline="always")
-def _rows_in(buffer: np.ndarray, rows: int, cols: int) -> np.ndarray:
-    return buffer[:rows * cols].reshape(rows, cols)
-
-
-@njit(inline="always")
 def _store_row(cache_f: np.ndarray, cache_b: np.ndarray, mode: int, slot: int, head: int,
                src: np.ndarray, at: int, dim: int, scale: float) -> None:
     """One head's dim values (src[at:]) into cache slot `slot` (divided by scale when not 1)."""
@@ -179,11 +174,14 @@ def run_layers(isa: np.ndarray, h: np.ndarray, positions: np.ndarray, slots: np.
     dims: hidden, heads, kv heads, head_dim, intermediate, rows, layers, whether q/k/v and o
     have biases; attn: the batch's
     block tables, context lens, query starts, window, work items, groups, each item's group,
-    the int4 placeholders; scratch: per-thread rows (x, a, a_scales, block_sums, tmp) and the
-    shared outputs (qkv, q, attention, o, gate/up, act, down, the partial rows, group counts)."""
+    the int4 placeholders; scratch: per-thread rows (x (T, M, hidden); the quantized
+    activations, their scales and block sums for in_features hidden, o's and down's, each
+    (T, M, cols); tmp) and the shared outputs (qkv, q, attention, o, gate/up, act, down, the
+    partial rows, group counts)."""
     hidden, heads, kv_heads, dim, inter, rows, layers = (dims[0], dims[1], dims[2], dims[3],
                                                          dims[4], dims[5], dims[6])
-    xs, a_buf, as_buf, bs_buf, tmps = scratch[0], scratch[1], scratch[2], scratch[3], scratch[4]
+    xs, tmps = scratch[0], scratch[4]
+    in_bufs, o_bufs, down_bufs = scratch[1], scratch[2], scratch[3]
     qkv_out, q_rot, attn_out, o_tmp, gu, act, dn_tmp = (scratch[5], scratch[6], scratch[7],
                                                          scratch[8], scratch[9], scratch[10],
                                                          scratch[11])
@@ -201,10 +199,8 @@ def run_layers(isa: np.ndarray, h: np.ndarray, positions: np.ndarray, slots: np.
         for layer in range(layers):
             base = layer * PHASES
             # q, k, v: a head per chunk
-            x = _rows_in(xs[t], rows, hidden)
-            a = _rows_in(a_buf[t], rows, qkv[3][2])
-            a_scales = _rows_in(as_buf[t], rows, qkv[3][2] // 32)
-            block_sums = _rows_in(bs_buf[t], rows, qkv[3][2] // 32)
+            x = xs[t]
+            a, a_scales, block_sums = in_bufs[0][t], in_bufs[1][t], in_bufs[2][t]
             ready = False
             while True:
                 c = claim(counters, base)
@@ -241,9 +237,7 @@ def run_layers(isa: np.ndarray, h: np.ndarray, positions: np.ndarray, slots: np.
             wait_done(counters, base + 1, num_items)
             # o, added to the residual
             attn_rows = attn_out.reshape(rows, heads * dim)
-            a = _rows_in(a_buf[t], rows, o[3][2])
-            a_scales = _rows_in(as_buf[t], rows, o[3][2] // 32)
-            block_sums = _rows_in(bs_buf[t], rows, o[3][2] // 32)
+            a, a_scales, block_sums = o_bufs[0][t], o_bufs[1][t], o_bufs[2][t]
             ready = False
             while True:
                 c = claim(counters, base + 2)
@@ -264,9 +258,7 @@ def run_layers(isa: np.ndarray, h: np.ndarray, positions: np.ndarray, slots: np.
                 finish(counters, base + 2)
             wait_done(counters, base + 2, col_chunks)
             # gate / up and SwiGLU: CHUNK_COLS columns of each per chunk
-            a = _rows_in(a_buf[t], rows, gate_up[3][2])
-            a_scales = _rows_in(as_buf[t], rows, gate_up[3][2] // 32)
-            block_sums = _rows_in(bs_buf[t], rows, gate_up[3][2] // 32)
+            a, a_scales, block_sums = in_bufs[0][t], in_bufs[1][t], in_bufs[2][t]
             ready = False
             while True:
                 c = claim(counters, base + 3)
@@ -291,9 +283,7 @@ def run_layers(isa: np.ndarray, h: np.ndarray, positions: np.ndarray, slots: np.
                 finish(counters, base + 3)
             wait_done(counters, base + 3, inter_chunks)
             # down, added to the residual
-            a = _rows_in(a_buf[t], rows, down[3][2])
-            a_scales = _rows_in(as_buf[t], rows, down[3][2] // 32)
-            block_sums = _rows_in(bs_buf[t], rows, down[3][2] // 32)
+            a, a_scales, block_sums = down_bufs[0][t], down_bufs[1][t], down_bufs[2][t]
             ready = False
             while True:
                 c = claim(counters, base + 4)
