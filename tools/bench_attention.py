@@ -22,7 +22,6 @@ the blocks shuffled as a long-running pool leaves them and consecutive, beside a
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -187,11 +186,12 @@ def main() -> None:
                    help="--bound's context per sequence (batch 32; default 512)")
     p.add_argument("--bound-only", action="store_true", help="--bound without the other cases")
     args = p.parse_args()
-    if args.threads is not None:
-        os.environ["KVCORE_NUM_THREADS"] = str(args.threads)
     from kvcore.kernels import cpu as reference
     from kvcore.kernels.cpu import jit
-    from kvcore.kernels.cpu.threads import num_threads
+    from kvcore.kernels.cpu.threads import num_threads, set_num_threads
+
+    if args.threads is not None:
+        set_num_threads(args.threads)
 
     rng = np.random.default_rng(0)
     cases = {

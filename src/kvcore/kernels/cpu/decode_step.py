@@ -19,6 +19,9 @@ a row gets the same bits here as on the per-op path, alone or in any batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, cast
+
 import numba
 import numpy as np
 from llvmlite import ir
@@ -38,7 +41,7 @@ MAX_ROWS = 16  # the largest batch (query rows) the fused step takes
 
 
 @intrinsic
-def _f32_bits(typingctx: object, value: types.Float) -> tuple:
+def _f32_bits_intrinsic(typingctx: object, value: types.Float) -> tuple:
     sig = types.uint32(types.float32)
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
@@ -47,7 +50,7 @@ def _f32_bits(typingctx: object, value: types.Float) -> tuple:
 
 
 @intrinsic
-def _f16_bits(typingctx: object, value: types.Float) -> tuple:
+def _f16_bits_intrinsic(typingctx: object, value: types.Float) -> tuple:
     """IEEE binary16 bits of a float32, rounded to nearest even (as NumPy's astype)."""
     sig = types.uint16(types.float32)
 
@@ -56,8 +59,12 @@ def _f16_bits(typingctx: object, value: types.Float) -> tuple:
     return sig, codegen
 
 
+_f32_bits = cast(Callable[[Any], Any], _f32_bits_intrinsic)
+_f16_bits = cast(Callable[[Any], Any], _f16_bits_intrinsic)
+
+
 @njit(inline="always")
-def _bf16_bits(value: float) -> int:
+def _bf16_bits(value: float) -> Any:
     """bfloat16 bits of a float32, rounded to nearest even (as ml_dtypes' astype)."""
     bits = np.uint32(_f32_bits(np.float32(value)))
     if bits & np.uint32(0x7FFFFFFF) > np.uint32(0x7F800000):  # NaN stays a (quiet) NaN

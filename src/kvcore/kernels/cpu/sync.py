@@ -11,6 +11,9 @@ one thread alone (the others late, or descheduled on a busy machine) runs every 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import cast
+
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
@@ -25,7 +28,7 @@ def _slot(context, builder, array_type, array, index):  # type: ignore[no-untype
 
 
 @intrinsic
-def atomic_add(typingctx: object, array: types.Array, index: types.Integer,
+def _atomic_add(typingctx: object, array: types.Array, index: types.Integer,
                value: types.Integer) -> tuple:
     """array[index] += value atomically (sequentially consistent); the old value."""
     sig = types.int64(array, index, types.int64)
@@ -37,7 +40,7 @@ def atomic_add(typingctx: object, array: types.Array, index: types.Integer,
 
 
 @intrinsic
-def atomic_load(typingctx: object, array: types.Array, index: types.Integer) -> tuple:
+def _atomic_load(typingctx: object, array: types.Array, index: types.Integer) -> tuple:
     """array[index], read atomically (acquire)."""
     sig = types.int64(array, index)
 
@@ -48,7 +51,7 @@ def atomic_load(typingctx: object, array: types.Array, index: types.Integer) -> 
 
 
 @intrinsic
-def pause(typingctx: object) -> tuple:
+def _pause(typingctx: object) -> tuple:
     """The spin-wait hint (x86 `pause`)."""
     sig = types.void()
 
@@ -61,7 +64,7 @@ def pause(typingctx: object) -> tuple:
 
 
 @intrinsic
-def yield_core(typingctx: object) -> tuple:
+def _yield_core(typingctx: object) -> tuple:
     """sched_yield(): let another thread (a late sibling) run on this core."""
     sig = types.void()
 
@@ -71,6 +74,12 @@ def yield_core(typingctx: object) -> tuple:
         builder.call(fn, [])
         return context.get_dummy_value()
     return sig, codegen
+
+
+atomic_add = cast(Callable[..., int], _atomic_add)
+atomic_load = cast(Callable[..., int], _atomic_load)
+pause = cast(Callable[[], None], _pause)
+yield_core = cast(Callable[[], None], _yield_core)
 
 
 @njit(inline="always")
