@@ -11,8 +11,8 @@ from kvcore.cache import int4
 from kvcore.cache.int4_window import WindowOp
 from kvcore.device import to_numpy
 from kvcore.engine import Engine
-from kvcore.kernels import attention
-from kvcore.kernels.int4_kv import Int4Layer
+from kvcore.kernels.cpu import attention_reference
+from kvcore.kernels.cpu.kv_int4 import Int4Layer
 from kvcore.sampling import SamplingParams
 
 
@@ -41,9 +41,9 @@ def attention_by_table(query: np.ndarray, k: Int4Layer, v: Int4Layer, block_tabl
 
     tables = np.where(block_tables >= 0, np.searchsorted(ids, np.maximum(block_tables, 0)),
                       block_tables).astype(np.int32)
-    step = attention.plan(tables, context_lens, query_start_loc, bs, sliding_window)
-    return attention.attend(query, read(k), read(v), step, scale, sliding_window, k_scale,
-                            v_scale)
+    step = attention_reference.plan(tables, context_lens, query_start_loc, bs, sliding_window)
+    return attention_reference.attend(query, read(k), read(v), step, scale, sliding_window, k_scale,
+                                      v_scale)
 
 
 def run(engine: Engine) -> tuple[list[list[int]], list[WindowOp]]:

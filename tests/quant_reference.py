@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvcore.kernels.quant import QuantizedWeight, dequantize
+from kvcore.kernels.cpu.quant import QuantizedWeight, dequantize
 
 BLOCK = 32
 

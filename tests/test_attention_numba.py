@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 import structlog
 
-from kvcore.kernels import cpu, cpu_numba
+from kvcore.kernels import cpu
+from kvcore.kernels.cpu import jit
+from kvcore.kernels.cpu import threads as threads_module
 
-pytestmark = pytest.mark.skipif(cpu_numba.compiled() is None, reason="numba is not installed")
+pytestmark = pytest.mark.skipif(jit.compiled() is None, reason="numba is not installed")
 
 BF16, FP8 = np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn)
 # cache dtype -> k/v scale (the reference reads back what the cache stores: stored * scale)
@@ -92,7 +94,7 @@ def test_compiled_matches_dense(seed: int) -> None:
     kv_scale = DTYPES[dtype]
     args, keys, values = problem(rng, context_lens, q_lens, num_heads, num_kv_heads, head_dim,
                                  block_size, dtype, kv_scale)
-    out = cpu_numba.paged_attention(*args, 0.3, window, kv_scale, kv_scale)
+    out = jit.paged_attention(*args, 0.3, window, kv_scale, kv_scale)
     check(out, args, keys, values, 0.3, window, TOL)
 
 
@@ -105,7 +107,7 @@ def test_register_tiles_match_dense(block_size: int, heads: tuple[int, int]) -> 
     rng = np.random.default_rng(block_size + heads[0])
     args, keys, values = problem(rng, [70, 33, 8], [1, 20, 8], *heads, 32, block_size,
                                  np.dtype(np.float16), 1.0)
-    out = cpu_numba.paged_attention(*args, 0.2, None, 1.0, 1.0)
+    out = jit.paged_attention(*args, 0.2, None, 1.0, 1.0)
     check(out, args, keys, values, 0.2, None, TOL)
 
 
@@ -115,11 +117,11 @@ def test_long_contexts_split_keys_and_merge(monkeypatch: pytest.MonkeyPatch, thr
                                             window: int | None) -> None:
     """A batch of one at 4,097 tokens: its keys are split into pieces (one item each, so every
     thread has work) and merged; beside it a long prefill chunk over cached context."""
-    monkeypatch.setenv("KVCORE_NUM_THREADS", threads)
+    monkeypatch.setattr(threads_module, "_threads", int(threads))
     rng = np.random.default_rng(int(threads))
     args, keys, values = problem(rng, [4097, 700], [1, 300], 9, 3, 64, 16,
                                  np.dtype(np.float32), 1.0)
-    out = cpu_numba.paged_attention(*args, 0.125, window, 1.0, 1.0)
+    out = jit.paged_attention(*args, 0.125, window, 1.0, 1.0)
     check(out, args, keys, values, 0.125, window, TOL)
     # the dispatcher: the long chunk through NumPy, the decode token compiled
     check(cpu.paged_attention(*args, 0.125, window), args, keys, values, 0.125, window, TOL)
@@ -133,13 +135,13 @@ def test_compiled_and_numpy_kernels_agree() -> None:
     tables = args[3]
     tables[1, :(90 - 20 - 9) // 4] = -1  # wholly behind the chunk's first window
     tables[0, :(53 - 9) // 4] = -1
-    compiled = cpu_numba.paged_attention(*args, 0.2, 9, 1.0, 1.0)
-    cpu_numba.set_enabled(False)
+    compiled = jit.paged_attention(*args, 0.2, 9, 1.0, 1.0)
+    jit.set_enabled(False)
     try:
-        assert cpu_numba.path_name() == "numpy (reference)"
+        assert jit.path_name() == "numpy (reference)"
         numpy_out = cpu.paged_attention(*args, 0.2, 9)
     finally:
-        cpu_numba.set_enabled(True)
+        jit.set_enabled(True)
     np.testing.assert_allclose(compiled, numpy_out, atol=2e-5, rtol=2e-5)
     check(compiled, args, keys, values, 0.2, 9, TOL)
 
@@ -149,12 +151,12 @@ def test_compiled_and_numpy_kernels_agree() -> None:
 def test_every_bit_pattern_reads_as_numpy_converts_it(dtype: np.dtype, bits: type) -> None:
     """The in-kernel conversions (bf16 by a shift, fp16 widened as halves, fp8 from its bits)
     on every stored value: normals, subnormals, zeros of both signs, infinities and NaNs."""
-    from kvcore.kernels.numba_blocks import load_block
+    from kvcore.kernels.cpu.attention_blocks import load_block
 
     raw = np.arange(np.iinfo(bits).max + 1, dtype=np.int64).astype(bits)  # every pattern
     cache = raw.reshape(1, 1, 1, -1)  # one block of one slot
     out = np.empty((1, 1, raw.size), np.float32)  # (bs, Hkv, D)
-    mode = cpu_numba._cache_mode(raw.view(dtype).reshape(cache.shape))[0]  # type: ignore[index]
+    mode = jit._cache_mode(raw.view(dtype).reshape(cache.shape))[0]  # type: ignore[index]
     load_block(cache, 0, mode, out)
     expected = raw.view(dtype).astype(np.float32)
     np.testing.assert_array_equal(out.reshape(-1), expected)  # NaN where NaN
@@ -174,43 +176,43 @@ def test_bad_block_ids_raise_before_any_read() -> None:
 
 def test_warm_up_logs_the_path() -> None:
     with structlog.testing.capture_logs() as logs:
-        seconds = cpu_numba.warm_up_cpu_kernels("bf16")
-        cpu_numba.set_enabled(False)
+        seconds = jit.warm_up_cpu_kernels("bf16")
+        jit.set_enabled(False)
         try:
-            cpu_numba.warm_up_cpu_kernels("fp32")
+            jit.warm_up_cpu_kernels("fp32")
         finally:
-            cpu_numba.set_enabled(True)
+            jit.set_enabled(True)
     assert seconds >= 0
     assert [(e["event"], e["path"]) for e in logs] == [
         ("CPU paged attention", "numba (compiled)"), ("CPU paged attention", "numpy (reference)")]
     with pytest.raises(ValueError, match="cache_dtype must be one of"):
-        cpu_numba.warm_up_cpu_kernels("int8")
+        jit.warm_up_cpu_kernels("int8")
 
 
 def test_numba_cache_goes_under_kvcore_home_when_the_package_is_read_only(
         monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
     monkeypatch.setenv("KVCORE_HOME", str(tmp_path))
-    monkeypatch.setattr(cpu_numba.os, "access", lambda path, mode: False)
-    cpu_numba._cache_dir()
-    assert cpu_numba.os.environ["NUMBA_CACHE_DIR"] == str(tmp_path / "numba-cache")
+    monkeypatch.setattr(jit.os, "access", lambda path, mode: False)
+    jit._cache_dir()
+    assert jit.os.environ["NUMBA_CACHE_DIR"] == str(tmp_path / "numba-cache")
     monkeypatch.setenv("NUMBA_CACHE_DIR", "/elsewhere")  # a value already set wins
-    cpu_numba._cache_dir()
-    assert cpu_numba.os.environ["NUMBA_CACHE_DIR"] == "/elsewhere"
+    jit._cache_dir()
+    assert jit.os.environ["NUMBA_CACHE_DIR"] == "/elsewhere"
 
 
 def test_without_numba_the_numpy_kernel_runs_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
-    import kvcore.kernels
+    import kvcore.kernels.cpu
 
-    monkeypatch.setattr(cpu_numba, "_compiled", None)
-    monkeypatch.setattr(cpu_numba, "_load_error", None)
-    monkeypatch.delattr(kvcore.kernels, "attention_numba")
-    monkeypatch.setitem(sys.modules, "kvcore.kernels.attention_numba", None)  # import fails
+    monkeypatch.setattr(jit, "_compiled", None)
+    monkeypatch.setattr(jit, "_load_error", None)
+    monkeypatch.delattr(kvcore.kernels.cpu, "attention")
+    monkeypatch.setitem(sys.modules, "kvcore.kernels.cpu.attention", None)  # import fails
     with structlog.testing.capture_logs() as logs:
-        assert cpu_numba.compiled() is None and not cpu_numba.active()
-        cpu_numba.warm_up_cpu_kernels("fp32")
+        assert jit.compiled() is None and not jit.active()
+        jit.warm_up_cpu_kernels("fp32")
     assert logs[0]["log_level"] == "warning" and "NumPy kernels" in logs[0]["event"]
     assert logs[1]["path"] == "numpy (reference)"
     rng = np.random.default_rng(4)

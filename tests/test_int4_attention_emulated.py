@@ -128,7 +128,7 @@ def test_int4_attention_checks_arguments() -> None:
 
 @dataclass(frozen=True, slots=True)
 class Layer:
-    """The fields of the engine's int4 layer (kernels.int4_kv.Int4Layer) the CUDA path reads."""
+    """The fields of the engine's int4 layer (kernels.cpu.kv_int4.Int4Layer) the CUDA path reads."""
 
     rows: Any
     window: Any

@@ -13,7 +13,7 @@ from kvcore.cache import KVCacheManager, int4
 from kvcore.cache.int4_window import ASSIGN, COPY, RELEASE, SEAL, STEP_SEAL, WindowSlots
 from kvcore.cache.kv_cache import KVCache
 from kvcore.kernels import cpu
-from kvcore.kernels.int4_kv import Int4Layer
+from kvcore.kernels.cpu.kv_int4 import Int4Layer
 
 
 def int4_cache(num_blocks: int = 6, num_slots: int = 3) -> KVCache:

@@ -23,9 +23,10 @@ from kvcore.config import ModelConfig
 from kvcore.engine import Engine
 from kvcore.engine.llm import engine_config
 from kvcore.engine.setup import int4_group
-from kvcore.kernels import cpu, int4_kv, int4_numba
+from kvcore.kernels import cpu
+from kvcore.kernels.cpu import kv_int4, kv_int4_blocks
+from kvcore.kernels.cpu.kv_int4 import Int4Layer
 from kvcore.kernels.cuda.ops import CudaOps
-from kvcore.kernels.int4_kv import Int4Layer
 from kvcore.model import load_model
 from kvcore.model.half_llama import HalfLlamaModel
 from tiny_model import make_tiny_model
@@ -72,8 +73,8 @@ def route_int4_kernels_through_emulation(monkeypatch: pytest.MonkeyPatch,
             ops.seal_blocks(k_rows, v_rows, k_windows, v_windows, pairs, group)
             return
         for layer in zip(k_windows, v_windows, k_rows, v_rows, strict=True):
-            int4_numba.seal_blocks(layer[0].view("uint16"), layer[1].view("uint16"), layer[2],
-                                   layer[3], pairs[:, 0].copy(), pairs[:, 1].copy(), group)
+            kv_int4_blocks.seal_blocks(layer[0].view("uint16"), layer[1].view("uint16"), layer[2],
+                                       layer[3], pairs[:, 0].copy(), pairs[:, 1].copy(), group)
     impl.seal_blocks = seal_blocks
     if int4_on_cpu:
         emulated_write, emulated_attention = impl.reshape_and_cache, impl.paged_attention
@@ -82,7 +83,7 @@ def route_int4_kernels_through_emulation(monkeypatch: pytest.MonkeyPatch,
                   *scales: float) -> None:
             if not isinstance(k, Int4Layer):
                 return emulated_write(key, value, k, v, slots, *scales)  # type: ignore[no-any-return]
-            int4_kv.reshape_and_cache(key, value, k, v, np.asarray(slots))
+            kv_int4.reshape_and_cache(key, value, k, v, np.asarray(slots))
 
         def attention(query: np.ndarray, k: Any, v: Any, *args: Any, **kwargs: Any) -> Any:
             if not isinstance(k, Int4Layer):

@@ -20,7 +20,7 @@ from kvcore.device import cuda_available
 from kvcore.engine import Engine
 from kvcore.engine.llm import engine_config
 from kvcore.kernels import cpu
-from kvcore.kernels.int4_kv import Int4Layer
+from kvcore.kernels.cpu.kv_int4 import Int4Layer
 from kvcore.model import load_model
 from tiny_model import make_tiny_model
 

@@ -9,19 +9,20 @@ import numpy as np
 import pytest
 
 from kvcore.cache import int4
-from kvcore.kernels import cpu, cpu_numba, int4_numba
-from kvcore.kernels.int4_kv import Int4Layer
+from kvcore.kernels import cpu
+from kvcore.kernels.cpu import jit, kv_int4_blocks
+from kvcore.kernels.cpu.kv_int4 import Int4Layer
 
-pytestmark = pytest.mark.skipif(cpu_numba.compiled() is None, reason="numba is not installed")
+pytestmark = pytest.mark.skipif(jit.compiled() is None, reason="numba is not installed")
 
 
 def numba_rows(block: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
     bs, heads, dim = block.shape
-    k_row = np.zeros(int4_numba.key_row_bytes(bs, heads, dim), np.uint8)
-    v_row = np.zeros(int4_numba.value_row_bytes(bs, heads, dim, group), np.uint8)
+    k_row = np.zeros(kv_int4_blocks.key_row_bytes(bs, heads, dim), np.uint8)
+    v_row = np.zeros(kv_int4_blocks.value_row_bytes(bs, heads, dim, group), np.uint8)
     bits = np.ascontiguousarray(block, np.float16).view(np.uint16)
-    int4_numba.quantize_key(bits, k_row)
-    int4_numba.quantize_value(bits, group, v_row)
+    kv_int4_blocks.quantize_key(bits, k_row)
+    kv_int4_blocks.quantize_value(bits, group, v_row)
     return k_row, v_row
 
 
@@ -33,8 +34,8 @@ def assert_exact(block: np.ndarray, group: int) -> None:
 
 def test_row_sizes_match_the_format() -> None:
     for bs, heads, dim, group in ((16, 2, 64, 32), (1, 1, 2, 2), (5, 3, 8, 4)):
-        assert int4_numba.key_row_bytes(bs, heads, dim) == int4.key_row_bytes(bs, heads, dim)
-        assert (int4_numba.value_row_bytes(bs, heads, dim, group)
+        assert kv_int4_blocks.key_row_bytes(bs, heads, dim) == int4.key_row_bytes(bs, heads, dim)
+        assert (kv_int4_blocks.value_row_bytes(bs, heads, dim, group)
                 == int4.value_row_bytes(bs, heads, dim, group))
 
 
@@ -106,8 +107,8 @@ def int4_problem(rng: np.random.Generator, context_lens: list[int], q_lens: list
                               rng.standard_normal((ctx, heads, dim)).astype(np.float32), k, v,
                               slots)
         full = tables[s, :ctx // bs].astype(np.int64)
-        int4_numba.seal_blocks(window.view(np.uint16), v_window.view(np.uint16), k_rows, v_rows,
-                               full, window_slot[full].astype(np.int64), group)
+        kv_int4_blocks.seal_blocks(window.view(np.uint16), v_window.view(np.uint16), k_rows, v_rows,
+                                   full, window_slot[full].astype(np.int64), group)
     keys, values = [], []
     for s, (ctx, q_len) in enumerate(zip(context_lens, q_lens, strict=True)):
         blocks = tables[s, :-(-ctx // bs)]
@@ -176,7 +177,7 @@ def test_compiled_numpy_and_float64_agree(seed: int) -> None:
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     query = rng.standard_normal((int(qsl[-1]), num_heads, dim)).astype(np.float32)
     args = (query, k, v, tables, np.array(context_lens, np.int32), qsl, 0.3, window)
-    compiled = cpu_numba.paged_attention(*args, 1.0, 1.0)
+    compiled = jit.paged_attention(*args, 1.0, 1.0)
     reference = cpu._numpy_attention(*args, 1.0, 1.0)
     for s in range(len(context_lens)):
         rows = slice(int(qsl[s]), int(qsl[s + 1]))

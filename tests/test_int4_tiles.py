@@ -1,5 +1,5 @@
-"""The int4 attention tiles (kvcore.kernels.int4_tiles) on single sealed blocks against float64
-over the format's reference dequantizer: scores through the folded key scales and zeros,
+"""The int4 attention tiles (kvcore.kernels.cpu.kv_int4_tiles) on single sealed blocks against
+float64 over the format's reference dequantizer: scores through the folded key scales and zeros,
 weighted values rebuilt per chunk, on GQA groups that leave a lone vector or repeat one, zero
 scales (constant channels and groups) and the split channel order's round trip; and whole
 attention over default-model shapes mixing sealed and window blocks on both sides of the tiles'
@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 
 from kvcore.cache import int4
-from kvcore.kernels import cpu, cpu_numba
+from kvcore.kernels import cpu
+from kvcore.kernels.cpu import jit
 
-pytestmark = pytest.mark.skipif(cpu_numba.compiled() is None, reason="numba is not installed")
+pytestmark = pytest.mark.skipif(jit.compiled() is None, reason="numba is not installed")
 
-if cpu_numba.compiled() is not None:
-    from kvcore.kernels import int4_tiles
+if jit.compiled() is not None:
+    from kvcore.kernels.cpu import kv_int4_tiles
 
 # (num_heads, num_kv_heads, head_dim, block_size, rows): GQA 3 (a lone third vector), MQA 8,
 # and one head per KV head (every vector lone)
@@ -35,18 +36,18 @@ def kv_heads(num_vecs: int, num_heads: int, group: int) -> np.ndarray:
 
 
 def test_fits_only_whole_chunks() -> None:
-    assert int4_tiles.fits(16, 64, 32) and int4_tiles.fits(8, 128, 64)
-    assert not int4_tiles.fits(16, 64, 16)  # a chunk of 32 channels would hold two scales
-    assert not int4_tiles.fits(16, 48, 16) and not int4_tiles.fits(4, 64, 32)
+    assert kv_int4_tiles.fits(16, 64, 32) and kv_int4_tiles.fits(8, 128, 64)
+    assert not kv_int4_tiles.fits(16, 64, 16)  # a chunk of 32 channels would hold two scales
+    assert not kv_int4_tiles.fits(16, 48, 16) and not kv_int4_tiles.fits(4, 64, 32)
 
 
 def test_split_order_round_trips() -> None:
     x = np.arange(3 * 64, dtype=np.float32).reshape(3, 64)
     split = np.empty_like(x)
-    int4_tiles.split_channels(x, split)
+    kv_int4_tiles.split_channels(x, split)
     np.testing.assert_array_equal(split, split_order(x))
     joined = np.ones_like(x)
-    int4_tiles.add_joined(split, joined)
+    kv_int4_tiles.add_joined(split, joined)
     np.testing.assert_array_equal(joined, x + 1)
 
 
@@ -63,13 +64,13 @@ def test_scores_match_float64(num_heads: int, num_kv_heads: int, head_dim: int, 
     dequantized = int4.dequantize_key_block(row, bs, num_kv_heads, head_dim).astype(np.float64)
     queries = rng.standard_normal((rows * num_heads, head_dim)).astype(np.float32)  # (V, D)
     split = np.empty_like(queries)
-    int4_tiles.split_channels(queries, split)
+    kv_int4_tiles.split_channels(queries, split)
     params = np.empty((2, num_kv_heads, head_dim), np.float32)
     scaled = np.empty_like(queries)
     offsets = np.empty(queries.shape[0], np.float32)
-    int4_tiles.key_queries(split, row, num_heads, group, bs, params, scaled, offsets)
+    kv_int4_tiles.key_queries(split, row, num_heads, group, bs, params, scaled, offsets)
     scores = np.full((queries.shape[0], bs), np.nan, np.float32)  # (V, bs)
-    int4_tiles.sealed_scores(scaled, offsets, row, num_heads, group, num_kv_heads, scores)
+    kv_int4_tiles.sealed_scores(scaled, offsets, row, num_heads, group, num_kv_heads, scores)
     heads = kv_heads(queries.shape[0], num_heads, group)
     expected = np.einsum("vd,tvd->vt", queries.astype(np.float64), dequantized[:, heads])
     magnitude = np.einsum("vd,tvd->vt", np.abs(queries), np.abs(dequantized[:, heads]))
@@ -95,12 +96,12 @@ def test_values_match_float64(num_heads: int, num_kv_heads: int, head_dim: int, 
     acc = split_order(start)
     row_sum = np.ones(num_vecs, np.float32)
     params = np.empty(2 * bs * num_kv_heads * (head_dim // value_group), np.float32)
-    int4_tiles.value_params(row, bs * num_kv_heads * head_dim // 2, params.shape[0] // 2,
-                            params)
-    int4_tiles.sealed_values(probs, row, params, num_heads, group, num_kv_heads, value_group,
-                             acc, row_sum)
+    kv_int4_tiles.value_params(row, bs * num_kv_heads * head_dim // 2, params.shape[0] // 2,
+                               params)
+    kv_int4_tiles.sealed_values(probs, row, params, num_heads, group, num_kv_heads, value_group,
+                                acc, row_sum)
     out = np.zeros_like(start)
-    int4_tiles.add_joined(acc, out)
+    kv_int4_tiles.add_joined(acc, out)
     heads = kv_heads(num_vecs, num_heads, group)
     expected = start + np.einsum("vt,tvd->vd", probs.astype(np.float64), dequantized[:, heads])
     magnitude = np.abs(start) + np.einsum("vt,tvd->vd", probs, np.abs(dequantized[:, heads]))
@@ -123,7 +124,7 @@ def test_attention_reads_sealed_blocks_by_tiles(sliding_window: int | None) -> N
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     query = rng.standard_normal((int(qsl[-1]), 9, 64)).astype(np.float32)
     args = (query, k, v, tables, np.array(context_lens, np.int32), qsl, 0.125, sliding_window)
-    compiled = cpu_numba.paged_attention(*args, 1.0, 1.0)
+    compiled = jit.paged_attention(*args, 1.0, 1.0)
     reference = cpu._numpy_attention(*args, 1.0, 1.0)
     for s in range(len(context_lens)):
         rows = slice(int(qsl[s]), int(qsl[s + 1]))

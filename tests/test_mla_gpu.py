@@ -18,7 +18,7 @@ from kvcore.cache.kv_cache import KVCache
 from kvcore.config import ModelConfig
 from kvcore.device import cuda_available
 from kvcore.engine import LLM
-from kvcore.kernels import cpu_numba
+from kvcore.kernels.cpu import jit
 from kvcore.model import BatchInput, load_model
 from kvcore.sampling import SamplingParams
 from tiny_deepseek import make_tiny_deepseek, mla_steps
@@ -74,7 +74,7 @@ def test_mla_key_tile_fits_the_device() -> None:
 def test_tiny_deepseek_gpu_tracks_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # the CPU side on the NumPy attention: no numba compile on the GPU machine (gpu_check's
     # time), and the reference path at that
-    monkeypatch.setattr(cpu_numba, "_enabled", False)
+    monkeypatch.setattr(jit, "_enabled", False)
     model_dir = make_tiny_deepseek(tmp_path / "v2", "v2", seed=4, kv_lora_rank=32,
                                    qk_rope_head_dim=16)
     cpu_model = load_model(model_dir)

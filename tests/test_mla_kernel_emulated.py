@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 import pytest
 
-from kvcore.kernels import mla as reference
+from kvcore.kernels.cpu import mla as reference
 from kvcore.kernels.cuda.mla import mla_smem_bytes
 from kvcore.kernels.cuda.ops import CudaOps
 

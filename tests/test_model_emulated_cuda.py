@@ -33,6 +33,7 @@ def run_steps(model_dir: Path, cache_dtype: str) -> list[np.ndarray]:
     """Two sequences: a prompt in two chunks beside a shorter prompt, then decode steps."""
     c = ModelConfig.from_dir(model_dir)
     model = load_model(model_dir)
+    model.fused = None  # the per-op path: every op through kvcore.kernels' dispatch
     cache = KVCache(c.num_layers, 16, 4, c.num_kv_heads, c.head_dim, cache_dtype)
     rng = np.random.default_rng(7)
     seqs = [rng.integers(3, c.vocab_size, size=n).tolist() for n in (11, 5)]

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvcore.kernels import quant
-from kvcore.kernels.quant import FORMATS, QUANTIZERS, dequantize, dequantize_rows, linear
+from kvcore.kernels.cpu import quant
+from kvcore.kernels.cpu.quant import FORMATS, QUANTIZERS, dequantize, dequantize_rows, linear
 from quant_reference import reference_linear
 
 # the CPU's paths: a path it lacks is never run (it would fault), so it is skipped here

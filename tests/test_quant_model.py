@@ -13,8 +13,8 @@ from kvcore.cache.kv_cache import KVCache
 from kvcore.cli import main
 from kvcore.config import EngineConfig, ModelConfig
 from kvcore.engine.llm import LLM
-from kvcore.kernels import quant
-from kvcore.kernels.quant import QuantizedWeight, dequantize
+from kvcore.kernels.cpu import quant
+from kvcore.kernels.cpu.quant import QuantizedWeight, dequantize
 from kvcore.model.batch import BatchInput
 from kvcore.model.gguf_convert import convert_gguf
 from kvcore.model.loader import load_model

@@ -11,8 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcore.config import RopeScaling
-from kvcore.kernels import attention
 from kvcore.kernels import cpu as reference
+from kvcore.kernels.cpu import attention_reference
+from kvcore.kernels.cpu import threads as threads_module
 
 EXAMPLES = int(os.environ.get("KVCORE_HYPOTHESIS_EXAMPLES", "30"))
 
@@ -231,7 +232,7 @@ def test_rope_scaling_frequencies() -> None:
 @pytest.mark.parametrize("window", [None, 9, 40])
 def test_tiled_long_chunks(monkeypatch: pytest.MonkeyPatch, window: int | None) -> None:
     """Chunks longer than one query tile: causal and window bounds trim keys per tile."""
-    monkeypatch.setattr(attention, "TILE_ELEMENTS", 64)  # 16-row tiles
+    monkeypatch.setattr(attention_reference, "TILE_ELEMENTS", 64)  # 16-row tiles
     rng = np.random.default_rng(21)
     context_lens, q_lens = [70, 53, 90], [70, 37, 1]
     k_cache, v_cache, tables, keys, values = _scatter_sequences(
@@ -250,8 +251,8 @@ def test_large_decode_batch_split_over_threads(monkeypatch: pytest.MonkeyPatch, 
                                                part_keys: int) -> None:
     """Decode tokens sorted by context length into groups of bounded padded keys (part_keys 1:
     a group per sequence), the groups spread over threads; rows come back in batch order."""
-    monkeypatch.setenv("KVCORE_NUM_THREADS", threads)
-    monkeypatch.setattr(attention, "DECODE_PART_KEYS", part_keys)
+    monkeypatch.setattr(threads_module, "_threads", int(threads))
+    monkeypatch.setattr(attention_reference, "DECODE_PART_KEYS", part_keys)
     rng = np.random.default_rng(int(threads))
     context_lens = [int(c) for c in rng.integers(1, 50, 40)]
     q_lens = [1] * 37 + context_lens[37:]  # 37 decode tokens and 3 whole prompts
@@ -272,7 +273,7 @@ def test_prefill_softmax_with_large_scores(monkeypatch: pytest.MonkeyPatch,
     """Softmax skips the shift by the row maximum only while every row's maximum is within
     +-60; scores far outside that (scale 40: |score| in the hundreds) take the shifted path and
     must neither overflow nor underflow to 0/0, in prefill tiles and decode tokens alike."""
-    monkeypatch.setattr(attention, "TILE_ELEMENTS", 64)  # 16-row tiles
+    monkeypatch.setattr(attention_reference, "TILE_ELEMENTS", 64)  # 16-row tiles
     rng = np.random.default_rng(33)
     context_lens, q_lens = [45, 30, 21, 9], [45, 12, 1, 1]
     k_cache, v_cache, tables, keys, values = _scatter_sequences(
@@ -334,7 +335,7 @@ def test_plan_checks_batch_values_on_every_new_plan() -> None:
 
 
 def test_large_inputs_split_by_rows_give_the_same_values(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVCORE_NUM_THREADS", "3")
+    monkeypatch.setattr(threads_module, "_threads", 3)
     rng = np.random.default_rng(12)
     x = rng.standard_normal((700, 512)).astype(np.float32)  # above the row-split threshold
     w = rng.standard_normal(512).astype(np.float32)

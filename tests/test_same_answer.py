@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from kvcore.kernels import cpu_numba
+from kvcore.kernels.cpu import jit
 from kvcore.sampling import BeamSearchParams, SamplingParams
 from same_answer import Case, Schedule, mismatches, mixes
 
-pytestmark = pytest.mark.skipif(not cpu_numba.active(),
+pytestmark = pytest.mark.skipif(not jit.active(),
                                 reason="the promise is the compiled CPU kernels'")
 
 TINY_VOCAB = (3, 259)  # the tiny model's byte tokens

@@ -13,13 +13,14 @@ import pytest
 
 from kvcore import kernels
 from kvcore.cache.kv_cache import KVCache
-from kvcore.kernels import cpu, cpu_numba, quant
-from kvcore.kernels.int4_kv import Int4Layer
+from kvcore.kernels import cpu
+from kvcore.kernels.cpu import jit, quant
+from kvcore.kernels.cpu.kv_int4 import Int4Layer
 from kvcore.model.llama import _linear
 from kvcore.sampling import SamplingParams, SamplingRow
 from kvcore.sampling.xp_sampler import XpSampler
 
-pytestmark = pytest.mark.skipif(not cpu_numba.active(),
+pytestmark = pytest.mark.skipif(not jit.active(),
                                 reason="the promise is the compiled CPU kernels'")
 
 ROW_COUNTS = (1, 2, 3, 4, 5, 6, 7, 13, 64, 130)
@@ -37,7 +38,7 @@ def shared_row_bits(op, rows: np.ndarray, target: int = 0) -> list[int]:  # type
                                                            (2048, 64)])
 def test_float32_linear(out_features: int, in_features: int) -> None:
     rng = np.random.default_rng(out_features)
-    weight = cpu_numba.aligned(rng.standard_normal((out_features, in_features), np.float32))
+    weight = jit.aligned(rng.standard_normal((out_features, in_features), np.float32))
     x = rng.standard_normal((max(ROW_COUNTS), in_features), np.float32)
     assert shared_row_bits(lambda rows: _linear(rows, weight), x) == []
     assert shared_row_bits(lambda rows: _linear(rows, weight), x, target=5) == []
@@ -53,7 +54,7 @@ def test_float32_linear(out_features: int, in_features: int) -> None:
 def test_lm_head_sized_linear() -> None:
     """The LM head's shape class: many outputs (thread shares), few rows."""
     rng = np.random.default_rng(3)
-    weight = cpu_numba.aligned(rng.standard_normal((20_000, 64), np.float32))
+    weight = jit.aligned(rng.standard_normal((20_000, 64), np.float32))
     x = rng.standard_normal((max(ROW_COUNTS), 64), np.float32)
     assert shared_row_bits(lambda rows: _linear(rows, weight), x, target=2) == []
 

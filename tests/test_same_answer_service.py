@@ -14,11 +14,11 @@ import pytest
 
 from kvcore.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvcore.engine import AsyncEngine, Engine
-from kvcore.kernels import cpu_numba
+from kvcore.kernels.cpu import jit
 from kvcore.service import make_app
 from service_live import LiveServer, live_server
 
-pytestmark = pytest.mark.skipif(not cpu_numba.active(),
+pytestmark = pytest.mark.skipif(not jit.active(),
                                 reason="the promise is the compiled CPU kernels'")
 
 MODEL = "smollm2"

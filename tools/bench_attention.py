@@ -22,7 +22,6 @@ the blocks shuffled as a long-running pool leaves them and consecutive, beside a
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -91,19 +90,19 @@ def gather_rates(rng: np.random.Generator, repeats: int, num_seqs: int = 64,
 def int4_case(case: tuple, window_tokens: int = 32, group: int = 32) -> tuple:
     """A decode case's caches as an int4 cache: blocks sealed (the format's bytes), except the
     blocks of each sequence's last window_tokens tokens, open in an fp16 window."""
-    from kvcore.kernels import int4_numba
-    from kvcore.kernels.int4_kv import Int4Layer
+    from kvcore.kernels.cpu import kv_int4_blocks
+    from kvcore.kernels.cpu.kv_int4 import Int4Layer
 
     query, k_cache, v_cache, tables, lens, starts = case
     num_blocks = k_cache.shape[0]
     k16, v16 = k_cache.astype(np.float16), v_cache.astype(np.float16)
-    k_rows = np.zeros((num_blocks, int4_numba.key_row_bytes(BLOCK_SIZE, KV_HEADS, HEAD_DIM)),
+    k_rows = np.zeros((num_blocks, kv_int4_blocks.key_row_bytes(BLOCK_SIZE, KV_HEADS, HEAD_DIM)),
                       np.uint8)
-    v_rows = np.zeros((num_blocks, int4_numba.value_row_bytes(BLOCK_SIZE, KV_HEADS, HEAD_DIM,
-                                                              group)), np.uint8)
+    v_rows = np.zeros((num_blocks, kv_int4_blocks.value_row_bytes(BLOCK_SIZE, KV_HEADS, HEAD_DIM,
+                                                                  group)), np.uint8)
     every = np.arange(num_blocks)
-    int4_numba.seal_blocks(k16.view(np.uint16), v16.view(np.uint16), k_rows, v_rows, every,
-                           every, group)
+    kv_int4_blocks.seal_blocks(k16.view(np.uint16), v16.view(np.uint16), k_rows, v_rows, every,
+                               every, group)
     open_blocks = np.array([tables[s, b] for s, n in enumerate(lens)
                             for b in range(max(0, (n - window_tokens) // BLOCK_SIZE),
                                            -(-n // BLOCK_SIZE))])
@@ -120,7 +119,8 @@ def bound_rows(rng: np.random.Generator, repeats: int, layers: int = 8,
     import ml_dtypes
     from numba import njit, prange
 
-    from kvcore.kernels import cpu, cpu_numba
+    from kvcore.kernels import cpu
+    from kvcore.kernels.cpu import jit
 
     @njit(parallel=True)
     def read(words: np.ndarray) -> np.uint64:  # every 8 bytes once, split over the threads
@@ -151,7 +151,7 @@ def bound_rows(rng: np.random.Generator, repeats: int, layers: int = 8,
         read(words[0])
 
         def run(compiled: bool, cases: list = cases, scale: float = scale) -> None:
-            cpu_numba.set_enabled(compiled)
+            jit.set_enabled(compiled)
             for c in cases:
                 cpu.paged_attention(*c, 0.125, None, scale, scale)
 
@@ -165,7 +165,7 @@ def bound_rows(rng: np.random.Generator, repeats: int, layers: int = 8,
                 run_read() if label == "read" else run(label == "numba")
                 if i:
                     times[label].append((time.perf_counter() - start) / layers)
-        cpu_numba.set_enabled(True)
+        jit.set_enabled(True)
         t = {k: statistics.median(v) for k, v in times.items()}
         rows.append(f"| {name} | {nbytes / 2**20:.1f} MiB | {nbytes / t['read'] / 1e9:.1f} GB/s | "
                     f"{t['read'] * 1e3:.2f} ms | {t['numba'] * 1e3:.2f} ms | "
@@ -186,11 +186,12 @@ def main() -> None:
                    help="--bound's context per sequence (batch 32; default 512)")
     p.add_argument("--bound-only", action="store_true", help="--bound without the other cases")
     args = p.parse_args()
-    if args.threads is not None:
-        os.environ["KVCORE_NUM_THREADS"] = str(args.threads)
     from kvcore.kernels import cpu as reference
-    from kvcore.kernels import cpu_numba
-    from kvcore.kernels.parallel import num_threads
+    from kvcore.kernels.cpu import jit
+    from kvcore.kernels.cpu.threads import num_threads, set_num_threads
+
+    if args.threads is not None:
+        set_num_threads(args.threads)
 
     rng = np.random.default_rng(0)
     cases = {
@@ -207,14 +208,14 @@ def main() -> None:
         times: dict[bool, list[float]] = {False: [], True: []}
         for i in range(args.repeats + 1):  # the first round warms up (plans, scratch, JIT)
             for compiled in (False, True):
-                cpu_numba.set_enabled(compiled)
+                jit.set_enabled(compiled)
                 start = time.perf_counter()
                 reference.paged_attention(*case, 0.125)
                 if i:
                     times[compiled].append(time.perf_counter() - start)
         numpy_t, numba_t = statistics.median(times[False]), statistics.median(times[True])
         print(f"  {name:36s} {numpy_t * 1e3:8.2f} {numba_t * 1e3:8.2f} {numpy_t / numba_t:6.2f}x")
-    cpu_numba.set_enabled(True)
+    jit.set_enabled(True)
     if args.gather:
         print("K/V gather of a 64 x 128 decode step over 30 layers' caches, GB/s read")
         for name, rate in gather_rates(rng, args.repeats).items():

@@ -152,8 +152,8 @@ def kv_read(cache: KVCache) -> Callable[[], object]:
     attention, on the same arrays."""
     from numba import njit, prange
 
-    from kvcore.kernels.cpu_numba import compiled
-    from kvcore.kernels.parallel import num_threads
+    from kvcore.kernels.cpu.jit import compiled
+    from kvcore.kernels.cpu.threads import num_threads
 
     @njit(parallel=True, cache=False)
     def read(words: np.ndarray) -> np.uint64:  # every 8 bytes once
@@ -425,7 +425,7 @@ def attention_share_lines(model: LlamaModel) -> list[str]:
     with the compiled one, runs taking turns (the same steps, the same clock); beside them
     attention's memory bound (a read of the step's K/V bytes, timed in the same turns) and the
     share attention would have at that bound (the step's other work unchanged)."""
-    from kvcore.kernels import cpu_numba
+    from kvcore.kernels.cpu import jit
 
     lines = ["", f"Paged attention's share of a decode step at context {ARGS.context}, "
              f"{ARGS.kv_cache_dtype} cache, NumPy kernel vs compiled (numba) kernel "
@@ -443,13 +443,13 @@ def attention_share_lines(model: LlamaModel) -> list[str]:
         reads = []
         for _ in range(ARGS.repeats):
             for compiled in (False, True):
-                cpu_numba.set_enabled(compiled)
+                jit.set_enabled(compiled)
                 total, parts = step_breakdown(step, 1)
                 results[compiled].append((total, parts["paged attention"]))
             t = CLOCK()
             read()
             reads.append(CLOCK() - t)
-        cpu_numba.set_enabled(True)
+        jit.set_enabled(True)
         bound = statistics.median(reads)
         totals = {k: statistics.median(t for t, _ in v) for k, v in results.items()}
         for compiled in (False, True):

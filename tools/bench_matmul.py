@@ -1,4 +1,4 @@
-"""The compiled float32 matmul (kvcore.kernels.matmul_numba: one reduction order per output,
+"""The compiled float32 matmul (kvcore.kernels.cpu.matmul: one reduction order per output,
 whatever the number of rows) against OpenBLAS's `x @ W.T`, one thread each, on the default
 model's shapes, from one row (decode) to prefill sizes (the tied LM head, 49,152 x 576, up to
 64 rows: it multiplies decode rows and each prompt's last row, never a whole prefill).
@@ -21,7 +21,8 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before NumPy loads OpenBLA
 import numpy as np  # noqa: E402
 from threadpoolctl import threadpool_info, threadpool_limits  # noqa: E402
 
-from kvcore.kernels import cpu_numba, matmul_numba  # noqa: E402
+from kvcore.kernels.cpu import jit as cpu_numba  # noqa: E402
+from kvcore.kernels.cpu import matmul as matmul_numba  # noqa: E402
 
 # (out_features, in_features) of the default model: q/k/v fused, gate/up fused, down, o, LM head
 SHAPES = ((960, 576), (3072, 576), (576, 1536), (576, 576), (49152, 576))

@@ -2,7 +2,7 @@
 
 For each of the default model's weight shapes (SmolLM2-135M: q/k/v fused, o, gate/up fused,
 down, LM head) and M = 1, 8, 32, 256 activation rows: the median time of x @ W.T in NumPy
-float32 and through kvcore.kernels.quant (int8, q4, q8), as GFLOP/s (a multiply-add counted as
+float32 and through kvcore.kernels.cpu.quant (int8, q4, q8), as GFLOP/s (a multiply-add counted as
 2) and weight bytes/s, and the time divided by the weight-bytes bound (weight bytes / the read
 bandwidth measured here, same threads). Distinct matrices of each shape are cycled so that
 weights stream from memory, as in a forward pass. Every kernel is checked against the float64
@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 from threadpoolctl import threadpool_info, threadpool_limits
 
-from kvcore.kernels import quant
-from kvcore.kernels.parallel import num_threads
+from kvcore.kernels.cpu import quant
+from kvcore.kernels.cpu.threads import num_threads
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "lm_head": (49152, 576)}
@@ -35,7 +35,7 @@ def read_bandwidth(threads: int) -> float:
     """Bytes/s of summing a 512 MiB float32 array (best of 5), over `threads` slices."""
     data = np.ones(128 << 20, np.float32)
     parts = np.array_split(data, threads)
-    from kvcore.kernels.parallel import run_parallel
+    from kvcore.kernels.cpu.threads import run_parallel
 
     best = float("inf")
     for _ in range(5):

@@ -7,7 +7,7 @@ __version__ = "0.1.0"
 
 # OpenBLAS's worker threads spin for 2^28 cycles (about 0.1 s) after each multi-threaded GEMM
 # before they sleep. The CPU path alternates GEMMs with attention and element-wise work on its own
-# threads (kvcore.kernels.parallel), which then shared the cores with spinning BLAS workers.
+# threads (kvcore.kernels.cpu.threads), which then shared the cores with spinning BLAS workers.
 # 2^18 cycles (~0.1 ms) still spans the short gaps between one layer's GEMMs but not the
 # attention between them; measured on 2 cores against the default: a 256-sequence decode step
 # 1.5x and a 2,048-token prefill 1.3x faster, batch-1 decode 1.1x faster than with 2^4. OpenBLAS

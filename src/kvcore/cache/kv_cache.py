@@ -14,7 +14,7 @@ from kvcore import kernels
 from kvcore.cache import int4
 from kvcore.cache.int4_window import SEAL, WindowOp, WindowSlots, batch_window_ops
 from kvcore.device import get_xp, resolve_device
-from kvcore.kernels.int4_kv import Int4Layer
+from kvcore.kernels.cpu.kv_int4 import Int4Layer
 
 CACHE_DTYPES = ("fp32", "fp16", "bf16", "fp8", "int4")
 
@@ -80,15 +80,19 @@ class KVCache:
         self.k_scales = self._scales("k_scales", k_scales)
         self.v_scales = self.k_scales if shared_kv else self._scales("v_scales", v_scales)
         self.window: WindowSlots | None = None
+        self.key_stack: Any = None
+        self.value_stack: Any = None
         if self.dtype == "int4":
             self._init_int4(num_window_slots, window_tokens, int4_group)
             return
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        # zero-filled so padding slots read as finite values, never uninitialized memory
-        self.key_caches: list[Any] = [self.xp.zeros(shape, self.storage_dtype)  # one layer
-                                      for _ in range(num_layers)]
-        self.value_caches: list[Any] = self.key_caches if shared_kv else [
-            self.xp.zeros(shape, self.storage_dtype) for _ in range(num_layers)]
+        # zero-filled so padding slots read as finite values, never uninitialized memory; every
+        # layer a view of one (layers, ...) array (the fused CPU decode step reads them all)
+        self.key_stack = self.xp.zeros((num_layers, *shape), self.storage_dtype)
+        self.value_stack = self.key_stack if shared_kv else self.xp.zeros(
+            (num_layers, *shape), self.storage_dtype)
+        self.key_caches: list[Any] = list(self.key_stack)  # one layer each
+        self.value_caches: list[Any] = self.key_caches if shared_kv else list(self.value_stack)
 
     def _init_int4(self, num_window_slots: int | None, window_tokens: int, group: int) -> None:
         if self.shared_kv:

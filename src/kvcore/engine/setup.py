@@ -14,7 +14,7 @@ from kvcore.cache import KVCacheManager, int4
 from kvcore.cache.int4_window import num_window_slots
 from kvcore.cache.kv_cache import KVCache
 from kvcore.config import EngineConfig, ModelConfig, ParamError
-from kvcore.kernels import quant
+from kvcore.kernels.cpu import quant
 from kvcore.model import BatchInput, load_model
 from kvcore.model.half_llama import HALF_CACHE_DTYPES, HalfLlamaModel
 from kvcore.model.quantized import model_weight_bytes, resolve_quantization
@@ -72,6 +72,9 @@ def load_engine_model(config: EngineConfig, device: str) -> tuple[EngineModel, s
         # the compiled CPU attention for this cache dtype, loaded (or compiled) before the
         # engine takes requests: no JIT on a request
         kernels.warm_up_cpu_kernels(cache_dtype)
+        fused = getattr(model, "fused", None)  # the fused decode step's region, likewise
+        if fused is not None:
+            log.info("CPU fused decode step", warm_up_s=round(fused.warm_up(cache_dtype), 2))
         return model, cache_dtype
     assert isinstance(model, HalfLlamaModel)
     if not config.enforce_eager and model.config.mla is None:  # MLA steps run eagerly

@@ -11,8 +11,9 @@ from types import ModuleType
 from typing import Any
 
 from kvcore.device import array_module
-from kvcore.kernels import cpu, mla
-from kvcore.kernels.cpu_numba import warm_up_cpu_kernels
+from kvcore.kernels import cpu
+from kvcore.kernels.cpu import mla
+from kvcore.kernels.cpu.jit import warm_up_cpu_kernels
 
 
 def _on_gpu(array: Any) -> bool:
@@ -73,10 +74,10 @@ def seal_int4_blocks(k_window: Any, v_window: Any, k_rows: Any, v_rows: Any, blo
     if _on_gpu(k_rows):
         _cuda().seal_int4_blocks(k_window, v_window, k_rows, v_rows, block_ids, slots, group)
         return
-    from kvcore.kernels import int4_numba
+    from kvcore.kernels.cpu import kv_int4_blocks
 
-    int4_numba.seal_blocks(k_window.view("uint16"), v_window.view("uint16"), k_rows, v_rows,
-                           block_ids, slots, group)
+    kv_int4_blocks.seal_blocks(k_window.view("uint16"), v_window.view("uint16"), k_rows, v_rows,
+                               block_ids, slots, group)
 
 
 def seal_int4_layers(k_windows: list[Any], v_windows: list[Any], k_rows: list[Any],

@@ -13,9 +13,11 @@ from kvcore import kernels
 from kvcore.cache.kv_cache import KVCache
 from kvcore.config import ModelConfig
 from kvcore.device import get_xp, resolve_device, to_numpy
-from kvcore.kernels import cpu, cpu_numba, quant
-from kvcore.kernels.quant import QuantizedWeight
+from kvcore.kernels import cpu
+from kvcore.kernels.cpu import jit, quant
+from kvcore.kernels.cpu.quant import QuantizedWeight
 from kvcore.model.batch import BatchInput, InputFill
+from kvcore.model.cpu_decode import FusedDecode
 from kvcore.model.staging import CupyStaging, HostStaging
 
 
@@ -74,6 +76,8 @@ class LlamaModel:
         self._cos_sin_factor = c.rope_scaling.cos_sin_factor if c.rope_scaling else 1.0
         self._cos: Any = self.xp.empty((0, c.rope_dim // 2), np.float32)
         self._sin: Any = self._cos
+        # the CPU's fused decode step (batches of up to 16 rows), or None where it cannot run
+        self.fused = FusedDecode.build(self) if self.xp is np else None
 
     def _put(self, array: Any) -> Any:
         """A contiguous float32 array on the device, detached from any memory-mapped file; a
@@ -83,7 +87,7 @@ class LlamaModel:
                 raise ValueError("quantized weights run on the CPU only")
             return array
         if self.xp is np:  # 64-byte aligned rows for the compiled matmul (a copy, detached)
-            return cpu_numba.aligned(array, copy=True)
+            return jit.aligned(array, copy=True)
         return self.xp.asarray(np.ascontiguousarray(array, dtype=np.float32))
 
     def _layer(self, w: dict[str, np.ndarray], p: str) -> Any:
@@ -188,6 +192,11 @@ class LlamaModel:
         num_tokens = batch.input_ids.shape[0]
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         h = _embed(self.embed, batch.input_ids)  # (T, hidden) residual stream
+        if self.fused is not None and self.fused.takes(num_tokens, kv_cache):
+            h = np.ascontiguousarray(h, dtype=np.float32)
+            self.fused.run(h, batch, kv_cache, cos, sin)  # every layer, in place
+            h = kernels.rms_norm(h[batch.logits_indices], self.norm, c.rms_norm_eps)
+            return _linear(h, self.lm_head)  # (L, vocab)
         for layer_id, layer in enumerate(self.layers):
             k_cache, v_cache, k_scale, v_scale = kv_cache.layer(layer_id)
             x = kernels.rms_norm(h, layer.input_norm, c.rms_norm_eps)
@@ -251,12 +260,12 @@ def _embed(embed: Any, input_ids: Any) -> Any:
 
 def _linear(x: Any, weight: Any) -> Any:
     """x (T, in) @ weight (out, in).T -> (T, out). On the CPU the compiled float32 matmul
-    (cpu_numba.matmul: one reduction order per output element whatever T is, so a row's result
+    (jit.matmul: one reduction order per output element whatever T is, so a row's result
     never depends on the batch) or the integer kernels of a quantized weight (kernels.quant,
     the same promise); OpenBLAS only where numba is off; cuBLAS on the GPU."""
     if isinstance(weight, QuantizedWeight):
         return quant.linear(x, weight)
     if isinstance(weight, tuple):
         return np.concatenate([quant.linear(x, part) for part in weight], axis=1)
-    out = cpu_numba.matmul(x, weight) if isinstance(x, np.ndarray) else None
+    out = jit.matmul(x, weight) if isinstance(x, np.ndarray) else None
     return x @ weight.T if out is None else out

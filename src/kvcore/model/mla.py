@@ -24,7 +24,7 @@ import numpy as np
 from kvcore import kernels
 from kvcore.config_deepseek import MLAConfig
 from kvcore.device import array_module
-from kvcore.kernels import mla as mla_kernels
+from kvcore.kernels.cpu import mla as mla_kernels
 
 MLA_MODES = ("auto", "absorbed", "decompressed")
 

@@ -1,7 +1,7 @@
 """Quantized weights for the CPU model: which format a load uses, and the weights in it, read
 straight from the GGUF a model was converted from (its Q4_0 / Q4_1 / Q8_0 blocks as they are,
 no float32 round trip) or quantized from float weights. The linear layers, the LM head and the
-embedding (which gathers rows) all hold kvcore.kernels.quant.QuantizedWeight then.
+embedding (which gathers rows) all hold kvcore.kernels.cpu.quant.QuantizedWeight then.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from kvcore.config import ModelConfig
-from kvcore.kernels import quant
-from kvcore.kernels.quant import BLOCK, QuantizedWeight
+from kvcore.kernels.cpu import quant
+from kvcore.kernels.cpu.quant import BLOCK, QuantizedWeight
 
 QUANTIZATIONS = ("auto", "none", "int8", "q4")
 GGUF_FILE = "model.gguf"  # the GGUF a converted directory came from (kvcore convert keeps it)

@@ -28,7 +28,7 @@ INT4_MIN_BLOCK_SIZE = 8  # the attention kernels stage the K params of 64 / 8 + 
 @runtime_checkable
 class Int4LayerLike(Protocol):
     """K or V of one int4 cache layer as the engine hands it to the kernels (the CPU path's
-    kernels.int4_kv.Int4Layer): sealed rows, the fp16 window, the shared window_slot table."""
+    kernels.cpu.kv_int4.Int4Layer): sealed rows, the fp16 window, the shared window_slot table."""
 
     rows: Any  # (num_blocks, row bytes) uint8
     window: Any  # (num_slots, block_size, Hkv, head_dim) float16

@@ -15,7 +15,7 @@ from numba.extending import intrinsic
 
 # modes: how a cache element's raw bits (the cache viewed as unsigned ints) become a float32
 MODE_FP32, MODE_BF16, MODE_FP16, MODE_FP8 = 0, 1, 2, 3
-MODE_INT4 = 4  # sealed int4 rows or fp16 window slots (kvcore.kernels.int4_numba)
+MODE_INT4 = 4  # sealed int4 rows or fp16 window slots (kvcore.kernels.cpu.kv_int4_blocks)
 # float contractions and reassociation (vectorized dot products over head_dim); not "ninf" or
 # "nnan": masked scores are -inf and the softmax relies on exp(-inf) = 0
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}

@@ -1,13 +1,13 @@
 """Which CPU attention runs: the compiled numba kernel (default) or the NumPy one (reference and
 fallback); the compiled kernel's checks, its disk cache and its start-up warm-up; and the
-compiled float32 matmul (kvcore.kernels.matmul_numba) every float32 linear layer of the CPU
+compiled float32 matmul (kvcore.kernels.cpu.matmul) every float32 linear layer of the CPU
 forward runs.
 
 numba caches compiled kernels on disk (next to the source, or under $KVCORE_HOME/numba-cache when
 the package directory is read-only), so only a machine's first start compiles; `warm_up` loads
 (or compiles) every variant a cache dtype needs before the engine takes requests.
 
-Threads: the kernel runs numba's own pool, kvcore.kernels.parallel.num_threads() threads
+Threads: the kernel runs numba's own pool, kvcore.kernels.cpu.threads.num_threads() threads
 ($KVCORE_NUM_THREADS). OpenBLAS and numba alternate rather than overlap: a forward pass calls
 attention between GEMMs, never beside one; OpenBLAS's workers go to sleep after about 0.1 ms
 (OPENBLAS_THREAD_TIMEOUT, set by kvcore/__init__) and numba's (OpenMP) workers at once
@@ -27,8 +27,8 @@ import ml_dtypes
 import numpy as np
 import structlog
 
-from kvcore.kernels.int4_kv import Int4Layer
-from kvcore.kernels.parallel import num_threads, run_parallel, split
+from kvcore.kernels.cpu.kv_int4 import Int4Layer
+from kvcore.kernels.cpu.threads import num_threads, run_parallel, split
 
 log = structlog.get_logger("kvcore.kernels")
 
@@ -44,7 +44,7 @@ _NO_BITS = np.zeros((1, 1, 1, 1), np.uint8)
 # that is not int4
 _NO_INT4 = (np.zeros((1, 1, 1, 1), np.uint16), np.zeros((1, 1, 1, 1), np.uint16),
             np.zeros(1, np.int32), 0, 0)
-_MODE_INT4 = 4  # numba_blocks.MODE_INT4 (this module does not import numba)
+_MODE_INT4 = 4  # attention_blocks.MODE_INT4 (this module does not import numba)
 _compiled: ModuleType | None = None
 _load_error: str | None = None
 _enabled = os.environ.get("KVCORE_CPU_ATTENTION", "numba") != "numpy"
@@ -76,19 +76,44 @@ def _start_threads_passive() -> None:
         del os.environ["OMP_WAIT_POLICY"]
 
 
+# numba's threading layers, best first: OpenMP (libgomp; its passive workers sleep between
+# regions), then numba's own workqueue (always there; one region at a time per process, which
+# is how kvcore calls it: the engine thread runs every compiled region). TBB is not tried: its
+# workers spin after a region, and its pip wheel is not a kvcore dependency.
+THREADING_LAYERS = ("omp", "workqueue")
+
+
 def _launch_threads() -> None:
+    """Start numba's pool on an explicitly chosen threading layer ($NUMBA_THREADING_LAYER when
+    set, else the first of THREADING_LAYERS that starts), sized by
+    kvcore.kernels.cpu.threads.num_threads(); log which."""
+    import numba
     from numba.np.ufunc import parallel
 
-    parallel._launch_threads()  # what numba's first parallel call does: pick a layer, start it
+    wanted = os.environ.get("NUMBA_THREADING_LAYER")
+    errors = []
+    for layer in (wanted,) if wanted else THREADING_LAYERS:
+        numba.config.THREADING_LAYER = layer  # type: ignore[attr-defined]
+        try:
+            parallel._launch_threads()  # what numba's first parallel call does
+        except ValueError as exc:  # this layer cannot start here: try the next
+            errors.append(f"{layer}: {exc}")
+            continue
+        break
+    else:
+        raise ValueError("no numba threading layer starts: " + "; ".join(errors))
+    numba.set_num_threads(min(num_threads(), numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
+    log.info("CPU kernel threads", threads=num_threads(), numba_layer=numba.threading_layer(),
+             numba_pool=numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
 
 
 def compiled() -> ModuleType | None:
-    """kvcore.kernels.attention_numba, or None when numba cannot be imported (logged once)."""
+    """kvcore.kernels.cpu.attention, or None when numba cannot be imported (logged once)."""
     global _compiled, _load_error
     if _compiled is None and _load_error is None:
         _cache_dir()
         try:
-            from kvcore.kernels import attention_numba
+            from kvcore.kernels.cpu import attention
 
             _start_threads_passive()
         except (ImportError, ValueError) as exc:  # numba missing, built for another NumPy,
@@ -97,7 +122,7 @@ def compiled() -> ModuleType | None:
             log.warning("numba unavailable: CPU paged attention runs the NumPy kernels",
                         error=str(exc))
         else:
-            _compiled = attention_numba
+            _compiled = attention
     return _compiled
 
 
@@ -221,15 +246,15 @@ def warm_up_int4() -> float:
     sealing quantizer."""
     start = time.perf_counter()
     if active():
-        from kvcore.kernels import int4_numba
+        from kvcore.kernels.cpu import kv_int4_blocks
 
         bs, heads, dim, group = 4, 1, 8, 8
         window = np.zeros((2, bs, heads, dim), np.float16)  # (slots, bs, Hkv, D)
-        k_rows = np.zeros((3, int4_numba.key_row_bytes(bs, heads, dim)), np.uint8)
-        v_rows = np.zeros((3, int4_numba.value_row_bytes(bs, heads, dim, group)), np.uint8)
+        k_rows = np.zeros((3, kv_int4_blocks.key_row_bytes(bs, heads, dim)), np.uint8)
+        v_rows = np.zeros((3, kv_int4_blocks.value_row_bytes(bs, heads, dim, group)), np.uint8)
         slots = np.array([-1, 0, 1], np.int32)
-        int4_numba.seal_blocks(window.view(np.uint16), window.view(np.uint16), k_rows, v_rows,
-                               np.array([0], np.int64), np.array([0], np.int64), group)
+        kv_int4_blocks.seal_blocks(window.view(np.uint16), window.view(np.uint16), k_rows, v_rows,
+                                   np.array([0], np.int64), np.array([0], np.int64), group)
         k = Int4Layer(k_rows, window, slots, True, group)
         v = Int4Layer(v_rows, window, slots, False, group)
         query = np.ones((4, 2, dim), np.float32)  # (T, H, D): 3 + 1 tokens
@@ -267,7 +292,7 @@ def aligned(array: Any, copy: bool = False) -> np.ndarray:
 
 def matmul(x: np.ndarray, weight: np.ndarray) -> np.ndarray | None:
     """x (M, in) @ weight (out, in).T for float32 arrays and every M, compiled
-    (kvcore.kernels.matmul_numba: one fixed reduction order per output element, so a row's
+    (kvcore.kernels.cpu.matmul: one fixed reduction order per output element, so a row's
     result does not depend on the other rows), split over the kernel threads by output rows;
     None when numba is off or the arrays are not float32 (the caller multiplies them itself).
     x is copied to a 64-byte aligned buffer when it does not start on one (O(M K), against the
@@ -275,7 +300,7 @@ def matmul(x: np.ndarray, weight: np.ndarray) -> np.ndarray | None:
     if not (x.ndim == 2 and weight.ndim == 2 and x.dtype == np.float32
             and weight.dtype == np.float32 and x.shape[1] == weight.shape[1] and active()):
         return None
-    from kvcore.kernels import matmul_numba
+    from kvcore.kernels.cpu import matmul as kernel
 
     x, weight = aligned(x), (weight if weight.flags.c_contiguous
                              else np.ascontiguousarray(weight))
@@ -283,10 +308,10 @@ def matmul(x: np.ndarray, weight: np.ndarray) -> np.ndarray | None:
     out = np.empty((num_rows, num_out), dtype=np.float32)  # (M, out)
     if num_rows == 0 or num_out == 0:
         return out
-    block = matmul_numba.OUT_BLOCK
+    block = kernel.OUT_BLOCK
     num_blocks = -(-num_out // block)
     share = max(1, MIN_SHARE_BYTES // max(1, block * weight.shape[1] * 4 * num_rows))
-    run_parallel(lambda part: matmul_numba.matmul_rows(
+    run_parallel(lambda part: kernel.matmul_rows(
         x, weight, out, part.start * block, min(num_out, part.stop * block)),
         split(num_blocks, share))
     return out

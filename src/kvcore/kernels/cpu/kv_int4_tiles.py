@@ -8,21 +8,21 @@ per token and group (v_c = z_g + s_g n_c), so a value chunk is rebuilt in regist
 codes by one fused multiply-add with the group's scale and zero, shared by the four query
 vectors it serves (`sealed_values`).
 
-Channels are in "split" order (kvcore.kernels.int4_simd): per chunk of 32, the 16 even ones then
-the 16 odd ones, as the low and high nibbles of the chunk's 16 code bytes. Queries are split
-once per work item, value accumulators are kept split and joined once at its end. For head_dim
-a multiple of 32, blocks a multiple of 8 keys and value groups a multiple of 32 channels (a
-chunk's scale is one number); other shapes unpack blocks (kvcore.kernels.int4_numba). Which path
-reads a sealed block depends on these shapes only, never on how many query rows an item holds:
-the two paths round differently, and a row must read a block the same way in any tile.
-"""
+Channels are in "split" order (kvcore.kernels.cpu.kv_int4_simd): per chunk of 32, the 16 even ones
+then the 16 odd ones, as the low and high nibbles of the chunk's 16 code bytes. Queries are split
+once per work item, value accumulators are kept split and joined once at its end. For head_dim a
+multiple of 32, blocks a multiple of 8 keys and value groups a multiple of 32 channels (a chunk's
+scale is one number); other shapes unpack blocks (kvcore.kernels.cpu.kv_int4_blocks). Which path
+reads a sealed block depends on these shapes only, never on how many query rows an item holds: the
+two paths round differently, and a row must read a block the same way in any tile. """
 
 from __future__ import annotations
 
 import numpy as np
 from numba import njit
 
-from kvcore.kernels.int4_simd import (
+from kvcore.kernels.cpu.attention_blocks import FASTMATH
+from kvcore.kernels.cpu.kv_int4_simd import (
     CHUNK,
     even_halves,
     halves,
@@ -32,8 +32,7 @@ from kvcore.kernels.int4_simd import (
     odd_halves,
     total,
 )
-from kvcore.kernels.numba_blocks import FASTMATH
-from kvcore.kernels.numba_simd import (
+from kvcore.kernels.cpu.simd import (
     LANES,
     load,
     muladd,

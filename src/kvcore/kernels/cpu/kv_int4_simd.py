@@ -1,4 +1,4 @@
-"""Register loads for the int4 attention tiles (kvcore.kernels.int4_tiles): 16 bytes of
+"""Register loads for the int4 attention tiles (kvcore.kernels.cpu.kv_int4_tiles): 16 bytes of
 nibble codes as two 16-lane float32 vectors (low nibbles, high nibbles), and fp16 parameters
 stored as raw bytes in a row widened to float32, whole or split into even and odd channels.
 
@@ -18,7 +18,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kvcore.kernels.numba_simd import LANES, float32x16
+from kvcore.kernels.cpu.simd import LANES, float32x16
 
 CHUNK = 2 * LANES  # channels per 16 code bytes
 _I32 = ir.IntType(32)

@@ -1,8 +1,10 @@
-"""A small thread pool for the CPU kernels: NumPy releases the GIL in gathers, GEMMs and ufuncs.
+"""The CPU kernels' threads, sized once: $KVCORE_NUM_THREADS, else the cores in this process's
+affinity mask, read when the process first asks (the engine's start-up) and never again per call.
 
-BLAS parallelizes each large GEMM by itself, but the attention of a decode batch is many small
-GEMMs and memory-bound gathers that run on one core; splitting the batch over the cores' threads
-is what puts the other cores to work there.
+Two pools run on them, one at a time: numba's (the compiled regions: attention, the fused decode
+step; its threading layer chosen explicitly by kvcore.kernels.cpu.jit and logged) and a small
+Python pool (`run_parallel`) for the per-op path's NumPy and single-threaded numba calls, which
+release the GIL. A forward pass calls them in turn, never beside each other.
 """
 
 from __future__ import annotations
@@ -16,14 +18,14 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 _lock = threading.Lock()
+_threads = 0  # 0: not sized yet
 _pool: ThreadPoolExecutor | None = None
-_pool_threads = 0
 _blas: Any = None  # threadpoolctl's controller of the loaded BLAS libraries, made on first use
 _inside = threading.local()  # .active: this thread is running an item of a run_parallel
 
 
-def num_threads() -> int:
-    """$KVCORE_NUM_THREADS, else the cores this process may run on."""
+def threads_from_environment() -> int:
+    """$KVCORE_NUM_THREADS, else the cores this process may run on (its affinity mask)."""
     value = os.environ.get("KVCORE_NUM_THREADS")
     if value:
         if not value.isdigit() or int(value) < 1:
@@ -33,14 +35,31 @@ def num_threads() -> int:
         os.cpu_count() or 1)
 
 
-def _executor(threads: int) -> ThreadPoolExecutor:
-    global _pool, _pool_threads
+def num_threads() -> int:
+    """The kernels' thread count: sized on first use, then a plain read."""
+    return _threads or set_num_threads(threads_from_environment())
+
+
+def set_num_threads(threads: int) -> int:
+    """Size the kernels' threads (start-up; tests and tools that compare thread counts); the
+    Python pool is rebuilt at the new size."""
+    global _threads, _pool
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
     with _lock:
-        if _pool is None or _pool_threads != threads:
+        if threads != _threads:
             if _pool is not None:
                 _pool.shutdown(wait=False)
-            _pool = ThreadPoolExecutor(threads, thread_name_prefix="kvcore-kernel")
-            _pool_threads = threads
+            _pool = None
+            _threads = threads
+    return threads
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    with _lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max(1, _threads - 1), thread_name_prefix="kvcore-kernel")
         return _pool
 
 
@@ -76,7 +95,8 @@ def run_parallel(fn: Callable[[T], None], items: Sequence[T]) -> None:
             fn(item)
         return
     with _blas_controller().limit(limits=1):
-        futures = [_executor(num_threads()).submit(fn, item) for item in items[1:]]
+        pool = _executor()
+        futures = [pool.submit(fn, item) for item in items[1:]]
         _inside.active = True
         try:
             fn(items[0])

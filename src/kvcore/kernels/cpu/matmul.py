@@ -2,7 +2,7 @@
 
 Reduction order (fixed per output element; the invariant every caller relies on): out[m, n]
 is 16 lanes, lane l accumulating x[m, c + l] * w[n, c + l] by fused multiply-adds over the
-chunks c = 0, 16, 32, ... in order; then the lanes summed by one fixed tree (numba_simd.hsum,
+chunks c = 0, 16, 32, ... in order; then the lanes summed by one fixed tree (simd.hsum,
 the tree sums16 applies to each of its vectors); then the K % 16 tail added in order (a
 multiply and an add each, never fused: this module is compiled without fastmath). The tiles
 (4 rows x 4 outputs where there are 4 rows, else 1 row x 16 outputs, else one element) and the
@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from kvcore.kernels.numba_simd import LANES, fma, hsum, load, splat, store, sums16
+from kvcore.kernels.cpu.simd import LANES, fma, hsum, load, splat, store, sums16
 
 OUT_BLOCK = 32  # weight rows per block (32 x K floats, L2-resident)
 ROW_BLOCK_BYTES = 256 << 10  # activation rows per block: about this many bytes of x

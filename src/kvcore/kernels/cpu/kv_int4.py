@@ -3,9 +3,9 @@ tokens into the fp16 window, and reading blocks back as float32 for the NumPy at
 in the form the rule of positions names (kvcore.cache.int4_window).
 
 A block's tokens are in fp16 in window slot window_slot[block_id] while it holds one (-1: none),
-its rows hold the int4 format of kvcore.kernels.int4_numba once it is sealed. A query row reads
-the blocks of its own super-block (window_blocks blocks) from their slots and every earlier
-block from its rows; the cache layer keeps both valid where the rule reads them.
+its rows hold the int4 format of kvcore.kernels.cpu.kv_int4_blocks once it is sealed. A query
+row reads the blocks of its own super-block (window_blocks blocks) from their slots and every
+earlier block from its rows; the cache layer keeps both valid where the rule reads them.
 """
 
 from __future__ import annotations

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import ml_dtypes
 import numpy as np
 
-from kvcore.kernels import attention, cpu_numba, int4_kv
-from kvcore.kernels.int4_kv import Int4Layer
-from kvcore.kernels.layer_ops import rms_norm, rope, rope_cos_sin, rope_inv_freq, silu_and_mul
+from kvcore.kernels.cpu import attention_reference, jit, kv_int4, layer_ops
+from kvcore.kernels.cpu.kv_int4 import Int4Layer
+from kvcore.kernels.cpu.layer_ops import rope_cos_sin, rope_inv_freq
+from kvcore.kernels.cpu.threads import run_parallel, split
 
 FP8_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)
 FP8_MAX = 448.0  # largest finite e4m3fn value; casts saturate here (as CUDA's __NV_SATFINITE)
@@ -32,14 +36,15 @@ def reshape_and_cache(key: np.ndarray, value: np.ndarray, k_cache: np.ndarray, v
     """
     if isinstance(k_cache, Int4Layer):
         assert isinstance(v_cache, Int4Layer)
-        int4_kv.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+        kv_int4.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
         seals = k_cache.step_seals
         if seals is not None and len(seals):  # what this step's later rows read sealed
-            from kvcore.kernels import int4_numba
+            from kvcore.kernels.cpu import kv_int4_blocks
 
-            int4_numba.seal_blocks(k_cache.window.view(np.uint16), v_cache.window.view(np.uint16),
-                                   k_cache.rows, v_cache.rows, np.ascontiguousarray(seals[:, 0]),
-                                   np.ascontiguousarray(seals[:, 1]), v_cache.group)
+            kv_int4_blocks.seal_blocks(
+                k_cache.window.view(np.uint16), v_cache.window.view(np.uint16), k_cache.rows,
+                v_cache.rows, np.ascontiguousarray(seals[:, 0]),
+                np.ascontiguousarray(seals[:, 1]), v_cache.group)
         return
     num_tokens, num_kv_heads, head_dim = key.shape
     if value.shape != key.shape:
@@ -71,8 +76,8 @@ def reshape_and_cache(key: np.ndarray, value: np.ndarray, k_cache: np.ndarray, v
 def _check_attention_shapes(query: np.ndarray, k_cache: np.ndarray | Int4Layer,
                             block_tables: np.ndarray, context_lens: np.ndarray,
                             query_start_loc: np.ndarray) -> None:
-    """The per-call checks (shapes only, no pass over the arrays); attention.plan checks the
-    values of the batch arrays once per new plan."""
+    """The per-call checks (shapes only, no pass over the arrays); attention_reference.plan
+    checks the values of the batch arrays once per new plan."""
     num_seqs = context_lens.shape[0]
     if query.ndim != 3 or len(k_cache.shape) != 4 or query.shape[2] != k_cache.shape[3]:
         raise ValueError(f"query {query.shape} and cache {k_cache.shape} shapes do not match")
@@ -96,15 +101,15 @@ def paged_attention(query: np.ndarray, k_cache: np.ndarray | Int4Layer,
 
     Query i of sequence s (q_len = qsl[s+1] - qsl[s]) sits at position context_lens[s] - q_len + i
     and attends the keys at positions p' <= p (and p' > p - sliding_window). Returns (T, H, D).
-    Runs the compiled kernel (kvcore.kernels.cpu_numba) when numba is there, else NumPy's (the
+    Runs the compiled kernel (kvcore.kernels.cpu.jit) when numba is there, else NumPy's (the
     reference; its GEMMs make no promise that a row's bits are independent of the batch).
     """
     _check_attention_shapes(query, k_cache, block_tables, context_lens, query_start_loc)
-    if cpu_numba.supports(query, k_cache, v_cache):
+    if jit.supports(query, k_cache, v_cache):
         # every chunk, long or short, and every decode token through the one compiled kernel:
         # its reduction order is per row (a row's bits never depend on the batch or the chunk)
-        out = cpu_numba.paged_attention(query, k_cache, v_cache, block_tables, context_lens,
-                                        query_start_loc, scale, sliding_window, k_scale, v_scale)
+        out = jit.paged_attention(query, k_cache, v_cache, block_tables, context_lens,
+                                  query_start_loc, scale, sliding_window, k_scale, v_scale)
         return out.astype(query.dtype, copy=False)
     out = _numpy_attention(query, k_cache, v_cache, block_tables, context_lens, query_start_loc,
                            scale, sliding_window, k_scale, v_scale)
@@ -118,13 +123,13 @@ def _numpy_attention(query: np.ndarray, k_cache: np.ndarray | Int4Layer,
     if isinstance(k_cache, Int4Layer):  # each row's blocks in the form its position names
         assert isinstance(v_cache, Int4Layer)
         k_cache, v_cache, block_tables, context_lens, query_start_loc = \
-            int4_kv.positional_blocks(k_cache, v_cache, block_tables, context_lens,
+            kv_int4.positional_blocks(k_cache, v_cache, block_tables, context_lens,
                                       query_start_loc)
     assert not isinstance(v_cache, Int4Layer)
-    step = attention.plan(block_tables, context_lens, query_start_loc, k_cache.shape[1],
-                          sliding_window)
-    return attention.attend(query, k_cache, v_cache, step, scale, sliding_window, k_scale,
-                            v_scale)
+    step = attention_reference.plan(block_tables, context_lens, query_start_loc, k_cache.shape[1],
+                                    sliding_window)
+    return attention_reference.attend(query, k_cache, v_cache, step, scale, sliding_window, k_scale,
+                                      v_scale)
 
 
 def copy_blocks(k_caches: list[np.ndarray], v_caches: list[np.ndarray],
@@ -139,6 +144,63 @@ def copy_blocks(k_caches: list[np.ndarray], v_caches: list[np.ndarray],
         if int(block_mapping.max()) >= cache.shape[0] or int(block_mapping.min()) < 0:
             raise ValueError(f"block_mapping holds a block id outside [0, {cache.shape[0]})")
         cache[dst] = cache[src]
+
+
+# a thread's share of an element-wise op: at least this many elements (else one thread runs it)
+_MIN_SHARE_ELEMENTS = 1 << 16
+
+
+def _compiled_rows(x: Any) -> bool:
+    return isinstance(x, np.ndarray) and jit.active()
+
+
+def _by_rows(op: Callable[[int, int], None], rows: int, row_elements: int) -> None:
+    run_parallel(lambda part: op(part.start, part.stop),
+                 split(rows, max(1, _MIN_SHARE_ELEMENTS // max(row_elements, 1))))
+
+
+def rms_norm(x: Any, weight: Any, eps: float) -> Any:
+    """x / rms(x) * weight over the last axis, float32: compiled row by row
+    (kvcore.kernels.cpu.layer_rows, the fused decode step's own function) when numba runs,
+    else NumPy's (layer_ops; also the CUDA path's fallback)."""
+    if not _compiled_rows(x):
+        return layer_ops.rms_norm(x, weight, eps)
+    from kvcore.kernels.cpu import layer_rows
+
+    rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])  # (T, n)
+    out = np.empty_like(rows)
+    w = np.ascontiguousarray(weight, dtype=np.float32)
+    _by_rows(lambda r0, r1: layer_rows.rms_norm_rows(rows, w, float(eps), out, r0, r1),
+             rows.shape[0], rows.shape[1])
+    return out.reshape(x.shape)
+
+
+def silu_and_mul(x: Any) -> Any:
+    """x (T, 2I) = [gate | up] -> silu(gate) * up (T, I): compiled (layer_rows) or NumPy's."""
+    if not _compiled_rows(x):
+        return layer_ops.silu_and_mul(x)
+    from kvcore.kernels.cpu import layer_rows
+
+    rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])  # (T, 2I)
+    out = np.empty((rows.shape[0], rows.shape[1] // 2), np.float32)
+    _by_rows(lambda r0, r1: layer_rows.silu_mul_rows(rows, out, r0, r1), rows.shape[0],
+             rows.shape[1])
+    return out.reshape(*x.shape[:-1], out.shape[1])
+
+
+def rope(x: Any, positions: Any, cos: Any, sin: Any) -> Any:
+    """Rotate-half rotary embedding of x (T, H, D) at positions (T,): compiled (layer_rows) or
+    NumPy's."""
+    if not _compiled_rows(x):
+        return layer_ops.rope(x, positions, cos, sin)
+    from kvcore.kernels.cpu import layer_rows
+
+    rows = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty_like(rows)
+    pos = np.ascontiguousarray(positions, dtype=np.int64)
+    _by_rows(lambda r0, r1: layer_rows.rope_rows(rows, pos, cos, sin, out, r0, r1),
+             rows.shape[0], rows.shape[1] * rows.shape[2])
+    return out
 
 
 __all__ = ["FP8_DTYPE", "FP8_MAX", "copy_blocks", "paged_attention", "reshape_and_cache",

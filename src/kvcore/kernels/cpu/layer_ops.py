@@ -14,7 +14,7 @@ import numpy as np
 
 from kvcore.config import RopeScaling
 from kvcore.device import array_module
-from kvcore.kernels.parallel import run_parallel, split
+from kvcore.kernels.cpu.threads import run_parallel, split
 
 # NumPy ops this large are split by rows over the kernel threads (a prefill's activations);
 # smaller ones cost less than the hand-off

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvcore.kernels.attention import TILE_ELEMENTS, _gather, _softmax_weighted_ones
 from kvcore.kernels.cpu import _store, paged_attention
-from kvcore.kernels.parallel import run_parallel, split
+from kvcore.kernels.cpu.attention_reference import TILE_ELEMENTS, _gather, _softmax_weighted_ones
+from kvcore.kernels.cpu.threads import run_parallel, split
 
 
 def cache_latent(entries: np.ndarray, cache: np.ndarray, slot_mapping: np.ndarray,

@@ -10,7 +10,7 @@ one (sequence, tile) that split a long key range (so that a batch of one at a lo
 still gives every thread work) are merged afterwards from their partial maxima, sums and
 outputs.
 
-Only this module imports numba; kvcore.kernels.cpu_numba decides whether it runs at all.
+Only this module imports numba; kvcore.kernels.cpu.jit decides whether it runs at all.
 """
 
 from __future__ import annotations
@@ -21,9 +21,8 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from kvcore.kernels import int4_tiles
-from kvcore.kernels.int4_numba import load_int4_block
-from kvcore.kernels.numba_blocks import (
+from kvcore.kernels.cpu import kv_int4_tiles
+from kvcore.kernels.cpu.attention_blocks import (
     FASTMATH,
     MODE_FP32,
     MODE_INT4,
@@ -33,8 +32,9 @@ from kvcore.kernels.numba_blocks import (
     load_block,
     prefetch_block,
 )
-from kvcore.kernels.numba_simd import LANES
-from kvcore.kernels.numba_tiles import tile_scores, tile_values
+from kvcore.kernels.cpu.attention_tiles import tile_scores, tile_values
+from kvcore.kernels.cpu.kv_int4_blocks import load_int4_block
+from kvcore.kernels.cpu.simd import LANES
 
 # an int4 cache's fp16 window (K, V: (num_slots, bs, Hkv, D) as uint16 bits), its block ->
 # window slot table (num_blocks,), the V rows' group and its blocks per super-block (a row reads
@@ -171,11 +171,11 @@ def _attend_item(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     # register tiles where the shapes allow (head_dim in 16s; for scores, the block in 8s)
     simd_values = head_dim % LANES == 0
     simd_scores = simd_values and block_size % (LANES // 2) == 0
-    # sealed int4 blocks read in place by kvcore.kernels.int4_tiles where the shapes allow:
+    # sealed int4 blocks read in place by kvcore.kernels.cpu.kv_int4_tiles where the shapes allow:
     # queries and their weighted values in its split channel order
-    tiles = mode == MODE_INT4 and int4_tiles.fits(block_size, head_dim, value_group)
+    tiles = mode == MODE_INT4 and kv_int4_tiles.fits(block_size, head_dim, value_group)
     split_queries, scaled, offsets, key_params, split_acc, value_params = \
-        int4_tiles.item_scratch(queries, num_kv_heads, block_size, value_group, tiles)
+        kv_int4_tiles.item_scratch(queries, num_kv_heads, block_size, value_group, tiles)
     last_pos = first_pos + r1 - 1
     last_block = (k1 - 1) // block_size
     # int4: the tile's own super-block (its rows all share it) is read from the window, every
@@ -199,10 +199,10 @@ def _attend_item(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
         sealed_tile = tiles and b < own_first
         if sealed_tile:
             k_row = k_bits[block_id].reshape(k_bits.shape[3])
-            int4_tiles.key_queries(split_queries, k_row, num_heads, group, block_size,
-                                   key_params, scaled, offsets)
-            int4_tiles.sealed_scores(scaled, offsets, k_row, num_heads, group, num_kv_heads,
-                                     probs)
+            kv_int4_tiles.key_queries(split_queries, k_row, num_heads, group, block_size,
+                                      key_params, scaled, offsets)
+            kv_int4_tiles.sealed_scores(scaled, offsets, k_row, num_heads, group, num_kv_heads,
+                                        probs)
         else:
             if mode == MODE_FP32:
                 keys = k_cache[block_id]
@@ -244,10 +244,10 @@ def _attend_item(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
         exp_rows(probs, row_max)
         if sealed_tile:  # (a sealed block's scales and zeros are finite: masked keys add 0)
             v_row = v_bits[block_id].reshape(v_bits.shape[3])
-            int4_tiles.value_params(v_row, block_size * num_kv_heads * head_dim // 2,
-                                    value_params.shape[0] // 2, value_params)
-            int4_tiles.sealed_values(probs, v_row, value_params, num_heads, group,
-                                     num_kv_heads, value_group, split_acc, row_sum)
+            kv_int4_tiles.value_params(v_row, block_size * num_kv_heads * head_dim // 2,
+                                       value_params.shape[0] // 2, value_params)
+            kv_int4_tiles.sealed_values(probs, v_row, value_params, num_heads, group,
+                                        num_kv_heads, value_group, split_acc, row_sum)
             continue
         if mode == MODE_FP32:
             values = v_cache[block_id]
@@ -270,7 +270,7 @@ def _attend_item(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
         else:
             block_values(probs, values, num_heads, group, acc, row_sum)
     if tiles:
-        int4_tiles.add_joined(split_acc, acc)
+        kv_int4_tiles.add_joined(split_acc, acc)
     start = offset * num_heads
     part_max[start:start + num_vecs] = row_max
     part_sum[start:start + num_vecs] = row_sum
@@ -293,24 +293,35 @@ def attend(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, k_bits: 
                      context_lens, query_start_loc, window, items[w], part_max, part_sum,
                      part_out)
     for g in prange(groups.shape[0]):
-        row0, num_rows, i0, i1 = groups[g, 0], groups[g, 1], groups[g, 2], groups[g, 3]
-        for i in range(num_rows * num_heads):
-            top = -np.inf
-            for w in range(i0, i1):
-                top = max(top, part_max[items[w, 5] * num_heads + i])
-            total = np.float32(0.0)
-            merged = np.zeros(head_dim, np.float32)  # (D,)
-            for w in range(i0, i1):
-                j = items[w, 5] * num_heads + i
-                if part_sum[j] == 0.0:  # an item whose keys this row cannot see
-                    continue
-                weight = np.float32(math.exp(part_max[j] - top))
-                total += weight * part_sum[j]
-                for d in range(head_dim):
-                    merged[d] += weight * part_out[j, d]
-            norm = np.float32(v_scale) / total
+        merge_group(groups[g], items, part_max, part_sum, part_out, v_scale, out)
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def merge_group(group: np.ndarray, items: np.ndarray, part_max: np.ndarray,
+                part_sum: np.ndarray, part_out: np.ndarray, v_scale: float,
+                out: np.ndarray) -> None:
+    """One group's items (a tile of one sequence's rows, its key pieces) merged in item order
+    into out (T, H, D): the pieces' maxima, then their sums and values rescaled and added."""
+    num_heads, head_dim = out.shape[1], out.shape[2]
+    row0, num_rows, i0, i1 = group[0], group[1], group[2], group[3]
+    merged = np.empty(head_dim, np.float32)  # (D,)
+    for i in range(num_rows * num_heads):
+        top = -np.inf
+        for w in range(i0, i1):
+            top = max(top, part_max[items[w, 5] * num_heads + i])
+        total = np.float32(0.0)
+        merged[:] = 0.0
+        for w in range(i0, i1):
+            j = items[w, 5] * num_heads + i
+            if part_sum[j] == 0.0:  # an item whose keys this row cannot see
+                continue
+            weight = np.float32(math.exp(part_max[j] - top))
+            total += weight * part_sum[j]
             for d in range(head_dim):
-                out[row0 + i // num_heads, i % num_heads, d] = merged[d] * norm
+                merged[d] += weight * part_out[j, d]
+        norm = np.float32(v_scale) / total
+        for d in range(head_dim):
+            out[row0 + i // num_heads, i % num_heads, d] = merged[d] * norm
 
 
 def set_threads(threads: int) -> None:

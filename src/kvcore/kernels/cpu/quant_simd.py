@@ -143,7 +143,7 @@ def _block_scales(context, builder, d_type, d_arr, d_i, wide, lane_block):  # ty
 
 # VNNI, q4: the 32 packed bytes of two blocks unpack to [block 0 low nibbles, block 1 low,
 # block 0 high, block 1 high] (16 each: no cross-lane shuffle); activations are permuted to the
-# same order when quantized (quant_numba.quantize_rows, permute=True), and i32 lane l then
+# same order when quantized (quant_gemm.quantize_rows, permute=True), and i32 lane l then
 # belongs to block Q4_LANE_BLOCK[l]. q8's bytes (and activations) stay in order.
 Q4_LANE_BLOCK = [0] * 4 + [1] * 4 + [0] * 4 + [1] * 4
 Q8_LANE_BLOCK = [0] * 8 + [1] * 8

@@ -15,7 +15,9 @@ one accumulator of float lanes taking dot_blocks(step k) for k = 0, width, 2 wid
 (the integer dot of the step's blocks, converted and scaled by weight scale x activation scale),
 summed by fsum's lane tree, then (q4's mins, the VNNI offsets) its block terms added in block
 order; activations are quantized per row. The 4-row and the 1-row loops run the same steps per
-element, so a row's result does not depend on how many rows the call has.
+element, so a row's result does not depend on how many rows the call has. Compiled without
+fastmath: with it, LLVM's freedom to reassociate let the same source give other bits where the
+function was compiled into another one (the fused decode region) or loaded from numba's cache.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from kvcore.kernels.quant_layout import BLOCK, TILE
-from kvcore.kernels.quant_simd import dot_blocks, fsum, fzero, step
+from kvcore.kernels.cpu.quant_layout import BLOCK, TILE
+from kvcore.kernels.cpu.quant_simd import dot_blocks, fsum, fzero, step
 
 
 @njit(nogil=True, cache=True)
@@ -59,7 +61,7 @@ def quantize_rows(x: np.ndarray, a: np.ndarray, scales: np.ndarray, block_sums: 
             block_sums[r, b] = total * scale
 
 
-@njit(nogil=True, cache=True, fastmath=True)
+@njit(nogil=True, cache=True)
 def _add_block_terms(out: np.ndarray, terms: np.ndarray, act_terms: np.ndarray,
                      n0: int, n1: int) -> None:
     """out[:, n0:n1] += act_terms @ terms[n0:n1].T: q4's per-block mins, or the VNNI offset's
@@ -73,7 +75,7 @@ def _add_block_terms(out: np.ndarray, terms: np.ndarray, act_terms: np.ndarray,
             out[r, n] += total
 
 
-@njit(nogil=True, cache=True, fastmath=True)
+@njit(nogil=True, cache=True)
 def block_rows(isa: np.ndarray, a: np.ndarray, a_scales: np.ndarray, q: np.ndarray,
                d: np.ndarray, d_stride: int, d_step: int, terms: np.ndarray,
                act_terms: np.ndarray, has_terms: bool, out: np.ndarray, n0: int,

@@ -1,6 +1,6 @@
-"""A block's scores and weighted values in 16-lane register tiles (kvcore.kernels.numba_simd),
+"""A block's scores and weighted values in 16-lane register tiles (kvcore.kernels.cpu.simd),
 for head_dim a multiple of 16 (and, for the scores, blocks of a multiple of 8 keys): the
-general loops in kvcore.kernels.numba_blocks serve every other shape.
+general loops in kvcore.kernels.cpu.attention_blocks serve every other shape.
 
 Vectors are a tile's query rows x heads, flat: vector i is query head i % num_heads of row
 i // num_heads, and reads KV head (i % num_heads) // group.
@@ -11,7 +11,7 @@ the lanes summed by sums16's tree; a weighted value element is acc + p[0] v[0] +
 ... over the block's keys in order, one fused multiply-add each. Which vectors share a pass
 (pairs, fours, a lone vector repeated) only decides which loads are shared.
 
-Arrays are flat and indexed through the numba_simd intrinsics (no views, no negative-index
+Arrays are flat and indexed through the simd module's intrinsics (no views, no negative-index
 wraparound in the inner loops): a view made in a loop costs two atomic reference counts, and
 the wraparound arithmetic as much as the multiply-adds it feeds."""
 
@@ -20,8 +20,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from kvcore.kernels.numba_blocks import FASTMATH
-from kvcore.kernels.numba_simd import LANES, fma, load, splat, splat_at, store, store_split, sums16
+from kvcore.kernels.cpu.attention_blocks import FASTMATH
+from kvcore.kernels.cpu.simd import LANES, fma, load, splat, splat_at, store, store_split, sums16
 
 
 @njit(inline="always")

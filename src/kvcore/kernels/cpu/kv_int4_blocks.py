@@ -19,7 +19,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from kvcore.kernels.numba_blocks import FASTMATH, float_from_half_bits
+from kvcore.kernels.cpu.attention_blocks import FASTMATH, float_from_half_bits
 
 FP16_MAX = np.float32(65504.0)
 _HALF = np.float32(0.5)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvcore.kernels.parallel import num_threads, run_parallel, split
+from kvcore.kernels.cpu.threads import num_threads, run_parallel, split
 
 # score elements per attention tile of a prefill chunk: bounds the (H, rows, keys) score matrix
 TILE_ELEMENTS = 1 << 20

@@ -1,6 +1,6 @@
 """Quantized weights kept in memory (int8 per output channel; q4 / q8 in blocks of 32, as GGUF's
 Q4_0 / Q4_1 / Q8_0) and their linear layer: activations quantized per row on the fly, then the
-compiled integer kernels of quant_numba, split over the kernel threads.
+compiled integer kernels of quant_gemm, split over the kernel threads.
 
 The instruction set is chosen once, at import, from the CPU's features (AVX-512 VNNI, else
 AVX2; the engine logs it at start-up); a CPU with neither cannot run the quantized formats
@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from kvcore.kernels.parallel import run_parallel, split
-from kvcore.kernels.quant_layout import BLOCK, TILE
+from kvcore.kernels.cpu.quant_layout import BLOCK, TILE
+from kvcore.kernels.cpu.threads import run_parallel, split
 
 PAD_K = 64  # in_features are padded to a multiple of this (one VNNI step)
 
@@ -234,7 +234,7 @@ def linear(x: np.ndarray, weight: QuantizedWeight, isa: str | None = None) -> np
     """x (T, in_features) float32 @ weight.T -> (T, out_features) float32, x quantized to int8
     with a scale per block of 32 (symmetric). isa: the path to run (default: the CPU's best,
     chosen at import)."""
-    from kvcore.kernels import quant_numba
+    from kvcore.kernels.cpu import quant_gemm
 
     best, available = _isas()
     isa = isa or best
@@ -252,8 +252,8 @@ def linear(x: np.ndarray, weight: QuantizedWeight, isa: str | None = None) -> np
     a = np.empty((rows, kp), np.int8)  # (T, Kp)
     a_scales = np.empty((rows, kp // BLOCK), np.float32)  # (T, Kp / 32)
     block_sums = np.empty((rows, kp // BLOCK), np.float32)
-    quant_numba.quantize_rows(np.ascontiguousarray(x, dtype=np.float32), a, a_scales, block_sums,
-                              vnni and weight.format == "q4")
+    quant_gemm.quantize_rows(np.ascontiguousarray(x, dtype=np.float32), a, a_scales, block_sums,
+                             vnni and weight.format == "q4")
     out = np.empty((rows, n), np.float32)  # (T, out_features)
     if rows == 0:
         return out
@@ -265,7 +265,7 @@ def linear(x: np.ndarray, weight: QuantizedWeight, isa: str | None = None) -> np
         assert weight.offsets is not None
         terms, act_terms = weight.offsets, a_scales
     int8 = weight.format == "int8"
-    kernel = partial(quant_numba.block_rows, tag, a, a_scales, weight.q.reshape(-1),
+    kernel = partial(quant_gemm.block_rows, tag, a, a_scales, weight.q.reshape(-1),
                      weight.scales.reshape(-1), 2 if int8 else kp // BLOCK, 0 if int8 else 1,
                      terms, act_terms, terms is not _NO_TERMS, out)
     tile = TILE
