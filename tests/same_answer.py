@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from kvcore.engine import Engine
 from kvcore.engine.llm import engine_config
-from kvcore.request import RequestOutput
+from kvcore.request import RequestOutput, merge_outputs
 from kvcore.sampling import BeamSearchParams, SamplingParams
 from kvcore.sampling.constraints import Constraint
 
@@ -68,12 +68,11 @@ def run(engine: Engine, cases: list[Case], tag: str) -> list[Answer]:
     ids = [f"{tag}-{i}" for i in range(len(cases))]
     for request_id, case in zip(ids, cases, strict=True):
         engine.add_request(request_id, list(case.prompt), case.params, cache_salt=case.salt)
-    done: dict[str, RequestOutput] = {}
+    outputs: dict[str, list[RequestOutput]] = {i: [] for i in ids}
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [answer(done[i]) for i in ids]
+        for out in engine.step():  # each output carries what changed: merged at the end
+            outputs[out.request_id].append(out)
+    return [answer(merge_outputs(outputs[i])) for i in ids]
 
 
 def alone(model_dir: Path, case: Case, **engine_args: Any) -> Answer:
