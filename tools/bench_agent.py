@@ -153,8 +153,13 @@ async def run_sessions(args: argparse.Namespace) -> dict[str, Any]:
         async def limited(s: int) -> None:
             async with at_once:  # sessions in flight at once (each runs all its turns)
                 await session(s)
-        await asyncio.gather(*(limited(s) for s in range(args.sessions)))
+        tasks = [asyncio.ensure_future(limited(s)) for s in range(args.sessions)]
+        _, pending = await asyncio.wait(tasks, timeout=args.time_limit)
+        for task in pending:  # past --time-limit: report the turns that finished
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         wall = time.perf_counter() - started
+        args.unfinished_sessions = len(pending)
         metrics_after = await read_metrics(http, args.base_url)
     return summarize(args, records, wall, metrics_before, metrics_after)
 
@@ -194,6 +199,7 @@ def summarize(args: argparse.Namespace, records: list[dict[str, Any]], wall: flo
     return {
         "label": args.label, "sessions": args.sessions, "turns": [args.first_turn, args.last_turn],
         "num_turns": len(records), "errors": errors[:5], "num_errors": len(errors),
+        "unfinished_sessions": getattr(args, "unfinished_sessions", 0),
         "wall_s": round(wall, 2),
         "ttft_p50_s_turns_ge2": round(pct(later, 50), 4) if later else None,
         "ttft_p99_s_turns_ge2": round(pct(later, 99), 4) if later else None,
@@ -259,6 +265,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per turn")
     p.add_argument("--warmup", type=int, default=1,
                    help="untimed 64-token requests first (not sharing the workload's prefix)")
+    p.add_argument("--time-limit", type=float, default=None,
+                   help="stop after this many seconds and report the turns that finished")
     p.add_argument("--llama-slots", type=int, default=0,
                    help="llama-server slot save/restore around every turn (its -np)")
     p.add_argument("--vocab-size", type=int, default=49152)
