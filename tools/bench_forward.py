@@ -360,7 +360,7 @@ def main() -> int:
     for kind, shape, ours_s, base_s, ratio in rows:
         lines.append(f"| {kind} | {shape} | {ours_s} | {base_s} | "
                      f"{f'{ratio:.2f}x' if ratio else '-'} |")
-    if 64 in decode_ms:
+    if 64 in decode_ms and isinstance(model.layers[0].gate_up, np.ndarray):  # float weights
         hot, streamed = matmul_rates(model, 64, ARGS.repeats)
         achieved = decode_flops(model, 64, ARGS.context) / decode_ms[64]
         lines += ["", f"Batch-64 decode step: {achieved / 1e9:.1f} GFLOP/s of matmul work "
